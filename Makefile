@@ -1,0 +1,36 @@
+# Flywheel's single entry point. `make demo` runs the platform; `make test` runs the tests.
+SHELL := /bin/bash
+FLYWHEEL := .venv/bin/flywheel
+
+.PHONY: setup demo test test-fast up down status bench lock clean
+
+setup:  ## install both environments and the Flink connector jars from the lock files
+	@bash infra/setup.sh
+
+demo: setup  ## start the local stack and run the platform's main job on it
+	$(FLYWHEEL) demo
+
+test: setup  ## the whole test suite (starts the real services it needs)
+	.venv/bin/python -m pytest -ra
+
+test-fast: setup  ## tests that start no service
+	.venv/bin/python -m pytest -ra -m "not stack"
+
+up: setup
+	$(FLYWHEEL) up
+
+down:
+	$(FLYWHEEL) down
+
+status:
+	$(FLYWHEEL) status
+
+bench: setup  ## producer throughput and stack cold start; figures for docs/benchmarks.md
+	.venv/bin/python -m benchmarks.foundation
+
+lock:  ## re-resolve both lock files after editing a pyproject.toml
+	.tools/bin/uv lock
+	.tools/bin/uv lock --project infra/envs/flink
+
+clean: down
+	rm -rf .flywheel

@@ -1,0 +1,115 @@
+"""Background processes owned by the stack: each in its own process group, tracked by a PID file.
+
+A PID file records the PID and the process start time, so `stop` never signals an unrelated process
+that happens to reuse the PID after a reboot or crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+
+@dataclass(frozen=True)
+class Tracked:
+    pid: int
+    create_time: float
+    command: list[str]
+
+    def process(self) -> psutil.Process | None:
+        """The live process this record names, or None if it has exited."""
+        try:
+            proc = psutil.Process(self.pid)
+            if abs(proc.create_time() - self.create_time) > 0.01 or proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return proc
+        except psutil.NoSuchProcess:
+            return None
+
+
+def read_pidfile(path: Path) -> Tracked | None:
+    try:
+        return Tracked(**json.loads(path.read_text()))
+    except (FileNotFoundError, json.JSONDecodeError, TypeError):
+        return None
+
+
+def spawn(command: list[str], pidfile: Path, logfile: Path, env: dict[str, str], cwd: Path) -> Tracked:
+    """Start `command` detached in a new session, appending stdout/stderr to `logfile`."""
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    pidfile.parent.mkdir(parents=True, exist_ok=True)
+    with open(logfile, "ab") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(command)}\n".encode())
+        log.flush()
+        popen = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, cwd=cwd, start_new_session=True,
+        )
+    tracked = Tracked(popen.pid, psutil.Process(popen.pid).create_time(), command)
+    pidfile.write_text(json.dumps(tracked.__dict__))
+    return tracked
+
+
+def stop(pidfile: Path, timeout_s: float) -> bool:
+    """Stop the process group named by `pidfile` and every descendant; True if something was running."""
+    tracked = read_pidfile(pidfile)
+    proc = tracked.process() if tracked else None
+    if proc is None:
+        pidfile.unlink(missing_ok=True)
+        return False
+    # Collect descendants first: some (e.g. forked workers) start sessions of their own.
+    family = [proc, *proc.children(recursive=True)]
+    _signal_group(proc.pid, signal.SIGTERM)
+    for p in family:
+        _signal(p, signal.SIGTERM)
+    _, alive = psutil.wait_procs(family, timeout=timeout_s)
+    if alive:
+        _signal_group(proc.pid, signal.SIGKILL)
+        for p in alive:
+            _signal(p, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5)
+    pidfile.unlink(missing_ok=True)
+    return True
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal(proc: psutil.Process, sig: signal.Signals) -> None:
+    try:
+        proc.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """True if something accepts TCP connections on host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def tail(path: Path, lines: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 256 * 1024))
+            data = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])

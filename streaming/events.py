@@ -1,0 +1,129 @@
+"""The behavior-event schema (version 1): one definition, validated on produce and on consume.
+
+Wire format: a compact JSON object, UTF-8, keyed in Kafka by ``user_id`` so that one user's events
+stay in order on one partition::
+
+    {"schema_version": 1, "event_id": "...", "user_id": "42", "item_id": "1193",
+     "event_type": "click", "request_id": "...", "event_time": 874965758000,
+     "context": {"source": "movielens-100k"}}
+
+``event_time`` is milliseconds since the Unix epoch (UTC). ``request_id`` names the ranking request
+that produced an impression; a click or purchase carries the request id of its impression.
+Standard library only: the Flink job's environment imports this module too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+SCHEMA_VERSION = 1
+MAX_ID_CHARS = 128
+MAX_CONTEXT_KEYS = 32
+# 1970 .. 2100 in ms: catches seconds-vs-milliseconds mistakes in either direction.
+MIN_EVENT_TIME_MS = 0
+MAX_EVENT_TIME_MS = 4_102_444_800_000
+
+ContextValue = str | int | float | bool
+
+
+class EventType(str, Enum):
+    IMPRESSION = "impression"
+    CLICK = "click"
+    ADD_TO_CART = "add_to_cart"
+    PURCHASE = "purchase"
+
+
+class InvalidEvent(ValueError):
+    """A record that does not satisfy the schema; `reason` says why in one line."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Event:
+    event_id: str
+    user_id: str
+    item_id: str
+    event_type: EventType
+    request_id: str
+    event_time: int
+    context: dict[str, ContextValue] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"event_type": self.event_type.value}
+
+    def encode(self, max_bytes: int) -> bytes:
+        """The wire bytes of this event, validated exactly as a consumer will validate them."""
+        payload = json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False).encode()
+        decode(payload, max_bytes)
+        return payload
+
+    @property
+    def key(self) -> bytes:
+        return self.user_id.encode()
+
+
+_STRING_FIELDS = ("event_id", "user_id", "item_id", "request_id")
+_FIELDS = {"schema_version", "event_type", "event_time", "context", *_STRING_FIELDS}
+
+
+def validate(record: Any) -> Event:
+    """Check a decoded JSON value against the schema and build the Event, or raise InvalidEvent."""
+    if not isinstance(record, dict):
+        raise InvalidEvent(f"not a JSON object: got {type(record).__name__}")
+    missing = sorted(_FIELDS - record.keys())
+    if missing:
+        raise InvalidEvent(f"missing field(s): {', '.join(missing)}")
+    unexpected = sorted(record.keys() - _FIELDS)
+    if unexpected:
+        raise InvalidEvent(f"unexpected field(s): {', '.join(unexpected)}")
+    version = record["schema_version"]
+    if type(version) is not int:
+        raise InvalidEvent(f"wrong type: schema_version must be an integer, got {type(version).__name__}")
+    if version != SCHEMA_VERSION:
+        raise InvalidEvent(f"unsupported schema_version {version} (this consumer reads {SCHEMA_VERSION})")
+    for name in _STRING_FIELDS:
+        value = record[name]
+        if not isinstance(value, str):
+            raise InvalidEvent(f"wrong type: {name} must be a string, got {type(value).__name__}")
+        if not value or len(value) > MAX_ID_CHARS:
+            raise InvalidEvent(f"bad value: {name} must have 1..{MAX_ID_CHARS} characters")
+    try:
+        event_type = EventType(record["event_type"])
+    except ValueError:
+        known = ", ".join(t.value for t in EventType)
+        raise InvalidEvent(f"unknown event_type {record['event_type']!r} (known: {known})") from None
+    event_time = record["event_time"]
+    if type(event_time) is not int:
+        raise InvalidEvent(f"wrong type: event_time must be integer milliseconds, got {type(event_time).__name__}")
+    if not MIN_EVENT_TIME_MS <= event_time <= MAX_EVENT_TIME_MS:
+        raise InvalidEvent(f"bad value: event_time {event_time} is not milliseconds between 1970 and 2100")
+    context = record["context"]
+    if not isinstance(context, dict):
+        raise InvalidEvent(f"wrong type: context must be an object, got {type(context).__name__}")
+    if len(context) > MAX_CONTEXT_KEYS:
+        raise InvalidEvent(f"bad value: context has {len(context)} keys (at most {MAX_CONTEXT_KEYS})")
+    for key, value in context.items():
+        if not isinstance(value, (str, int, float, bool)):
+            raise InvalidEvent(f"wrong type: context[{key!r}] must be a string, number or boolean, "
+                               f"got {type(value).__name__}")
+    return Event(event_type=event_type, **{k: record[k] for k in _FIELDS if k != "event_type"})
+
+
+def decode(payload: bytes | None, max_bytes: int) -> Event:
+    """Parse and validate one wire record, or raise InvalidEvent with the reason."""
+    if payload is None:
+        raise InvalidEvent("empty record (null value)")
+    if len(payload) > max_bytes:
+        raise InvalidEvent(f"oversized: {len(payload)} bytes (limit {max_bytes})")
+    try:
+        record = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidEvent(f"malformed JSON: {exc}") from None
+    return validate(record)
