@@ -21,7 +21,21 @@ def _settings() -> Settings:
         raise click.ClickException(str(exc)) from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Cli(click.Group):
+    """Turns an unreachable broker into one clear line instead of a traceback."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        from kafka.errors import KafkaError
+
+        try:
+            return super().invoke(ctx)
+        except KafkaError as exc:
+            raise click.ClickException(
+                f"Kafka at {_settings().kafka.bootstrap_servers}: {type(exc).__name__}: {exc}. "
+                "Is the stack up (`flywheel status`)?") from None
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Flywheel: a real-time recommendation and ad-CTR platform on one machine."""
 
@@ -108,10 +122,25 @@ def logs(service: str, lines: int, follow: bool) -> None:
 # --- events ------------------------------------------------------------------------------------
 
 def _end_offsets(s: Settings, topic: str) -> dict[int, int]:
-    from streaming.topics import end_offsets, ensure_topics
+    from streaming.topics import end_offsets
 
-    ensure_topics(s, [topic])
-    return end_offsets(s, topic)
+    try:
+        return end_offsets(s, topic)
+    except LookupError as exc:
+        raise click.ClickException(f"{exc}; create it with `flywheel topics`") from None
+
+
+@main.command()
+@click.argument("names", nargs=-1)
+def topics(names: tuple[str, ...]) -> None:
+    """Create topics (default: the events topic) and their dead-letter topics if missing."""
+    from streaming.topics import ensure_topics
+
+    s = _settings()
+    wanted = list(names) or [s.kafka.events_topic]
+    ensure_topics(s, wanted)
+    click.echo(f"topics ready: {', '.join(t for w in wanted for t in (w, s.kafka.dlq_topic(w)))} "
+               f"({s.kafka.partitions} partitions each when created here)")
 
 
 def _replay(s: Settings, topic: str, limit: int | None, speed: float) -> "ProduceReport":
@@ -135,9 +164,11 @@ def _replay(s: Settings, topic: str, limit: int | None, speed: float) -> "Produc
 @click.option("--topic", default=None, help="Target topic (default: settings kafka.events_topic).")
 def replay(limit: int | None, speed: float, topic: str | None) -> None:
     """Replay MovieLens-100k into Kafka in event-time order (rating >= 4 also emits a click)."""
+    from streaming.topics import ensure_topics
+
     s = _settings()
     topic = topic or s.kafka.events_topic
-    _end_offsets(s, topic)
+    ensure_topics(s, [topic])
     _replay(s, topic, limit, speed)
 
 
@@ -158,9 +189,11 @@ def generate(rate: float, limit: int | None, duration: float | None, users: int,
 
     if limit is None and duration is None:
         raise click.UsageError("give --limit or --duration")
+    from streaming.topics import ensure_topics
+
     s = _settings()
     topic = topic or s.kafka.events_topic
-    _end_offsets(s, topic)
+    ensure_topics(s, [topic])
     generator = SyntheticGenerator(SyntheticConfig(users=users, items=items, seed=seed))
     with EventProducer(s, topic) as producer:
         report = produce(generator.events(), producer, pace=fixed_rate_pace(rate), limit=limit,
@@ -207,14 +240,13 @@ def dlq(topic: str | None, limit: int) -> None:
 def demo(limit: int | None) -> None:
     """Start the stack, replay MovieLens-100k into Kafka and report what landed."""
     from streaming.produce import count_landed
-    from streaming.topics import end_offsets
 
     s = _settings()
     click.get_current_context().invoke(up)
     topic = s.kafka.events_topic
     before = _end_offsets(s, topic)
     report = _replay(s, topic, limit, speed=0.0)
-    landed = count_landed(s, topic, before, end_offsets(s, topic))
+    landed = count_landed(s, topic, before, _end_offsets(s, topic))
     click.echo(f"landed in Kafka topic {topic!r}: {sum(landed.values())} events {dict(sorted(landed.items()))}")
     if landed != report.by_type:
         raise click.ClickException(f"Kafka holds {dict(landed)} but the replay sent {dict(report.by_type)}")

@@ -68,16 +68,31 @@ def stop(pidfile: Path, timeout_s: float) -> bool:
     # Collect descendants first: some (e.g. forked workers) start sessions of their own.
     family = [proc, *proc.children(recursive=True)]
     _signal_group(proc.pid, signal.SIGTERM)
-    for p in family:
-        _signal(p, signal.SIGTERM)
-    _, alive = psutil.wait_procs(family, timeout=timeout_s)
-    if alive:
-        _signal_group(proc.pid, signal.SIGKILL)
-        for p in alive:
-            _signal(p, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=5)
+    kill_all(family, timeout_s)
+    _signal_group(proc.pid, signal.SIGKILL)
     pidfile.unlink(missing_ok=True)
     return True
+
+
+def tagged(tag: str, value: str) -> list[psutil.Process]:
+    """Live processes whose environment has tag=value (children inherit it from what `spawn` started)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(tag) == value and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def kill_all(procs: list[psutil.Process], timeout_s: float) -> None:
+    for p in procs:
+        _signal(p, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        _signal(p, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=5)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -90,7 +105,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 def _signal(proc: psutil.Process, sig: signal.Signals) -> None:
     try:
         proc.send_signal(sig)
-    except psutil.NoSuchProcess:
+    except psutil.Error:
         pass
 
 

@@ -144,8 +144,11 @@ def _mlflow(s: Settings) -> Service:
         return _http_health(f"{s.mlflow.tracking_uri}/health", lambda r: Health(
             r.status_code == 200, f"HTTP {r.status_code} {r.text.strip()[:40]}"))
 
+    # The job runner serves GenAI scoring and trace archival, which a model registry does not need;
+    # off, the server starts faster and uses about half the memory.
+    env = lambda: _base_env() | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # noqa: E731
     return Service(name="mlflow", group="mlflow", url=s.mlflow.tracking_uri, ports=((host, port),),
-                   command=command, env=_base_env, check=health)
+                   command=command, env=env, check=health)
 
 
 # --- Airflow: api-server, scheduler, dag-processor (SQLite, LocalExecutor) ---------------------

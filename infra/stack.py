@@ -13,6 +13,11 @@ from infra.services import BIN_DIR, Health, Service, airflow_env, all_services, 
 from infra.settings import Settings
 
 
+# Set in the environment of every process the stack starts; its descendants inherit it, so `down`
+# finds even those that left their process group.
+STACK_TAG = "FLYWHEEL_STACK_DIR"
+
+
 class StackError(RuntimeError):
     """The stack could not be started as asked."""
 
@@ -94,7 +99,8 @@ def up(s: Settings) -> list[str]:
         _migrate_airflow(s)
     for svc in services:
         if _running(s, svc) is None:
-            process.spawn(svc.command(), pidfile(s, svc), logfile(s, svc), svc.env(), cwd=s.paths.data_dir)
+            env = svc.env() | {STACK_TAG: str(s.paths.data_dir)}
+            process.spawn(svc.command(), pidfile(s, svc), logfile(s, svc), env, cwd=s.paths.data_dir)
             started.append(svc.name)
     try:
         wait_healthy(s, services, s.stack.start_timeout_s)
@@ -112,6 +118,7 @@ def down(s: Settings) -> list[str]:
     for svc in reversed(enabled_services(s)):
         if process.stop(pidfile(s, svc), s.stack.stop_timeout_s):
             stopped.append(svc.name)
+    process.kill_all(process.tagged(STACK_TAG, str(s.paths.data_dir)), s.stack.stop_timeout_s)
     return stopped
 
 

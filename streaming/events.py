@@ -15,7 +15,7 @@ Standard library only: the Flink job's environment imports this module too.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -56,12 +56,16 @@ class Event:
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"event_type": self.event_type.value}
+        return {"schema_version": self.schema_version, "event_id": self.event_id, "user_id": self.user_id,
+                "item_id": self.item_id, "event_type": self.event_type.value, "request_id": self.request_id,
+                "event_time": self.event_time, "context": self.context}
 
     def encode(self, max_bytes: int) -> bytes:
-        """The wire bytes of this event, validated exactly as a consumer will validate them."""
-        payload = json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False).encode()
-        decode(payload, max_bytes)
+        """The wire bytes of this event, validated by the same checks a consumer applies."""
+        record = self.to_dict()
+        validate(record)
+        payload = json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
+        _check_size(payload, max_bytes)
         return payload
 
     @property
@@ -120,10 +124,14 @@ def decode(payload: bytes | None, max_bytes: int) -> Event:
     """Parse and validate one wire record, or raise InvalidEvent with the reason."""
     if payload is None:
         raise InvalidEvent("empty record (null value)")
-    if len(payload) > max_bytes:
-        raise InvalidEvent(f"oversized: {len(payload)} bytes (limit {max_bytes})")
+    _check_size(payload, max_bytes)
     try:
         record = json.loads(payload)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidEvent(f"malformed JSON: {exc}") from None
     return validate(record)
+
+
+def _check_size(payload: bytes, max_bytes: int) -> None:
+    if len(payload) > max_bytes:
+        raise InvalidEvent(f"oversized: {len(payload)} bytes (limit {max_bytes})")

@@ -8,7 +8,6 @@ a rating >= settings.movielens.click_min_rating also becomes a click on that imp
 from __future__ import annotations
 
 import csv
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,6 @@ from streaming.events import Event, EventType
 MEMBER_DIR = "recbole/dataset_example/ml-100k"
 FILES = ("ml-100k.inter", "ml-100k.user", "ml-100k.item")
 SOURCE = "movielens-100k"
-_NS = uuid.UUID("6f1c0a52-8e0b-4c8e-9a51-3d1f4b2a7e10")  # ids are stable across replays
 
 
 @dataclass(frozen=True)
@@ -54,11 +52,11 @@ def load_ratings(path: Path) -> list[Rating]:
 
 def rating_events(rating: Rating, click_min_rating: float) -> list[Event]:
     """The impression, and the click if the rating counts as one, for a single rating."""
-    base = f"{SOURCE}:{rating.user_id}:{rating.item_id}:{rating.timestamp}"
-    request_id = str(uuid.uuid5(_NS, base))
+    # Readable ids, stable across replays (a user rates an item once), so consumers can deduplicate.
+    request_id = f"{SOURCE}:{rating.user_id}:{rating.item_id}:{rating.timestamp}"
     t_ms = rating.timestamp * 1000
     types = [EventType.IMPRESSION] + ([EventType.CLICK] if rating.rating >= click_min_rating else [])
-    return [Event(event_id=str(uuid.uuid5(_NS, f"{base}:{kind.value}")), user_id=rating.user_id,
+    return [Event(event_id=f"{request_id}:{kind.value}", user_id=rating.user_id,
                   item_id=rating.item_id, event_type=kind, request_id=request_id, event_time=t_ms,
                   context={"source": SOURCE})
             for kind in types]

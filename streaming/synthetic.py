@@ -47,6 +47,9 @@ class SyntheticGenerator:
                               for _ in range(c.clusters)]
         weights = [1.0 / (rank + 1) ** c.zipf_exponent for rank in range(c.items)]
         self._cum_weights = list(itertools.accumulate(weights))
+        # Content is reproducible per seed; ids are unique per run, so a second run is new traffic.
+        self._run = uuid.uuid4().hex[:12]
+        self._counter = itertools.count()
 
     def affinity(self, user: int, item: int) -> float:
         preferred = self.item_category[item] in self.cluster_prefs[self.user_cluster[user]]
@@ -57,7 +60,7 @@ class SyntheticGenerator:
         return 1.0 / (1.0 + math.exp(-(c.base_logit + c.affinity_weight * self.affinity(user, item))))
 
     def _new_id(self) -> str:
-        return str(uuid.UUID(int=self.rng.getrandbits(128), version=4))  # reproducible per seed
+        return f"{SOURCE}:{self._run}:{next(self._counter)}"
 
     def events(self, now_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> Iterator[Event]:
         """An endless stream: per request, the slate's impressions then their clicks and purchases."""

@@ -1,0 +1,117 @@
+"""Producing and consuming behavior events through a real broker."""
+
+import json
+import uuid
+from collections import defaultdict
+
+import pytest
+from kafka import KafkaProducer
+
+from infra.settings import Settings
+from streaming.consumer import EventConsumer, read_dead_letter
+from streaming.events import Event, EventType, InvalidEvent
+from streaming.producer import EventProducer
+from streaming.topics import end_offsets, ensure_topics, read_range
+
+pytestmark = pytest.mark.stack
+
+
+@pytest.fixture
+def topic(broker: Settings) -> str:
+    name = f"events-{uuid.uuid4().hex[:8]}"
+    ensure_topics(broker, [name])
+    return name
+
+
+def make_events(n: int, users: int = 7, start: int = 0) -> list[Event]:
+    return [Event(event_id=f"e{i}", user_id=f"u{i % users}", item_id=f"i{i % 13}", event_type=EventType.IMPRESSION,
+                  request_id=f"r{i}", event_time=1_700_000_000_000 + i, context={"seq": i})
+            for i in range(start, start + n)]
+
+
+def drain(consumer: EventConsumer, expected: int, polls: int = 60) -> list:
+    got: list = []
+    for _ in range(polls):
+        got += consumer.poll(timeout_ms=500)
+        if len(got) >= expected:
+            break
+    return got
+
+
+def test_a_consumer_group_gets_every_event_in_per_user_order(broker: Settings, topic: str) -> None:
+    sent = make_events(3000)
+    with EventProducer(broker, topic) as producer:
+        for event in sent:
+            producer.send(event)
+    with EventConsumer(broker, "g-order", topic) as consumer:
+        got = drain(consumer, len(sent))
+        consumer.commit()
+    assert sorted(c.event.event_id for c in got) == sorted(e.event_id for e in sent)
+    per_user = defaultdict(list)
+    for c in got:
+        per_user[c.event.user_id].append(c.event.context["seq"])
+    assert all(seqs == sorted(seqs) for seqs in per_user.values())
+    assert len({c.partition for c in got}) > 1  # keys spread over partitions, order held within each
+
+
+def test_a_restarted_consumer_resumes_from_its_committed_offset(broker: Settings, topic: str) -> None:
+    with EventProducer(broker, topic) as producer:
+        for event in make_events(500):
+            producer.send(event)
+    with EventConsumer(broker, "g-resume", topic) as consumer:
+        first = drain(consumer, 500)
+        consumer.commit()
+    with EventProducer(broker, topic) as producer:
+        for event in make_events(200, start=500):
+            producer.send(event)
+    with EventConsumer(broker, "g-resume", topic) as consumer:
+        uncommitted = drain(consumer, 200)  # read but never committed: must come again
+    with EventConsumer(broker, "g-resume", topic) as consumer:
+        second = drain(consumer, 200, polls=20)
+        consumer.commit()
+    ids = lambda batch: {c.event.event_id for c in batch}  # noqa: E731
+    assert ids(first) == {f"e{i}" for i in range(500)}
+    assert ids(uncommitted) == ids(second) == {f"e{i}" for i in range(500, 700)}
+    assert len(second) == 200  # nothing from before the committed offset is delivered again
+
+
+def test_bad_records_go_to_the_dead_letter_topic_with_the_reason(broker: Settings, topic: str) -> None:
+    good = [e.encode(broker.kafka.max_event_bytes) for e in make_events(50)]
+    valid = json.loads(good[0])
+    bad = {
+        b"{not json": "malformed JSON",
+        json.dumps({k: v for k, v in valid.items() if k != "item_id"}).encode(): "missing field(s): item_id",
+        json.dumps(valid | {"event_time": "yesterday"}).encode(): "event_time must be integer milliseconds",
+        json.dumps(valid | {"event_type": "hover"}).encode(): "unknown event_type 'hover'",
+        json.dumps(valid | {"context": {"blob": "x" * 100_000}}).encode(): "oversized",
+    }
+    raw = KafkaProducer(**broker.kafka.client_config(), acks="all", max_request_size=1 << 20)
+    records = good[:20] + list(bad) + good[20:]
+    for value in records:
+        raw.send(topic, key=b"u0", value=value, headers=[("origin", b"test")])
+    raw.flush()
+    raw.close()
+
+    with EventConsumer(broker, "g-dlq", topic) as consumer:
+        got = drain(consumer, len(good))
+        consumer.commit()
+        assert consumer.dead_lettered == len(bad)
+    assert [c.event.event_id for c in got] == [f"e{i}" for i in range(50)]
+
+    dlq = broker.kafka.dlq_topic(topic)
+    letters = [read_dead_letter(r) for r in read_range(broker, dlq, {}, end_offsets(broker, dlq))]
+    assert [d.value for d in letters] == list(bad)  # byte for byte, in order
+    for letter, reason in zip(letters, bad.values()):
+        assert reason in letter.reason
+        assert letter.topic == topic and letter.key == b"u0"
+    assert [d.offset for d in letters] == list(range(20, 20 + len(bad)))
+
+
+def test_the_producer_refuses_an_invalid_event(broker: Settings, topic: str) -> None:
+    bad = Event(event_id="e", user_id="u", item_id="i", event_type=EventType.CLICK, request_id="r",
+                event_time=1_700_000_000_000, context={"blob": "x" * broker.kafka.max_event_bytes})
+    with EventProducer(broker, topic) as producer:
+        with pytest.raises(InvalidEvent, match="oversized"):
+            producer.send(bad)
+        assert producer.sent == 0
+    assert sum(end_offsets(broker, topic).values()) == 0

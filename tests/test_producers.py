@@ -1,0 +1,112 @@
+"""The MovieLens replay and the synthetic generator: what they emit, and through the CLI, what lands."""
+
+import math
+from collections import Counter
+
+import pytest
+
+from infra.settings import Settings, load_settings
+from streaming.events import EventType
+from streaming.movielens import Rating, dataset_dir, load_ratings, rating_events, replay_events
+from streaming.produce import count_landed, event_time_pace, fixed_rate_pace
+from streaming.synthetic import SyntheticConfig, SyntheticGenerator
+from streaming.topics import end_offsets
+from tests.conftest import run_cli, stack_environ
+
+
+@pytest.fixture(scope="module")
+def ratings() -> list[Rating]:
+    return load_ratings(dataset_dir(load_settings()) / "ml-100k.inter")
+
+
+def test_movielens_100k_is_read_whole_and_in_event_time_order(ratings: list[Rating]) -> None:
+    assert len(ratings) == 100_000
+    assert len({r.user_id for r in ratings}) == 943
+    assert len({r.item_id for r in ratings}) == 1682
+    times = [r.timestamp for r in ratings]
+    assert times == sorted(times)
+
+
+def test_a_rating_of_four_or_more_is_an_impression_and_a_click_on_it() -> None:
+    liked = rating_events(Rating("7", "9", 4.0, 880_000_000), click_min_rating=4)
+    seen = rating_events(Rating("7", "10", 3.0, 880_000_000), click_min_rating=4)
+    assert [e.event_type for e in liked] == [EventType.IMPRESSION, EventType.CLICK]
+    assert liked[0].request_id == liked[1].request_id
+    assert liked[0].event_time == 880_000_000_000
+    assert [e.event_type for e in seen] == [EventType.IMPRESSION]
+    # stable ids: a second replay produces the same event ids, so consumers can deduplicate
+    assert [e.event_id for e in liked] == [e.event_id for e in rating_events(Rating("7", "9", 4.0, 880_000_000), 4)]
+
+
+def test_the_replay_emits_one_impression_per_rating_and_a_click_per_liked_one(ratings: list[Rating]) -> None:
+    counts = Counter(e.event_type for e in replay_events(load_settings()))
+    assert counts[EventType.IMPRESSION] == 100_000
+    assert counts[EventType.CLICK] == sum(r.rating >= 4 for r in ratings)
+
+
+def test_pacing_follows_event_time_or_a_fixed_rate() -> None:
+    events = list(replay_events(load_settings(), limit=50))
+    pace = event_time_pace(speed=3600.0)
+    offsets = [pace(i, e) for i, e in enumerate(events)]
+    assert offsets[0] == 0.0
+    assert offsets[-1] == pytest.approx((events[-1].event_time - events[0].event_time) / 1000 / 3600)
+    assert fixed_rate_pace(200.0)(100, events[0]) == pytest.approx(0.5)
+    assert event_time_pace(0) is None and fixed_rate_pace(0) is None
+
+
+def test_the_synthetic_stream_has_a_learnable_click_signal() -> None:
+    gen = SyntheticGenerator(SyntheticConfig(seed=3))
+    stream = gen.events(now_ms=lambda: 1_700_000_000_000)
+    events = [next(stream) for _ in range(60_000)]
+    shown = Counter()
+    clicked = Counter()
+    for e in events:
+        user, item = int(e.user_id[1:]), int(e.item_id[1:])
+        if e.event_type is EventType.IMPRESSION:
+            shown[gen.affinity(user, item)] += 1
+        elif e.event_type is EventType.CLICK:
+            clicked[gen.affinity(user, item)] += 1
+    ctr_preferred, ctr_other = clicked[1.0] / shown[1.0], clicked[-1.0] / shown[-1.0]
+    assert ctr_preferred > 3 * ctr_other
+    c = gen.config
+    assert ctr_preferred == pytest.approx(1 / (1 + math.exp(-(c.base_logit + c.affinity_weight))), rel=0.15)
+    assert ctr_other == pytest.approx(1 / (1 + math.exp(-(c.base_logit - c.affinity_weight))), rel=0.15)
+    # Zipf popularity: the top 1 % of items get a large share of impressions
+    per_item = Counter(e.item_id for e in events if e.event_type is EventType.IMPRESSION)
+    top = sum(n for _, n in per_item.most_common(gen.config.items // 100))
+    assert top / sum(per_item.values()) > 0.3
+    # every click refers to an impression of the same request shown before it
+    impressions = set()
+    for e in events:
+        if e.event_type is EventType.IMPRESSION:
+            impressions.add((e.request_id, e.item_id))
+        elif e.event_type is EventType.CLICK:
+            assert (e.request_id, e.item_id) in impressions
+    # the same content per seed, but new ids: a second run is new traffic, not a duplicate
+    again = SyntheticGenerator(SyntheticConfig(seed=3)).events(now_ms=lambda: 1_700_000_000_000)
+    rerun = [next(again) for _ in range(100)]
+    content = lambda e: (e.user_id, e.item_id, e.event_type, e.context)  # noqa: E731
+    assert [content(e) for e in rerun] == [content(e) for e in events[:100]]
+    assert not {e.event_id for e in rerun} & {e.event_id for e in events}
+
+
+@pytest.mark.stack
+def test_replay_and_generate_through_the_cli_land_in_kafka(broker: Settings, tmp_path) -> None:
+    environ = stack_environ(tmp_path, FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS=broker.kafka.bootstrap_servers,
+                            FLYWHEEL_KAFKA_EVENTS_TOPIC="cli-events", FLYWHEEL_STACK_SERVICES="kafka")
+    done = run_cli(environ, "replay", "--limit", "2000")
+    assert done.returncode == 0, done.stderr
+    assert "replayed 2000 ratings" in done.stdout
+    s = load_settings(environ)
+    after_replay = end_offsets(s, "cli-events")
+    landed = count_landed(s, "cli-events", {}, after_replay)
+    expected = Counter(e.event_type.value for e in replay_events(s, limit=2000))
+    assert landed == expected
+
+    done = run_cli(environ, "generate", "--limit", "3000", "--rate", "0")
+    assert done.returncode == 0, done.stderr
+    landed = count_landed(s, "cli-events", after_replay, end_offsets(s, "cli-events"))
+    assert sum(landed.values()) == 3000 and landed["impression"] > landed["click"] > 0
+
+    counted = run_cli(environ, "count")
+    assert f"cli-events: {sum(expected.values()) + 3000} records" in counted.stdout

@@ -1,0 +1,61 @@
+from pathlib import Path
+
+import pytest
+
+from infra.settings import SettingsError, load_settings
+
+
+def test_defaults_bind_every_service_to_loopback(tmp_path: Path) -> None:
+    s = load_settings({}, config_file=None)
+    for host_port in (s.kafka.host_port, s.redis.host_port, s.mlflow.host_port, s.airflow.host_port):
+        assert host_port[0] == "127.0.0.1"
+    assert s.airflow.password == ""  # no credential has a default in code
+
+
+def test_environment_overrides_config_file_which_overrides_defaults(tmp_path: Path) -> None:
+    config = tmp_path / "flywheel.toml"
+    config.write_text('[kafka]\nbootstrap_servers = "kafka-1:9093,kafka-2:9093"\npartitions = 12\n'
+                      '[stack]\nservices = ["mlflow", "airflow"]\n')
+    s = load_settings({"FLYWHEEL_KAFKA_PARTITIONS": "24"}, config_file=config)
+    assert s.kafka.bootstrap_servers == "kafka-1:9093,kafka-2:9093"
+    assert s.kafka.host_port == ("kafka-1", 9093)
+    assert s.kafka.partitions == 24
+    assert s.stack.services == ("mlflow", "airflow")
+
+
+def test_config_file_is_found_through_the_environment(tmp_path: Path) -> None:
+    config = tmp_path / "prod.toml"
+    config.write_text('[mlflow]\ntracking_uri = "https://mlflow.internal:443"\n')
+    assert load_settings({"FLYWHEEL_CONFIG": str(config)}).mlflow.tracking_uri == "https://mlflow.internal:443"
+
+
+def test_kafka_credentials_come_from_the_environment() -> None:
+    s = load_settings({"FLYWHEEL_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "FLYWHEEL_KAFKA_SASL_MECHANISM": "PLAIN",
+                       "FLYWHEEL_KAFKA_SASL_USERNAME": "svc", "FLYWHEEL_KAFKA_SASL_PASSWORD": "from-env"},
+                      config_file=None)
+    config = s.kafka.client_config()
+    assert config["security_protocol"] == "SASL_SSL"
+    assert (config["sasl_plain_username"], config["sasl_plain_password"]) == ("svc", "from-env")
+
+
+@pytest.mark.parametrize("environ, config, message", [
+    ({"FLYWHEEL_KAFKA_PARTITIONS": "many"}, "", "FLYWHEEL_KAFKA_PARTITIONS"),
+    ({}, "[kafka]\nbootstrap = 'x'\n", "unknown keys ['bootstrap']"),
+    ({}, "[kafak]\n", "unknown sections ['kafak']"),
+    ({}, "[kafka\n", "flywheel.toml"),
+    ({"FLYWHEEL_STACK_SERVICES": "kafka,zookeeper"}, "", "unknown services ['zookeeper']"),
+])
+def test_bad_settings_are_clear_errors(tmp_path: Path, environ: dict, config: str, message: str) -> None:
+    path = tmp_path / "flywheel.toml"
+    path.write_text(config)
+    with pytest.raises(SettingsError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_settings(environ, config_file=path)
+
+
+def test_the_documented_example_config_for_real_clusters_loads() -> None:
+    from infra.settings import REPO_ROOT
+
+    s = load_settings({"FLYWHEEL_KAFKA_SASL_PASSWORD": "secret"}, config_file=REPO_ROOT / "flywheel.example.toml")
+    assert s.stack.services == ("airflow",)
+    assert s.kafka.client_config()["sasl_plain_password"] == "secret"
+    assert s.redis.url.startswith("rediss://")

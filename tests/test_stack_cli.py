@@ -1,0 +1,89 @@
+"""The stack CLI against the real services: up, status, logs, down, and a port that is taken."""
+
+import re
+import socket
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from infra.process import tagged
+from infra.settings import load_settings
+from infra.stack import STACK_TAG
+from tests.conftest import run_cli, stack_environ
+
+pytestmark = pytest.mark.stack
+
+
+def stack_processes(data_dir: Path, service_pids: list[int] = ()) -> set[psutil.Process]:
+    """Live processes of the stack of `data_dir`: those carrying its tag, and the services' trees."""
+    found = set(tagged(STACK_TAG, str(data_dir)))
+    for pid in service_pids:
+        try:
+            proc = psutil.Process(pid)
+            found |= {proc, *proc.children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def pids(status_output: str) -> dict[str, str]:
+    return dict(re.findall(r"^(\S+)\s+healthy\s+pid (\d+)", status_output, re.MULTILINE))
+
+
+def test_up_is_idempotent_status_reports_health_and_down_leaves_nothing(tmp_path: Path) -> None:
+    environ = stack_environ(tmp_path / "data")
+    settings = load_settings(environ)
+    try:
+        first = run_cli(environ, "up")
+        assert first.returncode == 0, first.stdout + first.stderr
+        services = ["kafka", "redis", "mlflow", "airflow-api-server", "airflow-scheduler", "airflow-dag-processor"]
+        assert sorted(pids(first.stdout)) == sorted(services)
+
+        again = run_cli(environ, "up")
+        assert again.returncode == 0 and "already running" in again.stdout
+        assert pids(again.stdout) == pids(first.stdout)  # nothing restarted
+
+        status = run_cli(environ, "status")
+        assert status.returncode == 0
+        assert pids(status.stdout) == pids(first.stdout)
+        login = re.search(r"Airflow UI: (\S+)\s+login: (\S+) / (\S+)", status.stdout)
+        assert login and login.group(1) == settings.airflow.api_url
+        token = httpx.post(f"{settings.airflow.api_url}/auth/token",
+                           json={"username": login.group(2), "password": login.group(3)})
+        assert token.status_code in (200, 201) and token.json()["access_token"]
+        wrong = httpx.post(f"{settings.airflow.api_url}/auth/token",
+                           json={"username": login.group(2), "password": "not-the-password"})
+        assert wrong.status_code == 401
+
+        logs = run_cli(environ, "logs", "mlflow", "-n", "5")
+        assert logs.returncode == 0 and logs.stdout.strip()
+        assert all((settings.paths.logs_dir / f"{name}.log").exists() for name in services)
+
+        service_pids = [int(p) for p in pids(first.stdout).values()]
+        running = stack_processes(settings.paths.data_dir, service_pids)
+        assert len(running) > len(services)  # services and their workers
+    finally:
+        down = run_cli(environ, "down")
+    assert down.returncode == 0 and "stopped" in down.stdout
+    gone, alive = psutil.wait_procs(running, timeout=5)
+    assert alive == []
+    assert stack_processes(settings.paths.data_dir, service_pids) == set()
+    assert "nothing was running" in run_cli(environ, "down").stdout
+    stopped = run_cli(environ, "status")
+    assert stopped.returncode == 1 and "stopped" in stopped.stdout
+
+
+def test_a_taken_port_is_reported_with_the_service_that_needs_it(tmp_path: Path) -> None:
+    environ = stack_environ(tmp_path / "data")
+    settings = load_settings(environ)
+    host, port = settings.redis.host_port
+    with socket.socket() as squatter:
+        squatter.bind((host, port))
+        squatter.listen()
+        done = run_cli(environ, "up")
+    assert done.returncode != 0
+    assert f"port {port} on {host} (needed by redis) is already in use" in done.stderr
+    assert stack_processes(settings.paths.data_dir) == set()  # nothing was started
+    assert not any(settings.paths.run_dir.glob("*.json"))
