@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import click
 
 from infra import process
 from infra.settings import Settings, SettingsError, get_settings
+
+if TYPE_CHECKING:
+    from streaming.produce import ProduceReport
 
 
 def _settings() -> Settings:
@@ -143,15 +147,15 @@ def topics(names: tuple[str, ...]) -> None:
                f"({s.kafka.partitions} partitions each when created here)")
 
 
-def _replay(s: Settings, topic: str, limit: int | None, speed: float) -> "ProduceReport":
-    from streaming.movielens import dataset_dir, load_ratings, replay_events
-    from streaming.produce import ProduceReport, event_time_pace, produce
+def _replay(s: Settings, topic: str, limit: int | None, speed: float) -> ProduceReport:
+    from streaming.movielens import replay_events
+    from streaming.produce import event_time_pace, produce
     from streaming.producer import EventProducer
 
-    ratings = len(load_ratings(dataset_dir(s) / "ml-100k.inter")[:limit])
     with EventProducer(s, topic) as producer:
         report = produce(replay_events(s, limit), producer, pace=event_time_pace(speed),
                          desc="replay ml-100k")
+    ratings = report.by_type["impression"]  # one impression per rating
     click.echo(f"replayed {ratings} ratings as {report.total} events "
                f"({dict(report.by_type)}) in {report.seconds:.1f}s = {report.rate:,.0f} events/s")
     return report

@@ -48,6 +48,7 @@ class Service:
 
 
 def _base_env() -> dict[str, str]:
+    # A developer's own AIRFLOW__* settings must not leak into the stack: it is configured here only.
     return {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW__")}
 
 
@@ -157,25 +158,19 @@ def airflow_home(s: Settings) -> Path:
     return s.paths.service_dir("airflow")
 
 
-def airflow_password(s: Settings) -> str:
-    """The admin password: from config/env, else generated once and kept in the data directory."""
-    if s.airflow.password:
-        return s.airflow.password
-    secret = airflow_home(s) / "admin-password"
-    if not secret.exists():
-        secret.parent.mkdir(parents=True, exist_ok=True)
-        secret.touch(mode=0o600)
-        secret.write_text(secrets.token_urlsafe(12))
-    return secret.read_text().strip()
-
-
-def _local_secret(s: Settings, name: str) -> str:
+def _local_secret(s: Settings, name: str, nbytes: int = 32) -> str:
+    """A random secret generated on first use and kept (mode 600) in the Airflow data directory."""
     path = airflow_home(s) / name
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch(mode=0o600)
-        path.write_text(secrets.token_urlsafe(32))
+        path.write_text(secrets.token_urlsafe(nbytes))
     return path.read_text().strip()
+
+
+def airflow_password(s: Settings) -> str:
+    """The admin password: from config/env, else generated once and kept in the data directory."""
+    return s.airflow.password or _local_secret(s, "admin-password", nbytes=12)
 
 
 def airflow_env(s: Settings) -> dict[str, str]:
@@ -204,7 +199,6 @@ def airflow_env(s: Settings) -> dict[str, str]:
         "AIRFLOW__API__SECRET_KEY": _local_secret(s, "api-secret-key"),
         "AIRFLOW__API_AUTH__JWT_SECRET": _local_secret(s, "jwt-secret"),
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
-        "PYTHONPATH": str(s.paths.dags_dir.parent),
     }
 
 

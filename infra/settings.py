@@ -91,6 +91,17 @@ class KafkaSettings:
             }
         return config
 
+    def librdkafka_config(self) -> dict[str, Any]:
+        """The same connection options for confluent-kafka (librdkafka), used where throughput matters."""
+        config: dict[str, Any] = {
+            "bootstrap.servers": self.bootstrap_servers,
+            "security.protocol": self.security_protocol,
+        }
+        if self.sasl_mechanism:
+            config |= {"sasl.mechanism": self.sasl_mechanism, "sasl.username": self.sasl_username,
+                       "sasl.password": self.sasl_password}
+        return config
+
     @property
     def host_port(self) -> tuple[str, int]:
         return _host_port(self.bootstrap_servers.split(",")[0], default_port=9092)

@@ -81,12 +81,11 @@ def validate(record: Any) -> Event:
     """Check a decoded JSON value against the schema and build the Event, or raise InvalidEvent."""
     if not isinstance(record, dict):
         raise InvalidEvent(f"not a JSON object: got {type(record).__name__}")
-    missing = sorted(_FIELDS - record.keys())
-    if missing:
-        raise InvalidEvent(f"missing field(s): {', '.join(missing)}")
-    unexpected = sorted(record.keys() - _FIELDS)
-    if unexpected:
-        raise InvalidEvent(f"unexpected field(s): {', '.join(unexpected)}")
+    if record.keys() != _FIELDS:
+        missing = sorted(_FIELDS - record.keys())
+        if missing:
+            raise InvalidEvent(f"missing field(s): {', '.join(missing)}")
+        raise InvalidEvent(f"unexpected field(s): {', '.join(sorted(record.keys() - _FIELDS))}")
     version = record["schema_version"]
     if type(version) is not int:
         raise InvalidEvent(f"wrong type: schema_version must be an integer, got {type(version).__name__}")

@@ -59,3 +59,18 @@ def test_the_documented_example_config_for_real_clusters_loads() -> None:
     assert s.stack.services == ("airflow",)
     assert s.kafka.client_config()["sasl_plain_password"] == "secret"
     assert s.redis.url.startswith("rediss://")
+
+
+def test_the_airflow_password_comes_from_the_environment_or_is_generated_once(tmp_path: Path) -> None:
+    from infra.services import airflow_password
+
+    given = load_settings({"FLYWHEEL_AIRFLOW_PASSWORD": "from-env", "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path)},
+                          config_file=None)
+    assert airflow_password(given) == "from-env"
+    assert not any(tmp_path.rglob("admin-password"))
+
+    local = load_settings({"FLYWHEEL_PATHS_DATA_DIR": str(tmp_path)}, config_file=None)
+    generated = airflow_password(local)
+    assert len(generated) >= 16 and airflow_password(local) == generated  # kept across calls
+    secret = tmp_path / "airflow" / "admin-password"
+    assert secret.read_text() == generated and secret.stat().st_mode & 0o077 == 0
