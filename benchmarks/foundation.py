@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,20 +31,9 @@ from streaming.synthetic import SyntheticGenerator
 from streaming.topics import ensure_topics
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def bench_settings(data_dir: Path, services: str) -> Settings:
-    return load_settings({
-        "FLYWHEEL_PATHS_DATA_DIR": str(data_dir), "FLYWHEEL_STACK_SERVICES": services,
-        "FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
-        "FLYWHEEL_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
-        "FLYWHEEL_MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}",
-        "FLYWHEEL_AIRFLOW_API_URL": f"http://127.0.0.1:{free_port()}",
-    }, config_file=None)
+    environ = stack.side_by_side_environ(data_dir) | {"FLYWHEEL_STACK_SERVICES": services}
+    return load_settings(environ, config_file=None)
 
 
 def raw_producer_rate(s: Settings, topic: str, payloads: list[tuple[bytes, bytes]]) -> float:

@@ -118,6 +118,13 @@ def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
         return False
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (for tests and benchmarks that run services side by side)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def tail(path: Path, lines: int) -> str:
     try:
         with open(path, "rb") as f:

@@ -53,6 +53,18 @@ def _check_ports(s: Settings, services: list[Service]) -> None:
         raise StackError("; ".join(taken) + ". Stop that process or choose another port in settings.")
 
 
+def side_by_side_environ(data_dir: Path) -> dict[str, str]:
+    """Settings (as environment variables) for another stack in `data_dir` on free loopback ports."""
+    port = process.free_port
+    return {
+        "FLYWHEEL_PATHS_DATA_DIR": str(data_dir),
+        "FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{port()}",
+        "FLYWHEEL_REDIS_URL": f"redis://127.0.0.1:{port()}/0",
+        "FLYWHEEL_MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port()}",
+        "FLYWHEEL_AIRFLOW_API_URL": f"http://127.0.0.1:{port()}",
+    }
+
+
 def _migrate_airflow(s: Settings) -> None:
     log = s.paths.logs_dir / "airflow-db-migrate.log"
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,27 +17,16 @@ REPO = Path(__file__).resolve().parent.parent
 FLYWHEEL = [sys.executable, "-m", "infra.cli"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def stack_environ(data_dir: Path, **extra: str) -> dict[str, str]:
     """An environment whose settings point every service at a fresh port and `data_dir`."""
     config = data_dir / "flywheel.toml"
     data_dir.mkdir(parents=True, exist_ok=True)
     config.write_text("")  # isolates tests from a developer's own flywheel.toml
     environ = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    return environ | {
+    return environ | stack.side_by_side_environ(data_dir) | {
         "FLYWHEEL_CONFIG": str(config),
-        "FLYWHEEL_PATHS_DATA_DIR": str(data_dir),
-        "FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
         "FLYWHEEL_KAFKA_SESSION_TIMEOUT_MS": "2000",
         "FLYWHEEL_KAFKA_HEARTBEAT_INTERVAL_MS": "500",
-        "FLYWHEEL_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
-        "FLYWHEEL_MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}",
-        "FLYWHEEL_AIRFLOW_API_URL": f"http://127.0.0.1:{free_port()}",
     } | extra
 
 
