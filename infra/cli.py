@@ -57,9 +57,6 @@ def up() -> None:
         started = stack_up(s)
     except StackError as exc:
         raise click.ClickException(str(exc)) from None
-    if "kafka" in s.stack.services:
-        from streaming.topics import ensure_topics
-        ensure_topics(s, [s.kafka.events_topic])
     what = f"started {', '.join(started)}" if started else "already running"
     click.echo(f"stack up ({what}) in {time.monotonic() - t0:.1f}s; data in {s.paths.data_dir}")
     _print_status(s)

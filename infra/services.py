@@ -38,6 +38,7 @@ class Service:
     command: Callable[[], list[str]]
     env: Callable[[], dict[str, str]]
     check: Callable[[], Health]
+    phase: int = 0  # 0: infrastructure; 1: the pipeline, started once its topics exist
 
     def health(self) -> Health:
         """The service's health; a failing check is reported, never raised."""
@@ -227,9 +228,45 @@ def _airflow(s: Settings) -> list[Service]:
     ]
 
 
+# --- the pipeline: stream job (Flink environment), Feast ingestor, offline event log -------------
+
+def _pipeline(s: Settings) -> list[Service]:
+    repo = s.paths.dags_dir.parent
+    flink_site = s.paths.flink_python.parent.parent / "lib" / "python3.11" / "site-packages"
+    logs = s.paths.logs_dir / "flink"
+
+    def flink_env() -> dict[str, str]:
+        logs.mkdir(parents=True, exist_ok=True)
+        # Python functions run embedded in the JVM (thread mode): that interpreter finds the Flink
+        # environment's packages and this repository only through PYTHONPATH.
+        return _base_env() | {"PYTHONPATH": f"{flink_site}:{repo}", "FLINK_LOG_DIR": str(logs)}
+
+    def job_health() -> Health:
+        def expect(r: httpx.Response) -> Health:
+            jobs = [j for j in r.json().get("jobs", []) if j.get("name") == s.streaming.job_name]
+            states = [j.get("state") for j in jobs]
+            return Health("RUNNING" in states, f"job {s.streaming.job_name}: {', '.join(states) or 'not submitted'}")
+        return _http_health(f"{s.flink.rest_url}/jobs/overview", expect)
+
+    def alive(what: str) -> Callable[[], Health]:
+        return lambda: Health(True, what)  # liveness is the PID check done by the stack
+
+    return [
+        Service(name="stream-job", group="pipeline", url=s.flink.rest_url, ports=(s.flink.host_port,),
+                command=lambda: [str(s.paths.flink_python), "-m", "streaming.job"], env=flink_env,
+                check=job_health, phase=1),
+        Service(name="feast-ingestor", group="pipeline", url=s.redis.url, ports=(),
+                command=lambda: [str(BIN_DIR / "python"), "-m", "feature_repo.ingest"], env=_base_env,
+                check=alive("consuming feature updates"), phase=1),
+        Service(name="event-log", group="pipeline", url=str(s.paths.service_dir("offline") / "events"), ports=(),
+                command=lambda: [str(BIN_DIR / "python"), "-m", "feature_repo.event_log"], env=_base_env,
+                check=alive("logging events"), phase=1),
+    ]
+
+
 def all_services(s: Settings) -> list[Service]:
     """Every service the local stack can run, in start order."""
-    return [_kafka(s), _redis(s), _mlflow(s), *_airflow(s)]
+    return [_kafka(s), _redis(s), _mlflow(s), *_airflow(s), *_pipeline(s)]
 
 
 def enabled_services(s: Settings) -> list[Service]:

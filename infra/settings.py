@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV_PREFIX = "FLYWHEEL_"
-LOCAL_SERVICES = ("kafka", "redis", "mlflow", "airflow")
+LOCAL_SERVICES = ("kafka", "redis", "mlflow", "airflow", "pipeline")
 
 
 class SettingsError(ValueError):
@@ -53,6 +53,7 @@ class PathSettings:
 @dataclass(frozen=True)
 class StackSettings:
     # Services `flywheel up` starts locally. Drop one when its endpoint points at a real cluster.
+    # "pipeline" is the stream job (local Flink MiniCluster), the Feast ingestor and the event log.
     services: tuple[str, ...] = LOCAL_SERVICES
     start_timeout_s: float = 180.0
     stop_timeout_s: float = 20.0
@@ -147,12 +148,35 @@ class MovielensSettings:
 
 @dataclass(frozen=True)
 class FlinkSettings:
+    rest_url: str = "http://127.0.0.1:8081"  # the job's web UI and REST API (local MiniCluster)
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        return _host_port(self.rest_url, default_port=8081)
+
     connector_wheel: str = "shigawire-apache-flink-libraries==2.0.0.post1"
     # jar name inside the wheel's pyflink/lib/ -> sha256 it must have
     connector_jars: tuple[tuple[str, str], ...] = (
         ("flink-connector-kafka.jar", "842885a51c768b2f31c946a2071656c166ee8cc6d3c02fe6c557e134e03bf228"),
         ("kafka-clients.jar", "7568b998572d256f0b7bc0afdc1b7a2588b8b08415c62ce314c864a6851ae9d9"),
     )
+
+
+@dataclass(frozen=True)
+class StreamingSettings:
+    job_name: str = "flywheel-features"
+    consumer_group: str = "flywheel-stream-job"
+    parallelism: int = 1
+    watermark_delay_ms: int = 200  # events later than this behind the newest are left out of SQL aggregates
+    # 0 = a partition with no events holds the watermark back. With a timeout, a partition silent that
+    # long is skipped, and its events arriving later than the watermark leave the windows (late).
+    idle_partition_timeout_ms: int = 0
+    checkpoint_interval_ms: int = 5000
+    sequence_length: int = 50  # last-N behaviors kept per user
+    interest_half_life_hours: float = 168.0  # decay of the long-term category interest
+    interest_top_k: int = 10
+    ctr_prior: float = 0.05  # smoothed CTR = (clicks + w * prior) / (impressions + w)
+    ctr_prior_weight: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -165,6 +189,7 @@ class Settings:
     airflow: AirflowSettings = field(default_factory=AirflowSettings)
     movielens: MovielensSettings = field(default_factory=MovielensSettings)
     flink: FlinkSettings = field(default_factory=FlinkSettings)
+    streaming: StreamingSettings = field(default_factory=StreamingSettings)
 
 
 def _host_port(endpoint: str, default_port: int) -> tuple[str, int]:
@@ -240,6 +265,22 @@ def load_settings(environ: dict[str, str] | None = None, config_file: Path | Non
     if bad:
         raise SettingsError(f"stack.services: unknown services {sorted(bad)}; known: {list(LOCAL_SERVICES)}")
     return settings
+
+
+def to_environ(settings: Settings) -> dict[str, str]:
+    """The environment variables that reproduce `settings` in a child process (non-defaults only)."""
+    environ: dict[str, str] = {}
+    for section in dataclasses.fields(Settings):
+        value, default = getattr(settings, section.name), getattr(Settings(), section.name)
+        for f in dataclasses.fields(value):
+            v = getattr(value, f.name)
+            if v == getattr(default, f.name):
+                continue
+            if isinstance(v, tuple) and any(isinstance(i, tuple) for i in v):
+                raise SettingsError(f"{section.name}.{f.name} cannot be passed as an environment variable")
+            text = ",".join(v) if isinstance(v, tuple) else str(v).lower() if isinstance(v, bool) else str(v)
+            environ[f"{ENV_PREFIX}{section.name}_{f.name}".upper()] = text
+    return environ
 
 
 @functools.cache

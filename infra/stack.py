@@ -10,7 +10,7 @@ from pathlib import Path
 
 from infra import process
 from infra.services import BIN_DIR, Health, Service, airflow_env, all_services, enabled_services
-from infra.settings import Settings
+from infra.settings import Settings, to_environ
 
 
 # Set in the environment of every process the stack starts; its descendants inherit it, so `down`
@@ -62,6 +62,7 @@ def side_by_side_environ(data_dir: Path) -> dict[str, str]:
         "FLYWHEEL_REDIS_URL": f"redis://127.0.0.1:{port()}/0",
         "FLYWHEEL_MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port()}",
         "FLYWHEEL_AIRFLOW_API_URL": f"http://127.0.0.1:{port()}",
+        "FLYWHEEL_FLINK_REST_URL": f"http://127.0.0.1:{port()}",
     }
 
 
@@ -99,23 +100,37 @@ def wait_healthy(s: Settings, services: list[Service], timeout_s: float) -> dict
     return last
 
 
+def prepare_pipeline(s: Settings) -> None:
+    """Before the pipeline starts: its topics must exist (a missing source topic fails a Flink job)."""
+    from streaming.features import STREAM_VIEWS
+    from streaming.topics import ensure_topics
+
+    ensure_topics(s, [s.kafka.events_topic, *(v.topic for v in STREAM_VIEWS)])
+
+
 def up(s: Settings) -> list[str]:
     """Start every enabled service that is not running, then wait until all are healthy.
 
+    Infrastructure first; the pipeline once the broker is healthy and the topics exist.
     Returns the names of the services this call started.
     """
     services = enabled_services(s)
     _check_ports(s, services)
     started: list[str] = []
-    if any(svc.group == "airflow" and _running(s, svc) is None for svc in services):
-        _migrate_airflow(s)
-    for svc in services:
-        if _running(s, svc) is None:
-            env = svc.env() | {STACK_TAG: str(s.paths.data_dir)}
-            process.spawn(svc.command(), pidfile(s, svc), logfile(s, svc), env, cwd=s.paths.data_dir)
-            started.append(svc.name)
     try:
-        wait_healthy(s, services, s.stack.start_timeout_s)
+        if any(svc.group == "airflow" and _running(s, svc) is None for svc in services):
+            _migrate_airflow(s)
+        for phase in sorted({svc.phase for svc in services}):
+            if phase == 1:
+                prepare_pipeline(s)
+            batch = [svc for svc in services if svc.phase == phase]
+            for svc in batch:
+                if _running(s, svc) is None:
+                    # the service reads the same settings as this process, however they were given
+                    env = svc.env() | to_environ(s) | {STACK_TAG: str(s.paths.data_dir)}
+                    process.spawn(svc.command(), pidfile(s, svc), logfile(s, svc), env, cwd=s.paths.data_dir)
+                    started.append(svc.name)
+            wait_healthy(s, batch, s.stack.start_timeout_s)
     except BaseException:  # leave nothing half-started behind, whatever interrupted us
         for svc in reversed(services):
             if svc.name in started:

@@ -44,8 +44,13 @@ class DeadLetter:
 class EventConsumer:
     """Reads validated Events from `topic` as member of `group_id`."""
 
-    def __init__(self, s: Settings, group_id: str, topic: str | None = None, **client_overrides: object):
+    def __init__(self, s: Settings, group_id: str, topic: str | None = None, *, dead_letter: bool = True,
+                 **client_overrides: object):
+        """`dead_letter=False` skips invalid records (counted in `invalid`) for a reader that is not
+        their owner: the stream job dead-letters the events topic, so the event log only skips."""
         self.topic = topic or s.kafka.events_topic
+        self.dead_letter = dead_letter
+        self.invalid = 0
         self.dlq_topic = s.kafka.dlq_topic(self.topic)
         self.max_bytes = s.kafka.max_event_bytes
         self.dead_lettered = 0
@@ -66,7 +71,9 @@ class EventConsumer:
                 try:
                     out.append(Consumed(decode(record.value, self.max_bytes), record.partition, record.offset))
                 except InvalidEvent as exc:
-                    self._dead_letter(record, exc.reason)
+                    self.invalid += 1
+                    if self.dead_letter:
+                        self._dead_letter(record, exc.reason)
         return out
 
     def _dead_letter(self, record: ConsumerRecord, reason: str) -> None:

@@ -50,20 +50,35 @@ def load_ratings(path: Path) -> list[Rating]:
     return sorted(ratings, key=lambda r: (r.timestamp, int(r.user_id), int(r.item_id)))
 
 
-def rating_events(rating: Rating, click_min_rating: float) -> list[Event]:
-    """The impression, and the click if the rating counts as one, for a single rating."""
+def load_item_categories(path: Path) -> dict[str, str]:
+    """Item id -> its first genre, from an ``.item`` file (the category used by affinity features)."""
+    with open(path, newline="", encoding="latin-1") as f:
+        rows = csv.reader(f, delimiter="\t")
+        header = next(rows)
+        genres = header.index("class:token_seq")
+        return {row[0]: row[genres].split(" ")[0] for row in rows if len(row) > genres and row[genres]}
+
+
+def rating_events(rating: Rating, click_min_rating: float, category: str | None = None) -> list[Event]:
+    """The impression, and the click if the rating counts as one, for a single rating.
+
+    The click comes 1 ms after its impression: strictly later, so features as of the impression
+    never include its own label.
+    """
     # Readable ids, stable across replays (a user rates an item once), so consumers can deduplicate.
     request_id = f"{SOURCE}:{rating.user_id}:{rating.item_id}:{rating.timestamp}"
     t_ms = rating.timestamp * 1000
-    types = [EventType.IMPRESSION] + ([EventType.CLICK] if rating.rating >= click_min_rating else [])
+    context = {"source": SOURCE} | ({"category": category} if category else {})
+    kinds = [EventType.IMPRESSION] + ([EventType.CLICK] if rating.rating >= click_min_rating else [])
     return [Event(event_id=f"{request_id}:{kind.value}", user_id=rating.user_id,
-                  item_id=rating.item_id, event_type=kind, request_id=request_id, event_time=t_ms,
-                  context={"source": SOURCE})
-            for kind in types]
+                  item_id=rating.item_id, event_type=kind, request_id=request_id, event_time=t_ms + delay,
+                  context=context)
+            for delay, kind in enumerate(kinds)]
 
 
 def replay_events(s: Settings, limit: int | None = None) -> Iterator[Event]:
     """Events of the first `limit` ratings (all when None), in event-time order."""
-    ratings = load_ratings(dataset_dir(s) / "ml-100k.inter")
-    for rating in ratings[:limit]:
-        yield from rating_events(rating, s.movielens.click_min_rating)
+    data = dataset_dir(s)
+    categories = load_item_categories(data / "ml-100k.item")
+    for rating in load_ratings(data / "ml-100k.inter")[:limit]:
+        yield from rating_events(rating, s.movielens.click_min_rating, categories.get(rating.item_id))

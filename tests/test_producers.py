@@ -32,16 +32,19 @@ def test_a_rating_of_four_or_more_is_an_impression_and_a_click_on_it() -> None:
     seen = rating_events(Rating("7", "10", 3.0, 880_000_000), click_min_rating=4)
     assert [e.event_type for e in liked] == [EventType.IMPRESSION, EventType.CLICK]
     assert liked[0].request_id == liked[1].request_id
-    assert liked[0].event_time == 880_000_000_000
+    assert (liked[0].event_time, liked[1].event_time) == (880_000_000_000, 880_000_000_001)  # click after
     assert [e.event_type for e in seen] == [EventType.IMPRESSION]
     # stable ids: a second replay produces the same event ids, so consumers can deduplicate
     assert [e.event_id for e in liked] == [e.event_id for e in rating_events(Rating("7", "9", 4.0, 880_000_000), 4)]
 
 
 def test_the_replay_emits_one_impression_per_rating_and_a_click_per_liked_one(ratings: list[Rating]) -> None:
-    counts = Counter(e.event_type for e in replay_events(load_settings()))
+    events = list(replay_events(load_settings()))
+    counts = Counter(e.event_type for e in events)
     assert counts[EventType.IMPRESSION] == 100_000
     assert counts[EventType.CLICK] == sum(r.rating >= 4 for r in ratings)
+    toy_story = next(e for e in events if e.item_id == "1")
+    assert toy_story.context["category"] == "Animation"  # the item's first genre
 
 
 def test_pacing_follows_event_time_or_a_fixed_rate() -> None:

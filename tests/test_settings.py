@@ -74,3 +74,13 @@ def test_the_airflow_password_comes_from_the_environment_or_is_generated_once(tm
     assert len(generated) >= 16 and airflow_password(local) == generated  # kept across calls
     secret = tmp_path / "airflow" / "admin-password"
     assert secret.read_text() == generated and secret.stat().st_mode & 0o077 == 0
+
+
+def test_settings_reach_a_child_process_through_the_environment(tmp_path: Path) -> None:
+    from infra.settings import to_environ
+
+    s = load_settings({"FLYWHEEL_KAFKA_PARTITIONS": "9", "FLYWHEEL_STACK_SERVICES": "kafka,pipeline",
+                       "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path)}, config_file=None)
+    environ = to_environ(s)
+    assert environ["FLYWHEEL_KAFKA_PARTITIONS"] == "9" and "FLYWHEEL_REDIS_URL" not in environ
+    assert load_settings(environ, config_file=None) == s

@@ -1,0 +1,115 @@
+"""The Feast ingestor: feature-update topics -> online store (Redis) and offline store (Parquet).
+
+Micro-batches: poll up to `max_records` or `max_wait_ms`, write each view's rows online (push) and
+offline (one Parquet file per batch and partition, named by its first offset, so a replayed batch
+rewrites the same file), then commit the offsets. A crash between the write and the commit replays
+the batch: rows are snapshots keyed by entity and event time, so writing one twice changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+from feast.data_source import PushMode
+from kafka import KafkaConsumer
+
+from feature_repo.definitions import TIMESTAMP_FIELD, view_dir
+from feature_repo.store import apply
+from infra.settings import Settings, get_settings
+from streaming.features import STREAM_VIEWS, StreamView
+
+log = logging.getLogger("flywheel.feast-ingestor")
+GROUP = "flywheel-feast-ingestor"
+VIEWS_BY_TOPIC = {v.topic: v for v in STREAM_VIEWS}
+
+
+@dataclass
+class IngestStats:
+    batches: int = 0
+    rows: int = 0
+    skipped: int = 0  # tombstones and undecodable rows
+
+
+def rows_frame(view: StreamView, rows: list[dict]) -> pd.DataFrame:
+    columns = [*view.keys, *(c for c, _ in view.columns)]
+    frame = pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=columns)
+    frame[TIMESTAMP_FIELD] = pd.to_datetime([r["event_time"] for r in rows], unit="ms", utc=True)
+    return frame
+
+
+class FeatureIngestor:
+    def __init__(self, s: Settings, max_records: int = 5000, max_wait_ms: int = 100):
+        self.s, self.max_records, self.max_wait_ms = s, max_records, max_wait_ms
+        self.store = apply(s)
+        self.stats = IngestStats()
+        self.consumer = KafkaConsumer(
+            *VIEWS_BY_TOPIC, **s.kafka.client_config(), group_id=GROUP, enable_auto_commit=False,
+            auto_offset_reset="earliest", session_timeout_ms=s.kafka.session_timeout_ms,
+            heartbeat_interval_ms=s.kafka.heartbeat_interval_ms)
+
+    def run_once(self) -> int:
+        """One micro-batch; returns the number of rows written."""
+        polled = self.consumer.poll(timeout_ms=self.max_wait_ms, max_records=self.max_records)
+        batches: list[tuple[StreamView, int, int, list[dict]]] = []  # view, partition, first offset, rows
+        for tp, records in polled.items():
+            rows = []
+            for record in records:
+                try:
+                    rows.append(json.loads(record.value))
+                except (TypeError, ValueError):  # tombstone (None) or not JSON: nothing to write
+                    self.stats.skipped += 1
+            if rows:
+                batches.append((VIEWS_BY_TOPIC[tp.topic], tp.partition, records[0].offset, rows))
+        by_view: dict[StreamView, list[dict]] = defaultdict(list)
+        for view, _, _, rows in batches:
+            by_view[view] += rows
+        for view, rows in by_view.items():
+            self.store.push(view.push_source, rows_frame(view, rows), to=PushMode.ONLINE)
+        for view, partition, first_offset, rows in batches:
+            self._write_offline(view, partition, first_offset, rows)
+        if polled:
+            self.consumer.commit()
+            self.stats.batches += 1
+        written = sum(len(rows) for rows in by_view.values())
+        self.stats.rows += written
+        return written
+
+    def _write_offline(self, view: StreamView, partition: int, first_offset: int, rows: list[dict]) -> None:
+        directory = view_dir(self.s, view.name)
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / f"part-{partition:04d}-{first_offset:012d}.parquet"
+        tmp = target.with_suffix(".tmp")
+        pq.write_table(pa.Table.from_pandas(rows_frame(view, rows), preserve_index=False), tmp)
+        tmp.replace(target)
+
+    def close(self) -> None:
+        self.consumer.close(autocommit=False)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ingestor = FeatureIngestor(get_settings())
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    log.info("ingesting %s", ", ".join(VIEWS_BY_TOPIC))
+    last_report = time.monotonic()
+    try:
+        while not stopping:
+            ingestor.run_once()
+            if time.monotonic() - last_report > 30:
+                log.info("%s", ingestor.stats)
+                last_report = time.monotonic()
+    finally:
+        ingestor.close()
+
+
+if __name__ == "__main__":
+    main()

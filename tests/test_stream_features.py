@@ -1,0 +1,201 @@
+"""End to end with the real broker, the real Flink job, the real ingestor and Redis: known events in,
+exactly the expected features out of `get_online_features`; bad records dead-lettered on the way."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kafka import KafkaProducer
+from kafka.partitioner.default import murmur2
+
+from feature_repo.event_log import read_event_log
+from feature_repo.store import feature_store
+from infra import stack
+from infra.settings import Settings, load_settings
+from streaming.consumer import read_dead_letter
+from streaming.events import Event, EventType
+from streaming.producer import EventProducer
+from streaming.topics import end_offsets, read_range
+from tests.conftest import stack_environ
+
+pytestmark = pytest.mark.stack
+
+MINUTE = 60_000
+CLICK, IMP, BUY = EventType.CLICK, EventType.IMPRESSION, EventType.PURCHASE
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    environ = stack_environ(tmp_path_factory.mktemp("pipeline"), FLYWHEEL_STACK_SERVICES="kafka,redis,pipeline",
+                            FLYWHEEL_STREAMING_SEQUENCE_LENGTH="3")
+    s = load_settings(environ)
+    stack.up(s)
+    yield s
+    stack.down(s)
+
+
+def event(n: int, user: str, item: str, kind: EventType, t: int, category: str | None = "c1") -> Event:
+    context = {"category": category} if category else {}
+    return Event(event_id=f"e{n}", user_id=user, item_id=item, event_type=kind, request_id=f"r{n}",
+                 event_time=t, context=context)
+
+
+def sentinels(s: Settings, t: int) -> list[Event]:
+    """One event per partition at time t, so every partition's watermark passes the test events."""
+    out, covered, i = [], set(), 0
+    while len(covered) < s.kafka.partitions:
+        user = f"sentinel-{i}"
+        partition = (murmur2(user.encode()) & 0x7FFFFFFF) % s.kafka.partitions
+        if partition not in covered:
+            covered.add(partition)
+            out.append(event(10_000 + i, user, "sentinel-item", IMP, t, category=None))
+        i += 1
+    return out
+
+
+def expected_counts(events: list[Event], key: str, value: str, at: int, window_ms: float) -> tuple[int, int]:
+    rows = [e for e in events if getattr(e, key) == value and at - window_ms <= e.event_time <= at]
+    return sum(e.event_type is IMP for e in rows), sum(e.event_type is CLICK for e in rows)
+
+
+def smoothed(s: Settings, clicks: int, imps: int) -> float:
+    w = s.streaming.ctr_prior_weight
+    return (clicks + w * s.streaming.ctr_prior) / (imps + w)
+
+
+def online(s: Settings, features: list[str], row: dict) -> dict:
+    return {k: v[0] for k, v in feature_store(s).get_online_features(features=features, entity_rows=[row]).to_dict().items()}
+
+
+def wait_for(check, timeout_s: float = 90.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return check()
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def test_known_events_give_exactly_the_expected_online_features(pipeline: Settings) -> None:
+    s = pipeline
+    t0 = int(time.time() * 1000) - 30 * MINUTE
+    ua, ub = "user-a", "user-b"
+    on_time = [
+        event(1, ua, "i1", IMP, t0), event(2, ua, "i1", CLICK, t0 + 1),
+        event(3, ua, "i2", IMP, t0 + 10 * MINUTE, "c2"),
+        event(4, ub, "i1", IMP, t0 + 12 * MINUTE), event(5, ub, "i1", CLICK, t0 + 12 * MINUTE + 5),
+        event(6, ub, "i1", BUY, t0 + 12 * MINUTE + 9),
+        event(7, ua, "i3", IMP, t0 + 20 * MINUTE), event(8, ua, "i3", CLICK, t0 + 20 * MINUTE + 3),
+        event(9, ua, "i1", IMP, t0 + 21 * MINUTE), event(10, ua, "i1", CLICK, t0 + 21 * MINUTE + 2),
+        event(11, ua, "i2", IMP, t0 + 22 * MINUTE, "c2"), event(12, ua, "i2", CLICK, t0 + 22 * MINUTE + 4, "c2"),
+    ]
+    last = t0 + 22 * MINUTE + 4
+    late = event(13, ua, "i9", CLICK, t0 + 5 * MINUTE, "c2")  # behind the watermark once sent
+    bad = [b"{broken", json.dumps({"event_id": "x"}).encode(),
+           json.dumps(on_time[0].to_dict() | {"event_type": "hover"}).encode()]
+
+    with EventProducer(s) as producer:
+        for e in on_time:
+            producer.send(e)
+        producer.flush()
+    raw = KafkaProducer(**s.kafka.client_config(), acks="all")
+    for value in bad:
+        raw.send(s.kafka.events_topic, key=b"user-a", value=value)
+    raw.flush()
+    with EventProducer(s) as producer:
+        for e in sentinels(s, last + MINUTE):
+            producer.send(e)
+        producer.flush()
+        # once user-a's last event is in its window row, the watermark has passed every test event
+        wait_for(lambda: _assert_online(s, ua, impressions_5m=3))
+        producer.send(late)
+        for e in sentinels(s, last + 2 * MINUTE):
+            producer.send(e)
+
+    # Windows and sequences: on-time events only, as of each user's last on-time event.
+    def user_features(user: str, at: int, category: str) -> dict:
+        return online(s, ["user_5m:user_impressions_5m", "user_5m:user_clicks_5m", "user_5m:user_ctr_5m",
+                          "user_1h:user_impressions_1h", "user_1h:user_clicks_1h",
+                          "user_total:user_impressions_total", "user_total:user_clicks_total",
+                          "user_category:category_impressions", "user_category:category_clicks",
+                          "user_sequence:seq_item_ids", "user_sequence:seq_event_types",
+                          "user_sequence:seq_event_times",
+                          "user_interest:interest_categories", "user_interest:interest_weights"],
+                      {"user_id": user, "category": category})
+
+    def check_user_a() -> None:
+        got = user_features(ua, last, "c2")
+        imps_5m, clicks_5m = expected_counts(on_time, "user_id", ua, last, 5 * MINUTE)
+        assert (got["user_impressions_5m"], got["user_clicks_5m"]) == (imps_5m, clicks_5m) == (3, 3)
+        assert got["user_ctr_5m"] == pytest.approx(smoothed(s, 3, 3))
+        imps_1h, clicks_1h = expected_counts(on_time, "user_id", ua, last, 60 * MINUTE)
+        assert (got["user_impressions_1h"], got["user_clicks_1h"]) == (imps_1h, clicks_1h) == (5, 4)
+        # running totals and category counts are updating aggregates: the late click is included
+        assert (got["user_impressions_total"], got["user_clicks_total"]) == (5, 5)
+        assert (got["category_impressions"], got["category_clicks"]) == (2, 2)
+        # last 3 behaviors (sequence_length=3), oldest first; the late click is not among them
+        assert got["seq_item_ids"] == ["i3", "i1", "i2"]
+        assert got["seq_event_types"] == ["click", "click", "click"]
+        assert got["seq_event_times"] == [t0 + 20 * MINUTE + 3, t0 + 21 * MINUTE + 2, t0 + 22 * MINUTE + 4]
+
+    wait_for(check_user_a)
+    # interest: decayed category histogram of all actions (late one included), as of the newest
+    rate = math.log(2) / (s.streaming.interest_half_life_hours * 3_600_000)
+    actions = [e for e in [*on_time, late] if e.user_id == ua and e.event_type is not IMP]
+    weights: dict[str, float] = {}
+    for e in actions:
+        weights[e.context["category"]] = weights.get(e.context["category"], 0) + math.exp(-rate * (last - e.event_time))
+
+    def check_interest() -> None:
+        got = user_features(ua, last, "c2")
+        assert got["interest_categories"] == sorted(weights, key=lambda c: -weights[c])
+        assert got["interest_weights"] == pytest.approx([weights[c] for c in got["interest_categories"]])
+    wait_for(check_interest, timeout_s=30)
+
+    item = wait_for(lambda: _item_i1(s, on_time, t0))
+    assert item["item_impressions_total"] == 3
+
+    # bad records: dead-lettered with reasons, and the job kept going
+    dlq = s.kafka.dlq_topic(s.kafka.events_topic)
+    letters = wait_for(lambda: _dead_letters(s, dlq, len(bad)))
+    assert [d.value for d in letters] == bad
+    assert any("malformed JSON" in d.reason for d in letters)
+    assert any("missing field" in d.reason for d in letters)
+    assert any("unknown event_type 'hover'" in d.reason for d in letters)
+
+    # the offline event log holds every valid event once
+    logged = wait_for(lambda: _logged(s, len(on_time) + 1 + 2 * len(sentinels(s, 0))))
+    assert {f"e{i}" for i in range(1, 14)} <= set(logged)
+
+
+def _assert_online(s: Settings, user: str, impressions_5m: int) -> None:
+    assert online(s, ["user_5m:user_impressions_5m"], {"user_id": user})["user_impressions_5m"] == impressions_5m
+
+
+def _item_i1(s: Settings, events: list[Event], t0: int) -> dict:
+    got = online(s, ["item_5m:item_impressions_5m", "item_1h:item_impressions_1h", "item_1h:item_clicks_1h",
+                     "item_total:item_impressions_total"], {"item_id": "i1"})
+    at = t0 + 21 * MINUTE + 2  # the last event on i1
+    assert got["item_impressions_5m"] == expected_counts(events, "item_id", "i1", at, 5 * MINUTE)[0] == 1
+    assert (got["item_impressions_1h"], got["item_clicks_1h"]) == expected_counts(events, "item_id", "i1", at,
+                                                                                   60 * MINUTE) == (3, 3)
+    return got
+
+
+def _dead_letters(s: Settings, topic: str, n: int) -> list:
+    letters = [read_dead_letter(r) for r in read_range(s, topic, {}, end_offsets(s, topic))]
+    assert len(letters) == n
+    return letters
+
+
+def _logged(s: Settings, n: int) -> list[str]:
+    ids = read_event_log(s).column("event_id").to_pylist()
+    assert len(ids) == n
+    return ids
