@@ -9,13 +9,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from kafka import KafkaProducer
 from kafka.partitioner.default import murmur2
 
 from feature_repo.event_log import read_event_log
 from feature_repo.store import feature_store
-from infra import stack
+from infra import process, stack
 from infra.settings import Settings, load_settings
 from streaming.consumer import read_dead_letter
 from streaming.events import Event, EventType
@@ -37,6 +38,23 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     stack.up(s)
     yield s
     stack.down(s)
+
+
+class Timeline:
+    """Event-time spans for the tests of one pipeline, each after the last: the watermark only moves
+    forward, so a test whose events were older than an earlier test's would see them all as late."""
+
+    def __init__(self) -> None:
+        self.next = int(time.time() * 1000) - 60 * MINUTE
+
+    def take(self, span_ms: int) -> int:
+        start, self.next = self.next, self.next + span_ms
+        return start
+
+
+@pytest.fixture(scope="module")
+def timeline() -> Timeline:
+    return Timeline()
 
 
 def event(n: int, user: str, item: str, kind: EventType, t: int, category: str | None = "c1") -> Event:
@@ -83,9 +101,9 @@ def wait_for(check, timeout_s: float = 90.0):
             time.sleep(1)
 
 
-def test_known_events_give_exactly_the_expected_online_features(pipeline: Settings) -> None:
+def test_known_events_give_exactly_the_expected_online_features(pipeline: Settings, timeline: Timeline) -> None:
     s = pipeline
-    t0 = int(time.time() * 1000) - 30 * MINUTE
+    t0 = timeline.take(25 * MINUTE)
     ua, ub = "user-a", "user-b"
     on_time = [
         event(1, ua, "i1", IMP, t0), event(2, ua, "i1", CLICK, t0 + 1),
@@ -199,3 +217,70 @@ def _logged(s: Settings, n: int) -> list[str]:
     ids = read_event_log(s).column("event_id").to_pylist()
     assert len(ids) == n
     return ids
+
+
+def test_training_features_are_point_in_time_correct(pipeline: Settings, timeline: Timeline) -> None:
+    """A label at time t is joined with the features as of t: never from an event after t."""
+    s = pipeline
+    t0 = timeline.take(11 * MINUTE)
+    user = "user-pit"
+    events = [event(100 + i, user, f"i{i}", kind, t0 + i * MINUTE + (kind is CLICK))
+              for i in range(6) for kind in ((IMP, CLICK) if i % 2 == 0 else (IMP,))]
+    with EventProducer(s) as producer:
+        for e in [*events, *sentinels(s, t0 + 10 * MINUTE)]:
+            producer.send(e)
+    last = max(e.event_time for e in events)
+    wait_for(lambda: _assert_online(s, user, impressions_5m=expected_counts(events, "user_id", user, last,
+                                                                             5 * MINUTE)[0]))
+
+    label_times = [t0 + 2 * MINUTE, t0 + 2 * MINUTE + 1, t0 + 4 * MINUTE + 30_000, t0 - MINUTE]
+    entity_df = pd.DataFrame({"user_id": user, "event_timestamp": pd.to_datetime(label_times, unit="ms", utc=True)})
+    got = feature_store(s).get_historical_features(
+        entity_df=entity_df, features=["user_5m:user_impressions_5m", "user_5m:user_clicks_5m",
+                                       "user_total:user_clicks_total"]).to_df()
+    by_time = {int(row.event_timestamp.timestamp() * 1000): row for row in got.itertuples()}
+    for t in label_times:
+        row = by_time.get(t)
+        if t < t0:  # nothing known yet
+            assert row is None or pd.isna(row.user_impressions_5m)
+            continue
+        # the features of the newest event at or before t, counted over the 5 minutes up to it
+        as_of = max(e.event_time for e in events if e.event_time <= t)
+        imps, clicks = expected_counts(events, "user_id", user, as_of, 5 * MINUTE)
+        assert (row.user_impressions_5m, row.user_clicks_5m) == (imps, clicks), t - t0
+        assert row.user_clicks_total == sum(e.event_type is CLICK and e.event_time <= t for e in events)
+
+
+def test_a_restarted_job_and_ingestor_lose_nothing_and_count_nothing_twice(pipeline: Settings,
+                                                                           timeline: Timeline) -> None:
+    s = pipeline
+    t0 = timeline.take(3 * MINUTE)
+    user = "user-restart"
+    before = [event(200 + i, user, f"i{i % 3}", IMP if i % 3 else CLICK, t0 + i * 1000) for i in range(30)]
+    after = [event(300 + i, user, f"i{i % 3}", IMP if i % 3 else CLICK, t0 + (30 + i) * 1000) for i in range(30)]
+    with EventProducer(s) as producer:
+        for e in [*before, *sentinels(s, t0 + 31_000)]:
+            producer.send(e)
+    wait_for(lambda: _assert_online(s, user, impressions_5m=sum(e.event_type is IMP for e in before)))
+    time.sleep(2 * s.streaming.checkpoint_interval_ms / 1000)  # a checkpoint holds `before`
+
+    pipeline_services = [svc for svc in stack.enabled_services(s) if svc.group == "pipeline"]
+    for svc in pipeline_services:
+        assert process.stop(stack.pidfile(s, svc), timeout_s=30)
+    with EventProducer(s) as producer:  # produced while the job and the ingestor are down
+        for e in [*after, *sentinels(s, t0 + 2 * MINUTE)]:
+            producer.send(e)
+    assert sorted(stack.up(s)) == sorted(svc.name for svc in pipeline_services)
+
+    everything = before + after
+    last = everything[-1].event_time
+    imps, clicks = expected_counts(everything, "user_id", user, last, 5 * MINUTE)
+
+    def check() -> None:
+        got = online(s, ["user_5m:user_impressions_5m", "user_5m:user_clicks_5m",
+                         "user_total:user_impressions_total", "user_total:user_clicks_total",
+                         "user_sequence:seq_event_times"], {"user_id": user})
+        assert (got["user_impressions_5m"], got["user_clicks_5m"]) == (imps, clicks)
+        assert (got["user_impressions_total"], got["user_clicks_total"]) == (imps, clicks)  # not doubled
+        assert got["seq_event_times"] == [e.event_time for e in everything if e.event_type is CLICK][-3:]
+    wait_for(check, timeout_s=120)
