@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 FLYWHEEL := .venv/bin/flywheel
 
-.PHONY: setup demo test test-fast up down status bench lock clean
+.PHONY: setup demo test test-fast up down status bench bench-streaming lock clean
 
 setup:  ## install both environments and the Flink connector jars from the lock files
 	@bash infra/setup.sh
@@ -27,6 +27,9 @@ status:
 
 bench: setup  ## producer throughput and stack cold start; figures for docs/benchmarks.md
 	.venv/bin/python -m benchmarks.foundation
+
+bench-streaming: setup  ## events/s through Kafka -> Flink -> online store, and feature freshness
+	.venv/bin/python -m benchmarks.streaming $(ARGS)
 
 lock:  ## re-resolve both lock files after editing a pyproject.toml
 	.tools/bin/uv lock
