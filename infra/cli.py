@@ -252,7 +252,7 @@ def demo(limit: int | None) -> None:
     if landed != report.by_type:
         raise click.ClickException(f"Kafka holds {dict(landed)} but the replay sent {dict(report.by_type)}")
     click.echo("OK: every replayed event is in Kafka.\n"
-               f"Stop the stack with `make down` (or `.venv/bin/flywheel down`).")
+               "Stop the stack with `make down` (or `.venv/bin/flywheel down`).")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pandas as pd
 import pytest
