@@ -58,7 +58,7 @@ class FeatureIngestor:
     def run_once(self) -> int:
         """One micro-batch; returns the number of rows written."""
         polled = self.consumer.poll(timeout_ms=self.max_wait_ms, max_records=self.max_records)
-        batches: list[tuple[StreamView, int, int, list[dict]]] = []  # view, partition, first offset, rows
+        batches: list[tuple[StreamView, int, int, pd.DataFrame]] = []  # view, partition, first offset, rows
         for tp, records in polled.items():
             rows = []
             for record in records:
@@ -67,27 +67,28 @@ class FeatureIngestor:
                 except (TypeError, ValueError):  # tombstone (None) or not JSON: nothing to write
                     self.stats.skipped += 1
             if rows:
-                batches.append((VIEWS_BY_TOPIC[tp.topic], tp.partition, records[0].offset, rows))
-        by_view: dict[StreamView, list[dict]] = defaultdict(list)
-        for view, _, _, rows in batches:
-            by_view[view] += rows
-        for view, rows in by_view.items():
-            self.store.push(view.push_source, rows_frame(view, rows), to=PushMode.ONLINE)
-        for view, partition, first_offset, rows in batches:
-            self._write_offline(view, partition, first_offset, rows)
+                view = VIEWS_BY_TOPIC[tp.topic]
+                batches.append((view, tp.partition, records[0].offset, rows_frame(view, rows)))
+        by_view: dict[StreamView, list[pd.DataFrame]] = defaultdict(list)
+        for view, _, _, frame in batches:
+            by_view[view].append(frame)
+        for view, frames in by_view.items():
+            self.store.push(view.push_source, pd.concat(frames, ignore_index=True), to=PushMode.ONLINE)
+        for view, partition, first_offset, frame in batches:
+            self._write_offline(view, partition, first_offset, frame)
         if polled:
             self.consumer.commit()
             self.stats.batches += 1
-        written = sum(len(rows) for rows in by_view.values())
+        written = sum(len(frame) for _, _, _, frame in batches)
         self.stats.rows += written
         return written
 
-    def _write_offline(self, view: StreamView, partition: int, first_offset: int, rows: list[dict]) -> None:
+    def _write_offline(self, view: StreamView, partition: int, first_offset: int, frame: pd.DataFrame) -> None:
         directory = view_dir(self.s, view.name)
         directory.mkdir(parents=True, exist_ok=True)
         target = directory / f"part-{partition:04d}-{first_offset:012d}.parquet"
         tmp = target.with_suffix(".tmp")
-        pq.write_table(pa.Table.from_pandas(rows_frame(view, rows), preserve_index=False), tmp)
+        pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), tmp)
         tmp.replace(target)
 
     def close(self) -> None:
