@@ -1,8 +1,8 @@
 """The Feast ingestor: feature-update topics -> online store (Redis) and offline store (Parquet).
 
-Micro-batches: poll up to `max_records` or `max_wait_ms`, write each view's rows online (push) and
-offline (one Parquet file per batch and partition, named by its first offset, so a replayed batch
-rewrites the same file), then commit the offsets. A crash between the write and the commit replays
+Micro-batches: poll up to `max_records` or `max_wait_ms`, write each view's rows offline (one
+Parquet file per batch and partition, named by its first offset, so a replayed batch rewrites the
+same file), then online (push), then commit the offsets. A crash between the write and the commit replays
 the batch: rows are snapshots keyed by entity and event time, so writing one twice changes nothing.
 """
 
@@ -69,13 +69,13 @@ class FeatureIngestor:
             if rows:
                 view = VIEWS_BY_TOPIC[tp.topic]
                 batches.append((view, tp.partition, records[0].offset, rows_frame(view, rows)))
+        # Offline first: a row visible online is then always in the training data too.
         by_view: dict[StreamView, list[pd.DataFrame]] = defaultdict(list)
-        for view, _, _, frame in batches:
+        for view, partition, first_offset, frame in batches:
+            self._write_offline(view, partition, first_offset, frame)
             by_view[view].append(frame)
         for view, frames in by_view.items():
             self.store.push(view.push_source, pd.concat(frames, ignore_index=True), to=PushMode.ONLINE)
-        for view, partition, first_offset, frame in batches:
-            self._write_offline(view, partition, first_offset, frame)
         if polled:
             self.consumer.commit()
             self.stats.batches += 1
