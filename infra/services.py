@@ -49,8 +49,9 @@ class Service:
 
 
 def _base_env() -> dict[str, str]:
-    # A developer's own AIRFLOW__* settings must not leak into the stack: it is configured here only.
-    return {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW__")}
+    # A developer's own AIRFLOW__* or FLYWHEEL_* variables must not leak into the stack: it is
+    # configured here, and its Flywheel settings are passed whole by the stack (settings.to_environ).
+    return {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW__", "FLYWHEEL_"))}
 
 
 # --- Kafka-protocol broker (Tansu) -----------------------------------------------------------

@@ -268,8 +268,9 @@ def load_settings(environ: dict[str, str] | None = None, config_file: Path | Non
 
 
 def to_environ(settings: Settings) -> dict[str, str]:
-    """The environment variables that reproduce `settings` in a child process (non-defaults only)."""
-    environ: dict[str, str] = {}
+    """The environment variables that reproduce `settings` in a child process: the non-defaults, and
+    no config file (its values are already in `settings`, or were overridden)."""
+    environ: dict[str, str] = {f"{ENV_PREFIX}CONFIG": os.devnull}
     for section in dataclasses.fields(Settings):
         value, default = getattr(settings, section.name), getattr(Settings(), section.name)
         for f in dataclasses.fields(value):

@@ -135,9 +135,17 @@ class InterestAggregate(AggregateFunction):
 
 # --- tables ------------------------------------------------------------------------------------
 
-def _kafka(s: Settings, topic: str, extra: str = "") -> str:
-    return (f"'topic' = '{topic}', 'properties.bootstrap.servers' = '{s.kafka.bootstrap_servers}', "
-            f"'properties.security.protocol' = '{s.kafka.security_protocol}'{extra}")
+def _kafka(s: Settings, topic: str) -> str:
+    """Connector options for `topic`, with the same connection settings as every other client."""
+    options = (f"'topic' = '{topic}', 'properties.bootstrap.servers' = '{s.kafka.bootstrap_servers}', "
+               f"'properties.security.protocol' = '{s.kafka.security_protocol}'")
+    if s.kafka.sasl_mechanism:
+        module = "plain.PlainLoginModule" if s.kafka.sasl_mechanism == "PLAIN" else "scram.ScramLoginModule"
+        jaas = (f'org.apache.kafka.common.security.{module} required '
+                f'username="{s.kafka.sasl_username}" password="{s.kafka.sasl_password}";')
+        options += (f", 'properties.sasl.mechanism' = '{s.kafka.sasl_mechanism}', "
+                    f"'properties.sasl.jaas.config' = '{jaas}'")
+    return options
 
 
 def sink_ddl(s: Settings, view: StreamView, upsert: bool = False) -> str:
