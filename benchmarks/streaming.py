@@ -5,6 +5,8 @@ the pipeline in a temporary data directory. Prints Markdown for docs/benchmarks.
 
 - Throughput: a backlog of N synthetic events is produced, then the clock runs until the last
   event's running total is online. Baseline in the same run: producing the same backlog alone.
+- Profile (during the throughput run): each Flink operator chain's busy and back-pressured time
+  (ms per second, from the job's REST API) and the CPU of each pipeline process tree and the broker.
 - Freshness: the generator runs at a fixed rate; every 100 ms a probe click for a fresh user is
   produced and its row polled in `get_online_features` (running totals: no watermark wait) until
   visible. Baseline in the same run: one `get_online_features` round trip.
@@ -14,13 +16,19 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 
+import httpx
+import psutil
+
 from feature_repo.store import feature_store
-from infra import stack
+from infra import process, stack
+from infra.services import all_services
 from infra.settings import Settings, load_settings
 from streaming.events import Event, EventType
 from streaming.produce import fixed_rate_pace, produce
@@ -51,6 +59,61 @@ def wait_online(store, user: str, timeout_s: float = 600) -> float:
             raise TimeoutError(f"{user} not online after {timeout_s}s")
         time.sleep(0.005)
     return time.monotonic()
+
+
+class Profiler(threading.Thread):
+    """Samples Flink operator busy/back-pressured time and process-tree CPU every second."""
+
+    PROCESSES = ("stream-job", "feast-ingestor", "event-log", "kafka", "redis")
+
+    def __init__(self, s: Settings) -> None:
+        super().__init__(daemon=True)
+        self.s, self.stopping = s, threading.Event()
+        self.busy: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        self.cpu: dict[str, list[float]] = defaultdict(list)
+
+    def _trees(self) -> dict[str, list[psutil.Process]]:
+        services = {svc.name: svc for svc in all_services(self.s)}
+        trees = {}
+        for name in self.PROCESSES:
+            tracked = process.read_pidfile(stack.pidfile(self.s, services[name]))
+            if tracked:
+                root = psutil.Process(tracked.pid)
+                trees[name] = [root, *root.children(recursive=True)]
+        return trees
+
+    def run(self) -> None:
+        url = self.s.flink.rest_url
+        jid = httpx.get(f"{url}/jobs/overview").json()["jobs"][0]["jid"]
+        vertices = httpx.get(f"{url}/jobs/{jid}").json()["vertices"]
+        trees = self._trees()
+        for procs in trees.values():
+            for p in procs:
+                p.cpu_percent()
+        while not self.stopping.wait(1.0):
+            for v in vertices:
+                metrics = httpx.get(f"{url}/jobs/{jid}/vertices/{v['id']}/subtasks/metrics",
+                                    params={"get": "busyTimeMsPerSecond,backPressuredTimeMsPerSecond"}).json()
+                values = {m["id"]: m.get("avg", 0.0) for m in metrics}
+                name = re.sub(r"\[\d+\]", "", v["name"]).split(" -> ")
+                label = next((n for n in name if n.startswith("features.")), name[0]).split(":")[0][:60]
+                self.busy[label].append((values.get("busyTimeMsPerSecond", 0.0),
+                                         values.get("backPressuredTimeMsPerSecond", 0.0)))
+            for name, procs in trees.items():
+                self.cpu[name].append(sum(p.cpu_percent() for p in procs if p.is_running()))
+
+    def report(self) -> str:
+        lines = ["| Flink operator chain (source -> parse, or the sink it feeds) | busy ms/s | back-pressured ms/s |",
+                 "|---|---:|---:|"]
+        for label, samples in self.busy.items():
+            lines.append(f"| {label} | {_mean([b for b, _ in samples]):.0f} | {_mean([p for _, p in samples]):.0f} |")
+        lines += ["", "| process tree | CPU % (100 = one core) |", "|---|---:|"]
+        lines += [f"| {name} | {_mean(v):.0f} |" for name, v in self.cpu.items()]
+        return "\n".join(lines)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 def throughput(s: Settings, n: int) -> tuple[float, float]:
@@ -112,7 +175,11 @@ def main() -> None:
         s = settings(Path(tmp))
         stack.up(s)
         try:
+            profiler = Profiler(s)
+            profiler.start()
             produce_rate, end_to_end = throughput(s, args.backlog)
+            profiler.stopping.set()
+            profiler.join()
             time.sleep(30)  # let every view's backlog drain before measuring freshness
             latencies, fetch = freshness(s, args.rate, args.seconds)
         finally:
@@ -125,6 +192,7 @@ def main() -> None:
     print(f"\n| freshness at {rate:,.0f} events/s ({len(ms)} probes) | ms |\n|---|---:|")
     print(f"| p50 | {pct(ms, 50):.0f} |\n| p99 | {pct(ms, 99):.0f} |\n| max | {max(ms):.0f} |")
     print(f"| baseline: one get_online_features round trip | {fetch * 1000:.1f} |")
+    print(f"\nProfile while the backlog drains:\n\n{profiler.report()}")
 
 
 if __name__ == "__main__":

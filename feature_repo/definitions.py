@@ -2,26 +2,34 @@
 feature services for serving and training.
 
 Each stream view is fed by a push source (the ingestor pushes rows online) backed by a directory of
-Parquet files (the ingestor appends one file per micro-batch), which is what point-in-time-correct
-training sets read. Windowed views live only as long as their window: past it, a point-in-time join
+Parquet files (the ingestor appends one file per micro-batch, all with the view's Arrow schema), which
+is what point-in-time-correct training sets read through the DuckDB offline store. Windowed views live only as long as their window: past it, a point-in-time join
 finds nothing and the model sees the documented default (0), not a stale count.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import pyarrow as pa
 from feast import Entity, FeatureService, FeatureView, Field, FileSource, PushSource
+from feast.data_format import ParquetFormat
 from feast.types import Array, FeastType, Float64, Int64, String
 from feast.value_type import ValueType
 
 from infra.settings import Settings
-from streaming.features import STREAM_VIEWS, WINDOWS, StreamView
+from streaming.features import BIGINT, STREAM_VIEWS, STRING, STRING_ARRAY, WINDOWS, StreamView
 
 FEAST_TYPES: dict[str, FeastType] = {
     "BIGINT": Int64, "DOUBLE": Float64, "STRING": String,
     "ARRAY<STRING>": Array(String), "ARRAY<BIGINT>": Array(Int64), "ARRAY<DOUBLE>": Array(Float64),
+}
+ARROW_TYPES: dict[str, pa.DataType] = {
+    "BIGINT": pa.int64(), "DOUBLE": pa.float64(), "STRING": pa.string(),
+    "ARRAY<STRING>": pa.list_(pa.string()), "ARRAY<BIGINT>": pa.list_(pa.int64()),
+    "ARRAY<DOUBLE>": pa.list_(pa.float64()),
 }
 WINDOW_TTL = {"5m": timedelta(minutes=5), "1h": timedelta(hours=1)}
 LONG_TTL = timedelta(days=365)
@@ -34,6 +42,22 @@ category = Entity(name="category", join_keys=["category"], value_type=ValueType.
 ENTITIES = {"user_id": user, "item_id": item, "category": category}
 
 
+@dataclass(frozen=True)
+class BatchView:
+    """A slow feature view from a side table (the catalog), not from events."""
+
+    name: str
+    keys: tuple[str, ...]
+    columns: tuple[tuple[str, str], ...]  # (feature name, SQL type), as in StreamView
+
+
+ITEM_ATTRIBUTES = BatchView("item_attributes", ("item_id",), (
+    ("item_genres", STRING_ARRAY), ("item_release_year", BIGINT)))
+USER_PROFILE = BatchView("user_profile", ("user_id",), (
+    ("user_age", BIGINT), ("user_gender", STRING), ("user_occupation", STRING)))
+BATCH_VIEWS: tuple[BatchView, ...] = (ITEM_ATTRIBUTES, USER_PROFILE)
+
+
 def offline_dir(s: Settings) -> Path:
     return s.paths.service_dir("offline")
 
@@ -43,34 +67,61 @@ def view_dir(s: Settings, view: str) -> Path:
     return offline_dir(s) / "features" / view
 
 
+def offline_schema(spec: StreamView | BatchView) -> pa.Schema:
+    """The Arrow schema of every offline file of a view: its keys, its columns, the event timestamp."""
+    return pa.schema([*((k, pa.string()) for k in spec.keys), *((n, ARROW_TYPES[t]) for n, t in spec.columns),
+                      (TIMESTAMP_FIELD, pa.timestamp("ms", tz="UTC"))])
+
+
 def _ttl(view: StreamView) -> timedelta:
     suffix = view.name.rsplit("_", 1)[-1]
     return WINDOW_TTL[suffix] if suffix in WINDOWS else LONG_TTL
 
 
+def _offline_source(s: Settings, name: str) -> FileSource:
+    return FileSource(name=f"{name}_offline", path=str(view_dir(s, name) / "*.parquet"),
+                      file_format=ParquetFormat(), timestamp_field=TIMESTAMP_FIELD)
+
+
+def _schema(spec: StreamView | BatchView) -> list[Field]:
+    return [Field(name=n, dtype=FEAST_TYPES[t]) for n, t in spec.columns]
+
+
 def stream_feature_view(s: Settings, spec: StreamView) -> FeatureView:
-    batch = FileSource(name=f"{spec.name}_offline", path=str(view_dir(s, spec.name)),
-                       timestamp_field=TIMESTAMP_FIELD)
+    batch = _offline_source(s, spec.name)
     return FeatureView(
         name=spec.name,
         entities=[ENTITIES[k] for k in spec.keys],
         ttl=_ttl(spec),
-        schema=[Field(name=n, dtype=FEAST_TYPES[t]) for n, t in spec.columns],
+        schema=_schema(spec),
         source=PushSource(name=spec.push_source, batch_source=batch),
         online=True,
         description=f"Stream feature view computed by the Flink job into topic {spec.topic}.",
     )
 
 
+def batch_feature_view(s: Settings, spec: BatchView) -> FeatureView:
+    return FeatureView(
+        name=spec.name,
+        entities=[ENTITIES[k] for k in spec.keys],
+        ttl=timedelta(0),  # attributes hold until a newer snapshot replaces them
+        schema=_schema(spec),
+        source=_offline_source(s, spec.name),
+        online=True,
+        description="Batch feature view: catalog snapshots, materialized into the online store.",
+    )
+
+
 def definitions(s: Settings) -> list:
     """Everything `apply` registers."""
     stream = [stream_feature_view(s, spec) for spec in STREAM_VIEWS]
+    batch = [batch_feature_view(s, spec) for spec in BATCH_VIEWS]
     # The ranking model's features: the candidate item and its user; the user x category affinity
     # is looked up with the candidate's category.
-    ranking = stream
+    ranking = [*stream, *batch]
     services = [
         FeatureService(name="ranking_serving", features=ranking, description="Online features for ranking."),
         FeatureService(name="ranking_training", features=ranking,
                        description="The same features, point-in-time correct, for training sets."),
     ]
-    return [user, item, category, *stream, *services]
+    return [user, item, category, *stream, *batch, *services]

@@ -1,7 +1,8 @@
 """The offline event log: every valid event as Parquet, partitioned by event date.
 
 The source of training labels and of the behavior graph. One file per micro-batch and Kafka
-partition, named by the batch's first offset, so a batch replayed after a crash overwrites itself.
+partition, named by the batch's first record (`files.part_name`), so a batch replayed after a crash
+overwrites itself.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from feature_repo.definitions import offline_dir
+from feature_repo.files import part_name, write_atomic
 from infra.settings import Settings, get_settings
 from streaming.consumer import Consumed, EventConsumer
 
@@ -43,17 +45,13 @@ def write_batch(s: Settings, batch: list[Consumed]) -> int:
     for c in batch:
         groups[(_date(c.event.event_time), c.partition)].append(c)
     for (date, partition), items in groups.items():
-        directory = event_log_dir(s) / f"date={date}"
-        directory.mkdir(parents=True, exist_ok=True)
         table = pa.Table.from_pylist([
             {"event_id": c.event.event_id, "user_id": c.event.user_id, "item_id": c.event.item_id,
              "event_type": c.event.event_type.value, "request_id": c.event.request_id,
              "event_time": c.event.event_time, "context": json.dumps(c.event.context, sort_keys=True),
              "kafka_partition": c.partition, "kafka_offset": c.offset} for c in items], schema=SCHEMA)
-        target = directory / f"part-{partition:04d}-{items[0].offset:012d}.parquet"
-        tmp = target.with_suffix(".tmp")
-        pq.write_table(table, tmp)
-        tmp.replace(target)
+        name = part_name(partition, items[0].offset, items[0].event.event_id.encode())
+        write_atomic(table, event_log_dir(s) / f"date={date}" / name)
     return len(groups)
 
 

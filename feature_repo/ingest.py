@@ -1,7 +1,7 @@
 """The Feast ingestor: feature-update topics -> online store (Redis) and offline store (Parquet).
 
 Micro-batches: poll up to `max_records` or `max_wait_ms`, write each view's rows offline (one
-Parquet file per batch and partition, named by its first offset, so a replayed batch rewrites the
+Parquet file per batch and partition, named by its first record, so a replayed batch rewrites the
 same file), then online (push), then commit the offsets. A crash between the write and the commit replays
 the batch: rows are snapshots keyed by entity and event time, so writing one twice changes nothing.
 """
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 from feast.data_source import PushMode
 from kafka import KafkaConsumer
 
-from feature_repo.definitions import TIMESTAMP_FIELD, view_dir
+from feature_repo.definitions import TIMESTAMP_FIELD, offline_schema, view_dir
+from feature_repo.files import part_name, write_atomic
 from feature_repo.store import apply
 from infra.settings import Settings, get_settings
 from streaming.features import STREAM_VIEWS, StreamView
@@ -58,7 +58,7 @@ class FeatureIngestor:
     def run_once(self) -> int:
         """One micro-batch; returns the number of rows written."""
         polled = self.consumer.poll(timeout_ms=self.max_wait_ms, max_records=self.max_records)
-        batches: list[tuple[StreamView, int, int, pd.DataFrame]] = []  # view, partition, first offset, rows
+        batches: list[tuple[StreamView, str, pd.DataFrame]] = []  # view, file name, rows
         for tp, records in polled.items():
             rows = []
             for record in records:
@@ -68,28 +68,22 @@ class FeatureIngestor:
                     self.stats.skipped += 1
             if rows:
                 view = VIEWS_BY_TOPIC[tp.topic]
-                batches.append((view, tp.partition, records[0].offset, rows_frame(view, rows)))
+                name = part_name(tp.partition, records[0].offset, records[0].value or b"")
+                batches.append((view, name, rows_frame(view, rows)))
         # Offline first: a row visible online is then always in the training data too.
         by_view: dict[StreamView, list[pd.DataFrame]] = defaultdict(list)
-        for view, partition, first_offset, frame in batches:
-            self._write_offline(view, partition, first_offset, frame)
+        for view, name, frame in batches:
+            table = pa.Table.from_pandas(frame, schema=offline_schema(view), preserve_index=False)
+            write_atomic(table, view_dir(self.s, view.name) / name)
             by_view[view].append(frame)
         for view, frames in by_view.items():
             self.store.push(view.push_source, pd.concat(frames, ignore_index=True), to=PushMode.ONLINE)
         if polled:
             self.consumer.commit()
             self.stats.batches += 1
-        written = sum(len(frame) for _, _, _, frame in batches)
+        written = sum(len(frame) for _, _, frame in batches)
         self.stats.rows += written
         return written
-
-    def _write_offline(self, view: StreamView, partition: int, first_offset: int, frame: pd.DataFrame) -> None:
-        directory = view_dir(self.s, view.name)
-        directory.mkdir(parents=True, exist_ok=True)
-        target = directory / f"part-{partition:04d}-{first_offset:012d}.parquet"
-        tmp = target.with_suffix(".tmp")
-        pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), tmp)
-        tmp.replace(target)
 
     def close(self) -> None:
         self.consumer.close(autocommit=False)

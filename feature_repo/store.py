@@ -1,15 +1,21 @@
-"""The Feast store, configured from settings: Redis online, Parquet files offline, a file registry."""
+"""The Feast store, configured from settings: Redis online, Parquet files read by DuckDB offline, a file registry."""
 
 from __future__ import annotations
 
+import warnings
 from urllib.parse import urlsplit
 
 from feast import FeatureStore, RepoConfig
 
-from feature_repo.definitions import definitions, offline_dir
+from feature_repo.definitions import BATCH_VIEWS, definitions, offline_dir, offline_schema, view_dir
+from feature_repo.files import write_atomic
 from infra.settings import Settings
+from streaming.features import STREAM_VIEWS
 
 PROJECT = "flywheel"
+
+# Feast's DuckDB store calls an ibis method that warns on every query; not ours to fix.
+warnings.filterwarnings("ignore", message="fetch_arrow_table", category=DeprecationWarning)
 
 
 def redis_connection_string(s: Settings) -> str:
@@ -34,7 +40,9 @@ def repo_config(s: Settings) -> RepoConfig:
         # the per-row timestamp check (an extra round trip, and it drops same-millisecond updates of
         # the behavior sequence) is not needed.
         online_store={"type": "redis", "connection_string": redis_connection_string(s), "skip_dedup": True},
-        offline_store={"type": "file"},
+        # DuckDB, not the file (dask) store: the latter can join an older row when a view's rows span
+        # several Parquet files, which breaks point-in-time correctness.
+        offline_store={"type": "duckdb"},
         entity_key_serialization_version=3,
         repo_path=str(offline_dir(s)),
     )
@@ -48,4 +56,10 @@ def apply(s: Settings) -> FeatureStore:
     """Register every definition (idempotent) and return the store."""
     store = feature_store(s)
     store.apply(definitions(s))
+    for spec in (*STREAM_VIEWS, *BATCH_VIEWS):
+        # A zero-row file with the view's schema: a training set over a view with no rows yet gets
+        # missing values (the documented defaults) instead of a "no files found" error.
+        empty = view_dir(s, spec.name) / "schema.parquet"
+        if not empty.exists():
+            write_atomic(offline_schema(spec).empty_table(), empty)
     return store

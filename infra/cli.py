@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import click
@@ -173,6 +174,20 @@ def replay(limit: int | None, speed: float, topic: str | None) -> None:
     _replay(s, topic, limit, speed)
 
 
+def _load_catalog(s: Settings) -> None:
+    from feature_repo.catalog import load_movielens, materialize
+
+    rows = load_movielens(s)
+    materialize(s)
+    click.echo(f"catalog in the offline store and materialized online: {rows}")
+
+
+@main.command()
+def catalog() -> None:
+    """Load MovieLens' item attributes and user profiles (batch feature views) and materialize them."""
+    _load_catalog(_settings())
+
+
 @main.command()
 @click.option("--rate", type=float, default=0.0, show_default=True, help="Events per second; 0 = max.")
 @click.option("--limit", type=int, default=None, help="Stop after N events.")
@@ -236,23 +251,189 @@ def dlq(topic: str | None, limit: int) -> None:
 
 # --- the platform's main job -------------------------------------------------------------------
 
+# --- models ----------------------------------------------------------------------------------------
+
+_DATE = click.DateTime(["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M:%S%z"])
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    return value if value is None or value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def _models_call(fn, *args, **kwargs):
+    """Run a models/ operation; its input and registry errors become one clear line."""
+    from models.registry import RegistryError
+
+    try:
+        return fn(*args, **kwargs)
+    except (RegistryError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _echo_outcome(outcome) -> None:
+    metrics = ", ".join(f"{k}={v:.4f}" for k, v in outcome.metrics.items())
+    click.echo(f"registered v{outcome.version} (data {outcome.window}): {metrics}")
+    if outcome.decision:
+        verdict = "promoted to @champion" if outcome.decision.promoted else "refused, now @challenger"
+        click.echo(f"gate: {verdict}: {outcome.decision.reason}")
+
+
+@main.command()
+@click.option("--start", type=_DATE, required=True, help="First impression time of the training data (UTC).")
+@click.option("--end", type=_DATE, required=True, help="End of the training data (exclusive).")
+@click.option("--kind", type=click.Choice(["ranker", "logreg"]), default="ranker", show_default=True)
+@click.option("--promote/--no-promote", default=True, show_default=True, help="Run the promotion gate.")
+def train(start: datetime, end: datetime, kind: str, promote: bool) -> None:
+    """Full training on a window: chronological split, MLflow run, registered version, gate."""
+    from models.dataset import Window
+    from models.train import train_full
+
+    _echo_outcome(_models_call(train_full, _settings(), Window(_utc(start), _utc(end)), kind, promote))
+
+
+@main.command("train-incremental")
+@click.option("--until", type=_DATE, default=None, help="End of the new data (default: now).")
+@click.option("--promote/--no-promote", default=True, show_default=True)
+def train_incremental(until: datetime | None, promote: bool) -> None:
+    """Continue @champion on the events since its data watermark; publish the version and its delta."""
+    from models.train import train_incremental as run
+
+    outcome = _models_call(run, _settings(), _utc(until), promote)
+    if outcome is None:
+        click.echo("nothing to train: too few new events since the champion's data watermark")
+    else:
+        _echo_outcome(outcome)
+
+
+@main.command()
+@click.argument("version")
+@click.option("--start", type=_DATE, required=True)
+@click.option("--end", type=_DATE, required=True)
+def evaluate(version: str, start: datetime, end: datetime) -> None:
+    """Metrics of a registered version on the impressions of a window."""
+    from models.dataset import Window, training_set
+    from models.metrics import evaluate as metrics_of
+    from models.registry import load_version
+
+    def run() -> dict[str, float]:
+        s = _settings()
+        ex, _ = training_set(s, Window(_utc(start), _utc(end)), s.streaming.sequence_length)
+        return metrics_of(ex.labels, load_version(s, version).predict(ex))
+
+    click.echo(", ".join(f"{k}={v:.4f}" for k, v in _models_call(run).items()))
+
+
+@main.command()
+@click.argument("version")
+def promote(version: str) -> None:
+    """Run the promotion gate for a registered version on its recorded evaluation window."""
+    from datetime import timedelta
+
+    from models.dataset import Window, training_set
+    from models.registry import gate, load_version, version_tags
+
+    def run():
+        s = _settings()
+        tags = version_tags(s, version)
+        window = Window(datetime.fromisoformat(tags["eval_start"]),
+                        datetime.fromisoformat(tags["eval_end"]) + timedelta(milliseconds=1))
+        ex, _ = training_set(s, window, s.streaming.sequence_length)
+        return gate(s, version, load_version(s, version), ex, f"its evaluation window {window}")
+
+    decision = _models_call(run)
+    click.echo(f"v{version} {'promoted to @champion' if decision.promoted else 'refused'}: {decision.reason}")
+
+
+@main.command()
+@click.option("--why", required=True, help="Reason, recorded on the version rolled back from.")
+@click.option("--to", "target", default="previous", show_default=True, help="Version, or 'previous'.")
+def rollback(why: str, target: str) -> None:
+    """Move @champion back to the previous champion (or a given version)."""
+    from models.registry import rollback as run
+
+    old, new = _models_call(run, _settings(), why, target)
+    click.echo(f"@champion: v{old} -> v{new}")
+
+
+@main.command()
+def versions() -> None:
+    """Registered versions, newest first, with aliases, lineage and gate decisions."""
+    from models.registry import list_versions
+
+    rows = _models_call(list_versions, _settings())
+    if not rows:
+        click.echo("no registered versions")
+    for r in rows:
+        flags = f"@{r['aliases']}" if r["aliases"] else ""
+        parent = f" parent v{r['parent']}" if r["parent"] else ""
+        click.echo(f"v{r['version']:<4} {flags:<22} {r['kind']:<7} auc {r['auc'] or '-':<9} {r['gate'] or '-':<9}"
+                   f" data {r['data']}{parent}")
+        if r["reason"]:
+            click.echo(f"      gate: {r['reason']}")
+        if r["rolled_back"]:
+            click.echo(f"      rolled back: {r['rolled_back']}")
+
+
+DEMO_FEATURES = ["user_total:user_impressions_total", "user_total:user_clicks_total", "user_total:user_ctr_total",
+                 "user_sequence:seq_item_ids", "user_interest:interest_categories", "user_interest:interest_weights",
+                 "user_profile:user_age", "user_profile:user_occupation"]
+
+
+def _await_features(s: Settings, limit: int | None, timeout: float) -> dict:
+    """Wait until the stream job and the ingestor have caught up with the replay: the running total
+    of the last replayed user equals its impressions in the replay. Returns the online features of
+    the most active user (the last user's sequence can still wait for the watermark)."""
+    from collections import Counter
+
+    from feature_repo.store import feature_store
+    from streaming.movielens import replay_events
+
+    events = list(replay_events(s, limit))
+    impressions = Counter(e.user_id for e in events if e.event_type.value == "impression")
+    last, expected = events[-1].user_id, impressions[events[-1].user_id]
+    store, deadline = feature_store(s), time.monotonic() + timeout
+
+    def online(user: str) -> dict:
+        got = store.get_online_features(features=DEMO_FEATURES, entity_rows=[{"user_id": user}]).to_dict()
+        return {k: v[0] for k, v in got.items()}
+
+    while (got := online(last)["user_impressions_total"]) != expected:
+        if time.monotonic() > deadline:
+            raise click.ClickException(
+                f"after {timeout:.0f}s user {last} has {got} of {expected} impressions online; "
+                "see `flywheel logs stream-job` and `flywheel logs feast-ingestor`")
+        time.sleep(2)
+    return online(impressions.most_common(1)[0][0])
+
+
 @main.command()
 @click.option("--limit", type=int, default=None, help="Replay only the first N ratings.")
-def demo(limit: int | None) -> None:
-    """Start the stack, replay MovieLens-100k into Kafka and report what landed."""
+@click.option("--timeout", type=float, default=900, show_default=True,
+              help="Seconds to wait for the feature store to catch up with the replay.")
+def demo(limit: int | None, timeout: float) -> None:
+    """Start the stack, replay MovieLens-100k into Kafka and wait until the stream job has turned it
+    into online features; load the catalog (batch features)."""
     from streaming.produce import count_landed
 
     s = _settings()
     click.get_current_context().invoke(up)
     topic = s.kafka.events_topic
     before = _end_offsets(s, topic)
+    started = time.monotonic()
     report = _replay(s, topic, limit, speed=0.0)
     landed = count_landed(s, topic, before, _end_offsets(s, topic))
     click.echo(f"landed in Kafka topic {topic!r}: {sum(landed.values())} events {dict(sorted(landed.items()))}")
     if landed != report.by_type:
         raise click.ClickException(f"Kafka holds {dict(landed)} but the replay sent {dict(report.by_type)}")
-    click.echo("OK: every replayed event is in Kafka.\n"
-               "Stop the stack with `make down` (or `.venv/bin/flywheel down`).")
+    _load_catalog(s)
+    features = _await_features(s, limit, timeout)
+    seconds = time.monotonic() - started
+    click.echo(f"Flink -> Feast caught up with the replay {seconds:.0f}s after it began "
+               f"({report.total / seconds:,.0f} events/s end to end). Online features of user {features['user_id']}:")
+    for name, value in features.items():
+        shown = value[-5:] if isinstance(value, list) else value
+        click.echo(f"  {name:24} {shown}{' (last 5)' if isinstance(value, list) and len(value) > 5 else ''}")
+    click.echo("OK.\nStop the stack with `make down` (or `.venv/bin/flywheel down`).")
 
 
 if __name__ == "__main__":

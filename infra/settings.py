@@ -49,6 +49,11 @@ class PathSettings:
     def run_dir(self) -> Path:
         return self.data_dir / "run"
 
+    @property
+    def checkpoints_dir(self) -> Path:
+        """The stream job's checkpoints (Kafka offsets and operator state)."""
+        return self.data_dir / "flink" / "checkpoints"
+
 
 @dataclass(frozen=True)
 class StackSettings:
@@ -180,6 +185,23 @@ class StreamingSettings:
 
 
 @dataclass(frozen=True)
+class ModelsSettings:
+    name: str = "flywheel-ctr"  # the registered model
+    experiment: str = "flywheel-ctr"
+    # The gate: a candidate becomes @champion only if its AUC on the same recent window is at least
+    # the champion's minus this tolerance.
+    max_auc_drop: float = 0.0
+    embedding_dim: int = 16
+    admit_after: int = 2  # times an id must be seen in training to get its own embedding row
+    evict_after_steps: int = 0  # 0 = never evict
+    sparse_learning_rate: float = 0.1
+    dense_learning_rate: float = 0.001
+    batch_size: int = 256
+    max_epochs: int = 3  # full training stops earlier when the validation AUC stops improving
+    request_timeout_s: float = 30.0  # MLflow HTTP calls; an unreachable server fails fast
+
+
+@dataclass(frozen=True)
 class Settings:
     paths: PathSettings = field(default_factory=PathSettings)
     stack: StackSettings = field(default_factory=StackSettings)
@@ -190,6 +212,7 @@ class Settings:
     movielens: MovielensSettings = field(default_factory=MovielensSettings)
     flink: FlinkSettings = field(default_factory=FlinkSettings)
     streaming: StreamingSettings = field(default_factory=StreamingSettings)
+    models: ModelsSettings = field(default_factory=ModelsSettings)
 
 
 def _host_port(endpoint: str, default_port: int) -> tuple[str, int]:

@@ -101,11 +101,21 @@ def wait_healthy(s: Settings, services: list[Service], timeout_s: float) -> dict
 
 
 def prepare_pipeline(s: Settings) -> None:
-    """Before the pipeline starts: its topics must exist (a missing source topic fails a Flink job)."""
+    """Before the pipeline starts: its topics must exist (a missing source topic fails a Flink job).
+
+    A newly created events topic (the embedded broker keeps topics in memory only, so after
+    `down`/`up` they are new) makes the stream job's checkpoints stale: they hold offsets and state
+    of the topic that is gone, and resuming from them would wait for offsets the new topic never
+    reaches. They are removed, so the job starts from the new topic's beginning.
+    """
+    import shutil
+
     from streaming.features import STREAM_VIEWS
     from streaming.topics import ensure_topics
 
-    ensure_topics(s, [s.kafka.events_topic, *(v.topic for v in STREAM_VIEWS)])
+    created = ensure_topics(s, [s.kafka.events_topic, *(v.topic for v in STREAM_VIEWS)])
+    if s.kafka.events_topic in created and s.paths.checkpoints_dir.exists():
+        shutil.rmtree(s.paths.checkpoints_dir)
 
 
 def up(s: Settings) -> list[str]:

@@ -35,13 +35,9 @@ log = logging.getLogger("flywheel.stream-job")
 UPSERT_VIEWS = {"user_total", "item_total", "user_category", "user_interest"}
 
 
-def checkpoint_dir(s: Settings) -> Path:
-    return s.paths.service_dir("flink") / "checkpoints"
-
-
 def latest_checkpoint(s: Settings) -> Path | None:
     """The newest completed checkpoint of an earlier run, to resume from."""
-    done = [m.parent for m in checkpoint_dir(s).glob("*/chk-*/_metadata")]
+    done = [m.parent for m in s.paths.checkpoints_dir.glob("*/chk-*/_metadata")]
     return max(done, key=lambda p: p.stat().st_mtime) if done else None
 
 
@@ -61,7 +57,7 @@ def table_environment(s: Settings) -> TableEnvironment:
         "parallelism.default": str(s.streaming.parallelism),
         "io.tmp.dirs": str(tmp),
         "execution.checkpointing.interval": f"{s.streaming.checkpoint_interval_ms} ms",
-        "execution.checkpointing.dir": f"file://{checkpoint_dir(s)}",
+        "execution.checkpointing.dir": f"file://{s.paths.checkpoints_dir}",
         "execution.checkpointing.externalized-checkpoint-retention": "RETAIN_ON_CANCELLATION",
         "execution.checkpointing.num-retained": "2",
         # Upsert sinks get their key from GROUP BY; the Python aggregate hides it from the planner,

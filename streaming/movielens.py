@@ -50,13 +50,17 @@ def load_ratings(path: Path) -> list[Rating]:
     return sorted(ratings, key=lambda r: (r.timestamp, int(r.user_id), int(r.item_id)))
 
 
-def load_item_categories(path: Path) -> dict[str, str]:
-    """Item id -> its first genre, from an ``.item`` file (the category used by affinity features)."""
+def load_side_table(path: Path) -> list[dict[str, str]]:
+    """The rows of an ``.item`` or ``.user`` file, keyed by column name without its type suffix."""
     with open(path, newline="", encoding="latin-1") as f:
         rows = csv.reader(f, delimiter="\t")
-        header = next(rows)
-        genres = header.index("class:token_seq")
-        return {row[0]: row[genres].split(" ")[0] for row in rows if len(row) > genres and row[genres]}
+        header = [h.split(":")[0] for h in next(rows)]
+        return [dict(zip(header, row)) for row in rows]
+
+
+def load_item_categories(path: Path) -> dict[str, str]:
+    """Item id -> its first genre, from an ``.item`` file (the category used by affinity features)."""
+    return {row["item_id"]: row["class"].split(" ")[0] for row in load_side_table(path) if row.get("class")}
 
 
 def rating_events(rating: Rating, click_min_rating: float, category: str | None = None) -> list[Event]:

@@ -18,8 +18,9 @@ from kafka.consumer.fetcher import ConsumerRecord
 from infra.settings import Settings
 
 
-def ensure_topics(s: Settings, topics: list[str], partitions: int | None = None) -> None:
-    """Create `topics` (and their dead-letter topics) if missing; existing topics are left as they are."""
+def ensure_topics(s: Settings, topics: list[str], partitions: int | None = None) -> set[str]:
+    """Create `topics` (and their dead-letter topics) if missing; existing topics are left as they are.
+    Returns the topics this call created."""
     wanted = set(topics) | {s.kafka.dlq_topic(t) for t in topics if not t.endswith(s.kafka.dlq_suffix)}
     admin = KafkaAdminClient(**s.kafka.client_config())
     try:
@@ -32,6 +33,7 @@ def ensure_topics(s: Settings, topics: list[str], partitions: int | None = None)
     finally:
         admin.close()
     _wait_for_metadata(s, wanted)
+    return missing
 
 
 def _wait_for_metadata(s: Settings, topics: set[str], timeout_s: float = 10.0) -> None:

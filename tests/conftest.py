@@ -43,3 +43,13 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     stack.up(settings)
     yield settings
     stack.down(settings)
+
+
+@pytest.fixture(scope="session")
+def redis_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    """A real Redis (the Feast online store) for the whole session, with its own data directory."""
+    environ = stack_environ(tmp_path_factory.mktemp("redis"), FLYWHEEL_STACK_SERVICES="redis")
+    settings = load_settings(environ)
+    stack.up(settings)
+    yield settings
+    stack.down(settings)

@@ -8,10 +8,12 @@ import math
 import time
 from collections.abc import Iterator
 
+import pandas as pd
 import pytest
 from kafka import KafkaProducer
 from kafka.partitioner.default import murmur2
 
+from feature_repo.definitions import TIMESTAMP_FIELD, view_dir
 from feature_repo.event_log import read_event_log
 from feature_repo.store import feature_store
 from infra import process, stack
@@ -215,6 +217,39 @@ def _logged(s: Settings, n: int) -> list[str]:
     ids = read_event_log(s).column("event_id").to_pylist()
     assert len(ids) == n
     return ids
+
+
+def test_training_features_are_point_in_time_correct(pipeline: Settings, timeline: Timeline) -> None:
+    """A label at time t is joined with the features as of t: never from an event after t."""
+    s = pipeline
+    t0 = timeline.take(11 * MINUTE)
+    user = "user-pit"
+    events = [event(100 + i, user, f"i{i}", kind, t0 + i * MINUTE + (kind is CLICK))
+              for i in range(6) for kind in ((IMP, CLICK) if i % 2 == 0 else (IMP,))]
+    with EventProducer(s) as producer:
+        for e in [*events, *sentinels(s, t0 + 10 * MINUTE)]:
+            producer.send(e)
+    last = max(e.event_time for e in events)
+    wait_for(lambda: _assert_online(s, user, impressions_5m=expected_counts(events, "user_id", user, last,
+                                                                             5 * MINUTE)[0]))
+
+    label_times = [t0 + 2 * MINUTE, t0 + 2 * MINUTE + 1, t0 + 4 * MINUTE + 30_000, t0 - MINUTE]
+    entity_df = pd.DataFrame({"user_id": user, "event_timestamp": pd.to_datetime(label_times, unit="ms", utc=True)})
+    got = feature_store(s).get_historical_features(
+        entity_df=entity_df, features=["user_5m:user_impressions_5m", "user_5m:user_clicks_5m",
+                                       "user_total:user_clicks_total"]).to_df()
+    by_time = {int(row.event_timestamp.timestamp() * 1000): row for row in got.itertuples()}
+    for t in label_times:
+        row = by_time.get(t)
+        if t < t0:  # nothing known yet
+            assert row is None or pd.isna(row.user_impressions_5m)
+            continue
+        # the features of the newest event at or before t, counted over the 5 minutes up to it
+        as_of = max(e.event_time for e in events if e.event_time <= t)
+        imps, clicks = expected_counts(events, "user_id", user, as_of, 5 * MINUTE)
+        offline = pd.read_parquet(view_dir(s, "user_5m")).query("user_id == @user").sort_values(TIMESTAMP_FIELD)
+        assert (row.user_impressions_5m, row.user_clicks_5m) == (imps, clicks), (t - t0, offline.to_string())
+        assert row.user_clicks_total == sum(e.event_type is CLICK and e.event_time <= t for e in events)
 
 
 def test_a_restarted_job_and_ingestor_lose_nothing_and_count_nothing_twice(pipeline: Settings,
