@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 FLYWHEEL := .venv/bin/flywheel
 
-.PHONY: setup demo test test-fast up down status bench bench-streaming lock clean
+.PHONY: setup demo test test-fast up down status bench bench-streaming bench-models lock clean
 
 setup:  ## install both environments and the Flink connector jars from the lock files
 	@bash infra/setup.sh
@@ -30,6 +30,9 @@ bench: setup  ## producer throughput and stack cold start; figures for docs/benc
 
 bench-streaming: setup  ## events/s through Kafka -> Flink -> online store, and feature freshness
 	.venv/bin/python -m benchmarks.streaming $(ARGS)
+
+bench-models: setup  ## after `make demo`: ranker vs logistic-regression baseline on MovieLens, incremental run
+	.venv/bin/python -m benchmarks.models $(ARGS)
 
 lock:  ## re-resolve both lock files after editing a pyproject.toml
 	.tools/bin/uv lock

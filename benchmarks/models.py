@@ -1,0 +1,62 @@
+"""Models benchmark: the DIN ranker vs the logistic-regression baseline on MovieLens-100k replayed
+through the platform, then one incremental run.
+
+Run after `make demo` (the stack up, MovieLens replayed through Kafka and Flink into the offline
+store): `make bench-models`. Registers under the model name `<models.name>-bench`, so the platform's
+own `@champion` is untouched. Prints Markdown for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from datetime import UTC, datetime
+
+import psutil
+
+from infra.settings import get_settings
+from models.dataset import Window
+from models.train import train_full, train_incremental
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--start", default="1997-09-01")
+    parser.add_argument("--split", default="1998-04-01", help="full training data ends here; incremental after")
+    parser.add_argument("--end", default="1998-05-01")
+    args = parser.parse_args()
+    s = get_settings()
+    s = replace(s, models=replace(s.models, name=f"{s.models.name}-bench", experiment=f"{s.models.experiment}-bench"))
+    start, split, end = (datetime.fromisoformat(d).replace(tzinfo=UTC) for d in (args.start, args.split, args.end))
+    rows = []
+    for kind in ("logreg", "ranker"):
+        started = time.perf_counter()
+        out = train_full(s, Window(start, split), kind=kind, progress=False)
+        rows.append((kind, out, time.perf_counter() - started))
+    started = time.perf_counter()
+    inc = train_incremental(s, until=end, progress=False)
+    inc_seconds = time.perf_counter() - started
+
+    cpu = f"{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
+    print(f"Machine: {cpu}. Data: impressions {start:%Y-%m-%d} .. {split:%Y-%m-%d}, chronological 80/10/10 split.\n")
+    print("| model | test AUC | logloss | calibration | epochs | train samples/s | run (s) | version |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for kind, out, seconds in rows:
+        m = out.metrics
+        verdict = "promoted" if out.decision and out.decision.promoted else "refused"
+        print(f"| {kind} | {m['test_auc']:.4f} | {m['test_logloss']:.4f} | {m['test_calibration']:.3f} | "
+              f"{m['epochs']:.0f} | {m['train_samples_per_s']:,.0f} | {seconds:.0f} | v{out.version} ({verdict}) |")
+    base, ranker = rows[0][1].metrics["test_auc"], rows[1][1].metrics["test_auc"]
+    print(f"\nRanker vs baseline test AUC: +{ranker - base:.4f} ({ranker / base:.3f}x).")
+    if inc is None:
+        print("\nIncremental: skipped (no new examples).")
+    else:
+        d = inc.decision
+        print(f"\nIncremental run {split:%Y-%m-%d} .. {end:%Y-%m-%d}: {inc.metrics['eval_examples']:.0f} evaluation "
+              f"examples, eval AUC {inc.metrics['eval_auc']:.4f}, {inc.samples_per_s:,.0f} samples/s, whole run "
+              f"{inc_seconds:.0f} s; gate: {'promoted' if d and d.promoted else 'refused'} ({d.reason if d else '-'}).")
+
+
+if __name__ == "__main__":
+    main()

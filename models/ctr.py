@@ -1,0 +1,213 @@
+"""A CTR model = sparse embedding tables (CPU, keyed by raw id) + a dense Keras network (XLA).
+
+A training step gathers the rows of the batch's ids, runs the compiled dense step, which returns the
+loss, applies the dense gradients and hands back the gradients of the gathered embeddings, and then
+applies those to the sparse rows (each table's own Adagrad). Exported as the dense weights plus a
+snapshot of every table; `save_delta` writes only the rows changed since a version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up banner is not ours to show
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from models.examples import PAD, Examples  # noqa: E402
+from models.networks import LogisticRegression, Ranker  # noqa: E402
+from models.sparse import DEFAULT_ROW, SparseConfig, SparseTable, TableSnapshot, apply_delta  # noqa: E402
+
+TABLES = ("user", "item", "category")  # the behavior sequence shares the item table
+EMBEDDED = ("user", "item", "category", "sequence")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    kind: str = "ranker"  # "ranker" (DIN) or "logreg" (the baseline)
+    numeric_features: tuple[str, ...] = ()
+    sequence_length: int = 50
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    hidden: tuple[int, ...] = (128, 64)
+    learning_rate: float = 1e-3  # the dense network's Adam
+    batch_size: int = 256
+    jit_compile: bool = True
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelSpec:
+        raw = json.loads(text)
+        return cls(**raw | {"sparse": SparseConfig(**raw["sparse"]), "numeric_features": tuple(raw["numeric_features"]),
+                            "hidden": tuple(raw["hidden"])})
+
+
+class CtrModel:
+    def __init__(self, spec: ModelSpec, tables: dict[str, SparseTable] | None = None) -> None:
+        if spec.kind not in ("ranker", "logreg"):
+            raise ValueError(f"unknown model kind {spec.kind!r}: use 'ranker' or 'logreg'")
+        if spec.kind == "logreg" and spec.sparse.dim != 1:
+            raise ValueError("logreg learns one weight per id: its sparse dim must be 1")
+        self.spec = spec
+        self.tables = tables or {name: SparseTable(name, spec.sparse) for name in TABLES}
+        self.network = Ranker(list(spec.hidden)) if spec.kind == "ranker" else LogisticRegression()
+        self.optimizer = keras.optimizers.Adam(spec.learning_rate)
+        # Build the variables eagerly: the compiled step must not create any.
+        self.network(self._dense_inputs(self._lookup(_empty(spec), train=False), _empty(spec)))
+        self.optimizer.build(self.network.trainable_variables)
+        self._step = tf.function(self._dense_step, jit_compile=spec.jit_compile, reduce_retracing=True)
+        self._predict = tf.function(self._dense_predict, jit_compile=spec.jit_compile, reduce_retracing=True)
+
+    # --- inputs ----------------------------------------------------------------------------------
+
+    def _lookup(self, ex: Examples, train: bool) -> dict[str, np.ndarray]:
+        """Rows of every id of the batch; sequence padding -> the default row, never counted. Only
+        the newest `sequence_length` behaviors are used."""
+        seq = ex.sequences[:, : self.spec.sequence_length]
+        real = seq != PAD
+        seq_rows = np.full(seq.shape, DEFAULT_ROW, np.int64)
+        seq_rows[real] = self.tables["item"].lookup(seq[real].tolist(), train)
+        return {"user": self.tables["user"].lookup(ex.user_ids.tolist(), train),
+                "item": self.tables["item"].lookup(ex.item_ids.tolist(), train),
+                "category": self.tables["category"].lookup(ex.categories.tolist(), train),
+                "sequence": seq_rows, "sequence_mask": real.astype(np.float32)}
+
+    def _dense_inputs(self, rows: dict[str, np.ndarray], ex: Examples) -> dict[str, tf.Tensor]:
+        length = self.spec.sequence_length
+        seq, mask = rows["sequence"], rows["sequence_mask"]
+        if seq.shape[1] < length:  # fixed length: one compiled shape per batch size
+            pad = ((0, 0), (0, length - seq.shape[1]))
+            seq, mask = np.pad(seq, pad), np.pad(mask, pad)
+        return {"user": tf.constant(self.tables["user"].gather(rows["user"])),
+                "item": tf.constant(self.tables["item"].gather(rows["item"])),
+                "category": tf.constant(self.tables["category"].gather(rows["category"])),
+                "sequence": tf.constant(self.tables["item"].gather(seq)),
+                "sequence_mask": tf.constant(mask),
+                "numeric": tf.constant(ex.numeric.astype(np.float32).reshape(len(ex), -1))}
+
+    # --- compiled dense parts --------------------------------------------------------------------
+
+    def _dense_step(self, inputs: dict[str, tf.Tensor], labels: tf.Tensor):
+        embedded = [inputs[k] for k in EMBEDDED]
+        variables = self.network.trainable_variables
+        with tf.GradientTape() as tape:
+            tape.watch(embedded)
+            logits = self.network(inputs, training=True)
+            loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits))
+        grads = tape.gradient(loss, [*variables, *embedded], unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        self.optimizer.apply(grads[: len(variables)], variables)
+        return loss, grads[len(variables):]
+
+    def _dense_predict(self, inputs: dict[str, tf.Tensor]) -> tf.Tensor:
+        return tf.sigmoid(self.network(inputs, training=False))
+
+    # --- training and scoring --------------------------------------------------------------------
+
+    def train_batch(self, ex: Examples) -> float:
+        rows = self._lookup(ex, train=True)
+        loss, grads = self._step(self._dense_inputs(rows, ex), tf.constant(ex.labels, tf.float32))
+        # The rows get the gradient of the summed loss, not the mean: a row's update then does not
+        # shrink with the batch size (each row is touched by a few examples of a batch).
+        user_grad, item_grad, category_grad, seq_grad = (g.numpy() * len(ex) for g in grads)
+        seq_rows = rows["sequence"]
+        seq_grad = seq_grad[:, : seq_rows.shape[1]]
+        self.tables["user"].apply_gradients(rows["user"], user_grad)
+        self.tables["item"].apply_gradients(np.concatenate([rows["item"], seq_rows.reshape(-1)]),
+                                            np.concatenate([item_grad, seq_grad.reshape(-1, item_grad.shape[1])]))
+        self.tables["category"].apply_gradients(rows["category"], category_grad)
+        return float(loss)
+
+    def fit(self, ex: Examples, epochs: int = 1, progress: bool = True,
+            on_epoch: Callable[[int, float], None] | None = None) -> list[float]:
+        """Train in time order (no shuffling across the window: later examples come last, as in
+        online learning). Returns the mean loss of each epoch."""
+        if not len(ex):
+            raise ValueError("no training examples")
+        losses = []
+        size = self.spec.batch_size
+        for epoch in range(epochs):
+            batches = range(0, len(ex), size)
+            total = 0.0
+            for start in tqdm(batches, desc=f"{self.spec.kind} epoch {epoch + 1}/{epochs}", unit="step",
+                              disable=not progress, leave=False):
+                total += self.train_batch(ex.take(slice(start, start + size))) * len(ex.labels[start:start + size])
+            losses.append(total / len(ex))
+            if on_epoch:
+                on_epoch(epoch, losses[-1])
+        return losses
+
+    def predict(self, ex: Examples, batch_size: int = 1024) -> np.ndarray:
+        """Click probabilities [N]. Ids never admitted score with the default (zero) embedding."""
+        out = []
+        for start in range(0, len(ex), batch_size):
+            part = ex.take(slice(start, start + batch_size))
+            out.append(self._predict(self._dense_inputs(self._lookup(part, train=False), part)).numpy())
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+    # --- export ----------------------------------------------------------------------------------
+
+    def versions(self) -> dict[str, int]:
+        return {name: table.step for name, table in self.tables.items()}
+
+    def save(self, directory: Path) -> Path:
+        """Dense weights, spec and a full snapshot of every table."""
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "spec.json").write_text(self.spec.to_json())
+        self.network.save_weights(directory / "dense.weights.h5")
+        for name, table in self.tables.items():
+            _save_snapshot(table.snapshot(), directory / f"sparse-{name}.npz")
+        return directory
+
+    def save_delta(self, directory: Path, since: dict[str, int]) -> Path:
+        """Dense weights, spec and, per table, only the rows changed after `since[table]`."""
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "spec.json").write_text(self.spec.to_json())
+        (directory / "delta-of.json").write_text(json.dumps(since))
+        self.network.save_weights(directory / "dense.weights.h5")
+        for name, table in self.tables.items():
+            _save_snapshot(table.delta(since[name]), directory / f"sparse-{name}.npz")
+        return directory
+
+    @classmethod
+    def load(cls, directory: Path, delta: Path | None = None) -> CtrModel:
+        """A saved model; with `delta`, that export patched by a delta (its dense weights win)."""
+        spec = ModelSpec.from_json((directory / "spec.json").read_text())
+        snaps = {name: load_snapshot(directory / f"sparse-{name}.npz") for name in TABLES}
+        if delta is not None:
+            base_versions = {name: snap.version for name, snap in snaps.items()}
+            expected = json.loads((delta / "delta-of.json").read_text())
+            if expected != base_versions:
+                raise ValueError(f"delta {delta} is relative to versions {expected}, not {base_versions}")
+            snaps = {name: apply_delta(snap, load_snapshot(delta / f"sparse-{name}.npz"))
+                     for name, snap in snaps.items()}
+        model = cls(spec, {name: SparseTable.restore(name, spec.sparse, snap) for name, snap in snaps.items()})
+        model.network.load_weights((delta or directory) / "dense.weights.h5")
+        return model
+
+
+def _empty(spec: ModelSpec) -> Examples:
+    return Examples(np.array([PAD]), np.array([PAD]), np.array([PAD]),
+                    np.full((1, spec.sequence_length), PAD, dtype=object),
+                    np.zeros((1, len(spec.numeric_features)), np.float32), np.zeros(1, np.float32))
+
+
+def _save_snapshot(snap: TableSnapshot, path: Path) -> None:
+    np.savez(path, ids=snap.ids.astype(str), values=snap.values, accumulators=snap.accumulators,
+             last_seen=snap.last_seen, pending_ids=snap.pending_ids.astype(str), pending_counts=snap.pending_counts,
+             removed=snap.removed.astype(str), version=np.int64(snap.version))
+
+
+def load_snapshot(path: Path) -> TableSnapshot:
+    with np.load(path) as z:
+        return TableSnapshot(ids=z["ids"].astype(object), values=z["values"], accumulators=z["accumulators"],
+                             last_seen=z["last_seen"], pending_ids=z["pending_ids"].astype(object),
+                             pending_counts=z["pending_counts"], version=int(z["version"]),
+                             removed=z["removed"].astype(object))

@@ -1,0 +1,118 @@
+"""Training sets: impressions from the offline event log, labelled by their clicks, joined
+point-in-time correct with the `ranking_training` features.
+
+Each impression is joined with the features as they were 1 ms before it, which is what the ranking
+server sees when it scores the request that leads to the impression: the impression's own update
+(and its click, 1 ms or more later) are never in its features. Behaviors in the sequence at or
+after that time are dropped for the same reason.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import numpy as np
+import pandas as pd
+import pyarrow.compute as pc
+
+from feature_repo.event_log import read_event_log
+from feature_repo.store import feature_store
+from infra.settings import Settings
+from models.examples import PAD, Examples
+
+# Numeric inputs of the models and how each is scaled; a missing value (a window without events,
+# a user without a profile) is the default 0 after scaling.
+COUNTS = ("user_impressions_5m", "user_clicks_5m", "user_impressions_1h", "user_clicks_1h",
+          "item_impressions_5m", "item_clicks_5m", "item_impressions_1h", "item_clicks_1h",
+          "user_impressions_total", "user_clicks_total", "item_impressions_total", "item_clicks_total",
+          "category_impressions", "category_clicks")
+RATES = ("user_ctr_5m", "user_ctr_1h", "item_ctr_5m", "item_ctr_1h", "user_ctr_total", "item_ctr_total",
+         "category_ctr")
+NUMERIC_FEATURES: tuple[str, ...] = (*COUNTS, *RATES, "user_age")
+SEQUENCE = ("seq_item_ids", "seq_event_times")
+
+
+@dataclass(frozen=True)
+class Window:
+    """Impressions with start <= event time < end."""
+
+    start: datetime
+    end: datetime
+
+    def __str__(self) -> str:
+        return f"[{self.start.isoformat()}, {self.end.isoformat()})"
+
+
+def labelled_impressions(s: Settings, window: Window) -> pd.DataFrame:
+    """One row per impression in `window` (event log, deduplicated by event id): user_id, item_id,
+    category, event_time (ms), label (1.0 if a click with its request id and item exists)."""
+    log = read_event_log(s)
+    log = log.filter(pc.field("event_id").is_valid())
+    frame = log.select(["event_id", "user_id", "item_id", "event_type", "request_id", "event_time", "context"]
+                       ).to_pandas().drop_duplicates("event_id")
+    start, end = (int(t.timestamp() * 1000) for t in (window.start, window.end))
+    imps = frame[(frame.event_type == "impression") & (frame.event_time >= start) & (frame.event_time < end)]
+    clicks = frame[frame.event_type == "click"][["request_id", "item_id"]].drop_duplicates()
+    clicks["label"] = 1.0
+    out = imps.merge(clicks, on=["request_id", "item_id"], how="left")
+    out["label"] = out["label"].fillna(0.0)
+    out["category"] = [json.loads(c).get("category", "") for c in out["context"]]
+    return out[["user_id", "item_id", "category", "event_time", "label"]].sort_values(
+        "event_time", kind="stable").reset_index(drop=True)
+
+
+def training_set(s: Settings, window: Window, sequence_length: int) -> tuple[Examples, np.ndarray]:
+    """The examples of `window` in time order, and their event times (ms)."""
+    imps = labelled_impressions(s, window)
+    if imps.empty:
+        raise ValueError(f"no impressions in {window}: nothing to train or evaluate on")
+    store = feature_store(s)
+    entity_df = imps[["user_id", "item_id", "category"]].copy()
+    entity_df["event_timestamp"] = pd.to_datetime(imps["event_time"] - 1, unit="ms", utc=True)
+    entity_df["row"] = np.arange(len(imps))
+    joined = store.get_historical_features(
+        entity_df=entity_df, features=store.get_feature_service("ranking_training")).to_df()
+    joined = joined.sort_values("row").reset_index(drop=True)
+    missing = [c for c in (*NUMERIC_FEATURES, *SEQUENCE) if c not in joined.columns]
+    if missing:
+        raise ValueError(f"feature service ranking_training lacks {missing}")
+    return to_examples(joined, imps["event_time"].to_numpy(), imps["label"].to_numpy(), sequence_length), \
+        imps["event_time"].to_numpy()
+
+
+def to_examples(features: pd.DataFrame, times_ms: np.ndarray, labels: np.ndarray, sequence_length: int) -> Examples:
+    """Model inputs from feature rows (as `get_historical_features` or `get_online_features` return
+    them) for requests at `times_ms`. Serving uses the same function."""
+    numeric = np.zeros((len(features), len(NUMERIC_FEATURES)), np.float32)
+    for j, name in enumerate(NUMERIC_FEATURES):
+        values = pd.to_numeric(features[name], errors="coerce").fillna(0.0).to_numpy(np.float64)
+        numeric[:, j] = np.log1p(np.maximum(values, 0.0)) if name in COUNTS else (
+            values / 100.0 if name == "user_age" else values)
+    sequences = np.full((len(features), sequence_length), PAD, dtype=object)
+    for n, (items, times) in enumerate(zip(features["seq_item_ids"], features["seq_event_times"])):
+        if items is None or times is None or not len(items):
+            continue
+        before = [i for i, t in zip(items, times) if t < times_ms[n]][::-1][:sequence_length]  # newest first
+        sequences[n, : len(before)] = before
+    return Examples(user_ids=features["user_id"].astype(str).to_numpy(object),
+                    item_ids=features["item_id"].astype(str).to_numpy(object),
+                    categories=features["category"].fillna("").astype(str).to_numpy(object),
+                    sequences=sequences, numeric=numeric, labels=np.asarray(labels, np.float32))
+
+
+def chronological_split(ex: Examples, times_ms: np.ndarray, validation: float = 0.1, test: float = 0.1
+                        ) -> tuple[Examples, Examples, Examples, dict[str, str]]:
+    """Train on the past, validate and test on the most recent windows. Returns the three parts and
+    their time ranges."""
+    n = len(ex)
+    a, b = int(n * (1 - validation - test)), int(n * (1 - test))
+    if min(a, b - a, n - b) == 0:
+        raise ValueError(f"{n} examples are too few to split {1 - validation - test:.0%}/{validation:.0%}/{test:.0%}")
+
+    def span(i: int, j: int) -> str:
+        return " .. ".join(datetime.fromtimestamp(times_ms[k] / 1000, UTC).isoformat() for k in (i, j - 1))
+
+    return (ex.take(slice(0, a)), ex.take(slice(a, b)), ex.take(slice(b, n)),
+            {"train": span(0, a), "validation": span(a, b), "test": span(b, n)})

@@ -1,0 +1,180 @@
+"""The MLflow model registry: every trained model is a version with its lineage; `@champion` moves only
+through the promotion gate or a recorded rollback.
+
+Lineage lives in version tags: `data_start`/`data_end` (the training window; `data_end` is the
+watermark incremental training continues from), `eval_start`/`eval_end` (the window the gate
+compares on), `parent_version` (incremental runs), `kind`. Gate decisions and rollbacks are tags too
+(`gate_decision`, `gate_reason`, `previous_champion`, `rolled_back_*`).
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import mlflow
+import pandas as pd
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from infra.settings import Settings
+from models.examples import Examples, from_frame
+from models.metrics import auc
+
+if TYPE_CHECKING:  # TensorFlow takes seconds to import: only the calls that score load it
+    from models.ctr import CtrModel
+
+CHAMPION, CHALLENGER = "champion", "challenger"
+
+
+class RegistryError(RuntimeError):
+    """The registry is unreachable, or a registry operation cannot be done as asked."""
+
+
+def connect(s: Settings) -> MlflowClient:
+    """A client of the configured MLflow server; fails at once, clearly, when it is unreachable."""
+    # MLflow retries a refused connection for minutes by default.
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(s.models.request_timeout_s))
+    mlflow.set_tracking_uri(s.mlflow.tracking_uri)
+    mlflow.set_registry_uri(s.mlflow.tracking_uri)
+    client = MlflowClient(s.mlflow.tracking_uri, s.mlflow.tracking_uri)
+    try:
+        client.search_experiments(max_results=1)
+    except Exception as exc:  # noqa: BLE001 - any failure here means "cannot use the registry"
+        raise RegistryError(f"MLflow at {s.mlflow.tracking_uri} is unreachable ({type(exc).__name__}); "
+                            "is the stack up (`flywheel status`)?") from None
+    return client
+
+
+class CtrPyfunc(mlflow.pyfunc.PythonModel):
+    """`models:/<name>@<alias>` as a pyfunc: scores a frame in `models.examples.to_frame`'s layout."""
+
+    def load_context(self, context) -> None:
+        from models.ctr import CtrModel
+
+        self.model = CtrModel.load(Path(context.artifacts["model"]))
+
+    def predict(self, context, model_input: pd.DataFrame, params=None):
+        spec = self.model.spec
+        return self.model.predict(from_frame(model_input, spec.numeric_features, spec.sequence_length))
+
+
+def log_model(s: Settings, export_dir: Path, tags: dict[str, str]) -> str:
+    """Log the export as the active run's pyfunc model and register it; returns the new version."""
+    import tensorflow as tf
+
+    info = mlflow.pyfunc.log_model(
+        name="model", python_model=CtrPyfunc(), artifacts={"model": str(export_dir)},
+        pip_requirements=[f"tensorflow-cpu=={tf.__version__}", f"mlflow=={mlflow.__version__}"],
+        registered_model_name=s.models.name)
+    version = str(info.registered_model_version)
+    client = connect(s)
+    for key, value in tags.items():
+        client.set_model_version_tag(s.models.name, version, key, value)
+    return version
+
+
+def alias_version(client: MlflowClient, name: str, alias: str) -> str | None:
+    try:
+        return str(client.get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None
+
+
+def load_version(s: Settings, version: str) -> CtrModel:
+    """The in-memory model of a registered version (its export, as logged)."""
+    connect(s)
+    return mlflow.pyfunc.load_model(f"models:/{s.models.name}/{version}").unwrap_python_model().model
+
+
+def version_tags(s: Settings, version: str) -> dict[str, str]:
+    return dict(connect(s).get_model_version(s.models.name, version).tags)
+
+
+@dataclass(frozen=True)
+class Decision:
+    version: str
+    promoted: bool
+    reason: str
+    candidate_auc: float
+    champion_version: str | None
+    champion_auc: float | None
+
+
+def gate(s: Settings, version: str, candidate: CtrModel, evaluation: Examples, window: str) -> Decision:
+    """Promote `version` to @champion if it is not worse than the champion on `evaluation` (the same
+    recent window for both); otherwise make it @challenger and record why."""
+    client, name = connect(s), s.models.name
+    candidate_auc = auc(evaluation.labels, candidate.predict(evaluation))  # fails before any alias moves
+    champion = alias_version(client, name, CHAMPION)
+    champion_auc = None
+    if champion is None:
+        promoted, reason = True, f"first champion (AUC {candidate_auc:.4f} on {window})"
+    elif champion == version:
+        promoted, reason = True, f"v{version} is already the champion"
+    else:
+        champion_auc = auc(evaluation.labels, load_version(s, champion).predict(evaluation))
+        floor = champion_auc - s.models.max_auc_drop
+        promoted = candidate_auc >= floor
+        reason = (f"AUC {candidate_auc:.4f} {'>=' if promoted else '<'} champion v{champion}'s {champion_auc:.4f}"
+                  f" - tolerance {s.models.max_auc_drop} on {window}")
+    tags = {"gate_decision": "promoted" if promoted else "refused", "gate_reason": reason,
+            "gate_auc": f"{candidate_auc:.6f}", "gate_at": datetime.now(UTC).isoformat()}
+    if promoted and champion not in (None, version):
+        tags["previous_champion"] = champion
+    for key, value in tags.items():
+        client.set_model_version_tag(name, version, key, value)
+    client.set_registered_model_alias(name, CHAMPION if promoted else CHALLENGER, version)
+    if promoted and alias_version(client, name, CHALLENGER) == version:
+        client.delete_registered_model_alias(name, CHALLENGER)
+    return Decision(version, promoted, reason, candidate_auc, champion, champion_auc)
+
+
+def rollback(s: Settings, why: str, to: str = "previous", who: str | None = None) -> tuple[str, str]:
+    """Move @champion back to the champion before it (or to version `to`), recording who and why.
+    Returns (from version, to version)."""
+    if not why.strip():
+        raise RegistryError("a rollback needs a reason")
+    client, name = connect(s), s.models.name
+    current = alias_version(client, name, CHAMPION)
+    if current is None:
+        raise RegistryError(f"{name} has no @champion to roll back")
+    target = dict(client.get_model_version(name, current).tags).get("previous_champion") if to == "previous" else to
+    if not target:
+        raise RegistryError(f"{name} v{current} has no previous champion; name a version")
+    try:
+        client.get_model_version(name, target)
+    except MlflowException:
+        raise RegistryError(f"{name} has no version {target}") from None
+    client.set_registered_model_alias(name, CHAMPION, target)
+    for key, value in {"rolled_back_to": target, "rolled_back_by": who or getpass.getuser(),
+                       "rolled_back_reason": why, "rolled_back_at": datetime.now(UTC).isoformat()}.items():
+        client.set_model_version_tag(name, current, key, value)
+    if alias_version(client, name, CHAMPION) != target:
+        raise RegistryError(f"rollback of {name} to v{target} did not take effect")
+    return current, target
+
+
+def list_versions(s: Settings) -> list[dict[str, str]]:
+    """Every version, newest first, with its aliases, kind, window, parent, gate decision and AUC."""
+    client, name = connect(s), s.models.name
+    try:
+        aliases = client.get_registered_model(name).aliases  # alias -> version
+        versions = client.search_model_versions(f"name='{name}'")
+    except MlflowException:
+        return []
+    rows = []
+    for v in sorted(versions, key=lambda v: int(v.version), reverse=True):
+        t = v.tags
+        named = ",".join(sorted(a for a, n in aliases.items() if str(n) == str(v.version)))
+        rows.append({"version": str(v.version), "aliases": named, "kind": t.get("kind", ""),
+                     "data": f"{t.get('data_start', '')} .. {t.get('data_end', '')}",
+                     "parent": t.get("parent_version", ""), "auc": t.get("gate_auc", ""),
+                     "gate": t.get("gate_decision", ""), "reason": t.get("gate_reason", ""),
+                     "rolled_back": t.get("rolled_back_reason", "")})
+    return rows

@@ -1,0 +1,157 @@
+"""Full and incremental training runs: data window -> training set -> model -> MLflow run -> registered
+version -> promotion gate.
+
+Full training: a chronological split of the window (train / validation / test = 80/10/10), epochs
+until the validation AUC stops improving (at most `models.max_epochs`), the gate on the test window.
+Incremental training: warm start from `@champion`, train one pass over the events since its data
+watermark (the oldest 80%), gate on the newest 20%; the version also carries the sparse delta
+against its parent. Nothing moves `@champion` unless the gate passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import mlflow
+import numpy as np
+
+from infra.settings import Settings
+from models import plots
+from models.ctr import CtrModel, ModelSpec
+from models.dataset import NUMERIC_FEATURES, Window, chronological_split, training_set
+from models.examples import Examples
+from models.metrics import auc, evaluate
+from models.registry import CHAMPION, Decision, alias_version, connect, gate, load_version, log_model, version_tags
+from models.sparse import SparseConfig
+
+log = logging.getLogger("flywheel.train")
+MIN_INCREMENTAL_EXAMPLES = 50
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    version: str
+    decision: Decision | None  # None when promotion was not asked for
+    metrics: dict[str, float]
+    window: Window
+    samples_per_s: float
+
+
+def model_spec(s: Settings, kind: str = "ranker") -> ModelSpec:
+    m = s.models
+    dim = 1 if kind == "logreg" else m.embedding_dim
+    return ModelSpec(kind=kind, numeric_features=NUMERIC_FEATURES, sequence_length=s.streaming.sequence_length,
+                     sparse=SparseConfig(dim=dim, admit_after=m.admit_after, evict_after_steps=m.evict_after_steps,
+                                         learning_rate=m.sparse_learning_rate),
+                     learning_rate=m.dense_learning_rate, batch_size=m.batch_size)
+
+
+def check_labels(ex: Examples, what: str) -> None:
+    clicks = int(ex.labels.sum())
+    if clicks == 0 or clicks == len(ex):
+        raise ValueError(f"{what}: {len(ex)} examples with {clicks} clicks; training needs clicks and non-clicks")
+
+
+def _iso(t: datetime) -> str:
+    return t.astimezone(UTC).isoformat()
+
+
+def train_full(s: Settings, window: Window, kind: str = "ranker", promote: bool = True,
+               progress: bool = True) -> TrainOutcome:
+    connect(s)  # fail before any work when the registry is unreachable
+    ex, times = training_set(s, window, s.streaming.sequence_length)
+    train, validation, test, spans = chronological_split(ex, times)
+    for part, what in ((train, "train split"), (validation, "validation split"), (test, "test split")):
+        check_labels(part, f"{what} of {window}")
+    model = CtrModel(model_spec(s, kind))
+    mlflow.set_experiment(s.models.experiment)
+    with mlflow.start_run(run_name=f"full-{kind}"), tempfile.TemporaryDirectory() as tmp:
+        mlflow.log_params({"kind": kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
+                           **{f"split_{k}": v for k, v in spans.items()}, **_spec_params(model.spec)})
+        best, best_auc, losses, val_aucs, seconds = Path(tmp) / "best", -1.0, [], [], 0.0
+        for epoch in range(s.models.max_epochs):
+            started = time.perf_counter()
+            losses += model.fit(train, progress=progress)
+            seconds += time.perf_counter() - started
+            val_aucs.append(auc(validation.labels, model.predict(validation)))
+            mlflow.log_metrics({"train_logloss": losses[-1], "validation_auc": val_aucs[-1]}, step=epoch)
+            if val_aucs[-1] <= best_auc:
+                break
+            best_auc = val_aucs[-1]
+            model.save(best)
+        model = CtrModel.load(best)
+        samples_per_s = len(train) * len(losses) / seconds
+        metrics = _log_evaluation(model, test, "test") | {"train_samples_per_s": samples_per_s,
+                                                           "epochs": float(len(losses))}
+        mlflow.log_figure(plots.losses(losses, val_aucs), "plots/loss_curves.png")
+        version = log_model(s, best, {"kind": kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
+                                      "eval_start": spans["test"].split(" .. ")[0],
+                                      "eval_end": spans["test"].split(" .. ")[1], "parent_version": ""})
+    decision = gate(s, version, model, test, f"test window {spans['test']}") if promote else None
+    return TrainOutcome(version, decision, metrics, window, samples_per_s)
+
+
+def train_incremental(s: Settings, until: datetime | None = None, promote: bool = True,
+                      progress: bool = True) -> TrainOutcome | None:
+    """Continue `@champion` on the events since its data watermark. Returns None (and trains nothing)
+    when there are too few new examples."""
+    client = connect(s)
+    parent = alias_version(client, s.models.name, CHAMPION)
+    if parent is None:
+        raise ValueError(f"{s.models.name} has no @champion to continue from: run full training first")
+    watermark = datetime.fromisoformat(version_tags(s, parent)["data_end"])
+    window = Window(watermark, until or datetime.now(UTC))
+    try:
+        ex, times = training_set(s, window, s.streaming.sequence_length)
+    except ValueError as exc:
+        log.info("incremental training skipped: %s", exc)
+        return None
+    if len(ex) < MIN_INCREMENTAL_EXAMPLES:
+        log.info("incremental training skipped: %d new examples in %s (< %d)", len(ex), window,
+                 MIN_INCREMENTAL_EXAMPLES)
+        return None
+    cut = int(len(ex) * 0.8)
+    train, evaluation = ex.take(slice(0, cut)), ex.take(slice(cut, None))
+    check_labels(train, f"new events {window}")
+    check_labels(evaluation, f"evaluation part of {window}")
+    model = load_version(s, parent)
+    base_versions = model.versions()
+    mlflow.set_experiment(s.models.experiment)
+    with mlflow.start_run(run_name=f"incremental-{model.spec.kind}"), tempfile.TemporaryDirectory() as tmp:
+        mlflow.log_params({"kind": model.spec.kind, "parent_version": parent, "data_start": _iso(window.start),
+                           "data_end": _iso(window.end), **_spec_params(model.spec)})
+        started = time.perf_counter()
+        losses = model.fit(train, progress=progress)
+        samples_per_s = len(train) / (time.perf_counter() - started)
+        mlflow.log_metric("train_logloss", losses[-1])
+        metrics = _log_evaluation(model, evaluation, "eval") | {"train_samples_per_s": samples_per_s}
+        delta = model.save_delta(Path(tmp) / "delta", since=base_versions)
+        mlflow.log_artifacts(str(delta), "delta")
+        mlflow.log_metric("delta_rows", float(sum(len(t.delta(base_versions[n]).ids) for n, t in model.tables.items())))
+        eval_span = [datetime.fromtimestamp(t / 1000, UTC).isoformat() for t in (times[cut], times[-1])]
+        version = log_model(s, model.save(Path(tmp) / "model"), {
+            "kind": model.spec.kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
+            "eval_start": eval_span[0], "eval_end": eval_span[1], "parent_version": parent})
+    decision = gate(s, version, model, evaluation, f"newest 20% of {window}") if promote else None
+    return TrainOutcome(version, decision, metrics, window, samples_per_s)
+
+
+def _spec_params(spec: ModelSpec) -> dict[str, object]:
+    return {"embedding_dim": spec.sparse.dim, "admit_after": spec.sparse.admit_after,
+            "sparse_learning_rate": spec.sparse.learning_rate, "dense_learning_rate": spec.learning_rate,
+            "batch_size": spec.batch_size, "sequence_length": spec.sequence_length,
+            "hidden": ",".join(map(str, spec.hidden)), "xla": spec.jit_compile}
+
+
+def _log_evaluation(model: CtrModel, ex: Examples, prefix: str) -> dict[str, float]:
+    probabilities = model.predict(ex)
+    metrics = {f"{prefix}_{k}": v for k, v in evaluate(ex.labels, probabilities).items()}
+    mlflow.log_metrics(metrics)
+    mlflow.log_figure(plots.roc(ex.labels, probabilities), "plots/roc.png")
+    mlflow.log_figure(plots.calibration(ex.labels, np.asarray(probabilities)), "plots/calibration.png")
+    return metrics

@@ -1,0 +1,126 @@
+"""The MLflow registry against a real MLflow server: register, the promotion gate (promote, refuse a
+worse model), rollback, `models:/<name>@champion` scoring like the in-memory model, and bad input
+that never moves @champion."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import keras
+import mlflow
+import numpy as np
+import pytest
+
+from infra import stack
+from infra.settings import Settings, load_settings
+from models.ctr import CtrModel
+from models.dataset import Window
+from models.examples import to_frame
+from models.registry import CHALLENGER, CHAMPION, RegistryError, alias_version, connect, gate, log_model, rollback
+from models.train import train_full
+from tests.conftest import stack_environ
+from tests.ctr_data import SPEC, synthetic
+
+pytestmark = pytest.mark.stack
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    environ = stack_environ(tmp_path_factory.mktemp("mlflow"), FLYWHEEL_STACK_SERVICES="mlflow")
+    s = load_settings(environ)
+    stack.up(s)
+    yield s
+    stack.down(s)
+
+
+def register(s: Settings, model: CtrModel, tmp: Path, label: str) -> str:
+    connect(s)
+    mlflow.set_experiment(s.models.experiment)
+    with mlflow.start_run(run_name=label):
+        return log_model(s, model.save(tmp / label), {"kind": "ranker", "data_start": "", "data_end": ""})
+
+
+def champion(s: Settings) -> str | None:
+    return alias_version(connect(s), s.models.name, CHAMPION)
+
+
+def test_gate_promotes_refuses_and_rollback_restores(registry: Settings, tmp_path: Path) -> None:
+    s = registry
+    keras.utils.set_random_seed(3)
+    data = synthetic(8000, seed=5)
+    train, evaluation = data.take(slice(0, 6000)), data.take(slice(6000, None))
+
+    good = CtrModel(SPEC)
+    good.fit(train, epochs=2, progress=False)
+    v1 = register(s, good, tmp_path, "good")
+    first = gate(s, v1, good, evaluation, "synthetic evaluation")
+    assert first.promoted and "first champion" in first.reason and champion(s) == v1
+
+    # Deliberately worse: trained on shuffled labels.
+    worse = CtrModel(SPEC)
+    worse.fit(replace(train, labels=np.random.default_rng(0).permutation(train.labels)), progress=False)
+    v2 = register(s, worse, tmp_path, "worse")
+    refused = gate(s, v2, worse, evaluation, "synthetic evaluation")
+    assert not refused.promoted and refused.candidate_auc < refused.champion_auc
+    assert champion(s) == v1 and alias_version(connect(s), s.models.name, CHALLENGER) == v2
+    tags = connect(s).get_model_version(s.models.name, v2).tags
+    assert tags["gate_decision"] == "refused" and f"champion v{v1}" in tags["gate_reason"]
+
+    # Better (trained longer on the same data): promoted; then rolled back to v1.
+    better = CtrModel.load(tmp_path / "good")
+    better.fit(train, epochs=1, progress=False)
+    v3 = register(s, better, tmp_path, "better")
+    promoted = gate(s, v3, better, evaluation, "synthetic evaluation")
+    assert promoted.promoted == (promoted.candidate_auc >= promoted.champion_auc)
+    if not promoted.promoted:
+        pytest.skip("the longer-trained model happened not to beat the first one")
+    assert champion(s) == v3
+    started = time.monotonic()
+    assert rollback(s, why="bad canary", who="tester") == (v3, v1)
+    assert time.monotonic() - started < 5  # rollback is an alias move: seconds, not a redeploy
+    assert champion(s) == v1
+    tags = connect(s).get_model_version(s.models.name, v3).tags
+    assert (tags["rolled_back_to"], tags["rolled_back_by"], tags["rolled_back_reason"]) == (v1, "tester", "bad canary")
+
+
+def test_champion_from_the_registry_scores_like_the_in_memory_model(registry: Settings, tmp_path: Path) -> None:
+    s = registry
+    data = synthetic(3000, seed=9)
+    model = CtrModel(SPEC)
+    model.fit(data.take(slice(0, 2500)), progress=False)
+    version = register(s, model, tmp_path, "scoring")
+    connect(s).set_registered_model_alias(s.models.name, "scoring-test", version)
+    loaded = mlflow.pyfunc.load_model(f"models:/{s.models.name}@scoring-test")
+    test = data.take(slice(2500, None))
+    scores = loaded.predict(to_frame(test, SPEC.numeric_features))
+    assert np.array_equal(np.asarray(scores), model.predict(test))
+
+
+def test_bad_input_never_moves_the_champion(registry: Settings, tmp_path: Path) -> None:
+    s = registry
+    data = synthetic(2000, seed=11)
+    model = CtrModel(SPEC)
+    model.fit(data.take(slice(0, 1500)), progress=False)
+    before = champion(s)
+    version = register(s, model, tmp_path, "no-positives")
+    no_clicks = replace(data.take(slice(1500, None)), labels=np.zeros(500, np.float32))
+    with pytest.raises(ValueError, match="clicks and non-clicks"):
+        gate(s, version, model, no_clicks, "a window without clicks")
+    # An empty data window (no event log here) is refused before training.
+    with pytest.raises(ValueError, match="no impressions"):
+        train_full(s, Window(datetime(2020, 1, 1, tzinfo=UTC), datetime(2020, 2, 1, tzinfo=UTC)), progress=False)
+    assert champion(s) == before
+
+
+def test_unreachable_mlflow_is_a_clear_error(registry: Settings) -> None:
+    s = replace(registry, mlflow=replace(registry.mlflow, tracking_uri="http://127.0.0.1:9"))
+    started = time.monotonic()
+    with pytest.raises(RegistryError, match="127.0.0.1:9 is unreachable"):
+        train_full(s, Window(datetime(2020, 1, 1, tzinfo=UTC), datetime(2020, 2, 1, tzinfo=UTC)), progress=False)
+    with pytest.raises(RegistryError, match="unreachable"):
+        rollback(s, why="x")
+    assert time.monotonic() - started < 30
