@@ -2,9 +2,10 @@
 feature services for serving and training.
 
 Each stream view is fed by a push source (the ingestor pushes rows online) backed by a directory of
-Parquet files (the ingestor appends one file per micro-batch, all with the view's Arrow schema), which
-is what point-in-time-correct training sets read through the DuckDB offline store. Windowed views live only as long as their window: past it, a point-in-time join
-finds nothing and the model sees the documented default (0), not a stale count.
+Parquet files (the ingestor appends one file per micro-batch, all with the view's Arrow schema),
+which point-in-time-correct training sets read through the DuckDB offline store. Windowed views
+live only as long as their window: past it, a point-in-time join finds nothing and the model sees
+the documented default (0), not a stale count. Batch views hold catalog snapshots (catalog.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The Feast store, configured from settings: Redis online, Parquet files read by DuckDB offline, a file registry."""
+"""The Feast store, configured from settings: Redis online, Parquet files read by DuckDB offline, a
+file registry."""
 
 from __future__ import annotations
 

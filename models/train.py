@@ -132,7 +132,8 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
         metrics = _log_evaluation(model, evaluation, "eval") | {"train_samples_per_s": samples_per_s}
         delta = model.save_delta(Path(tmp) / "delta", since=base_versions)
         mlflow.log_artifacts(str(delta), "delta")
-        mlflow.log_metric("delta_rows", float(sum(len(t.delta(base_versions[n]).ids) for n, t in model.tables.items())))
+        changed = sum(len(table.delta(base_versions[name]).ids) for name, table in model.tables.items())
+        mlflow.log_metric("delta_rows", float(changed))
         eval_span = [datetime.fromtimestamp(t / 1000, UTC).isoformat() for t in (times[cut], times[-1])]
         version = log_model(s, model.save(Path(tmp) / "model"), {
             "kind": model.spec.kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
@@ -142,7 +143,10 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
 
 
 def _spec_params(spec: ModelSpec) -> dict[str, object]:
-    return {"embedding_dim": spec.sparse.dim, "admit_after": spec.sparse.admit_after,
+    import tensorflow as tf
+
+    # The dense step runs where TensorFlow puts it (a GPU when one is visible); sparse rows stay on CPU.
+    return {"dense_device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU","embedding_dim": spec.sparse.dim, "admit_after": spec.sparse.admit_after,
             "sparse_learning_rate": spec.sparse.learning_rate, "dense_learning_rate": spec.learning_rate,
             "batch_size": spec.batch_size, "sequence_length": spec.sequence_length,
             "hidden": ",".join(map(str, spec.hidden)), "xla": spec.jit_compile}

@@ -35,21 +35,23 @@ def run_cli(environ: dict[str, str], *args: str, timeout: float = 300) -> subpro
                           timeout=timeout)
 
 
+def running_stack(data_dir: Path, services: str, **extra: str) -> Iterator[Settings]:
+    """For a fixture's lifetime: `services` started in their own data directory on free ports."""
+    settings = load_settings(stack_environ(data_dir, FLYWHEEL_STACK_SERVICES=services, **extra))
+    stack.up(settings)
+    try:
+        yield settings
+    finally:
+        stack.down(settings)
+
+
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     """A real Kafka-protocol broker (Tansu) for the whole session; settings point at it."""
-    environ = stack_environ(tmp_path_factory.mktemp("broker"), FLYWHEEL_STACK_SERVICES="kafka")
-    settings = load_settings(environ)
-    stack.up(settings)
-    yield settings
-    stack.down(settings)
+    yield from running_stack(tmp_path_factory.mktemp("broker"), "kafka")
 
 
 @pytest.fixture(scope="session")
 def redis_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     """A real Redis (the Feast online store) for the whole session, with its own data directory."""
-    environ = stack_environ(tmp_path_factory.mktemp("redis"), FLYWHEEL_STACK_SERVICES="redis")
-    settings = load_settings(environ)
-    stack.up(settings)
-    yield settings
-    stack.down(settings)
+    yield from running_stack(tmp_path_factory.mktemp("redis"), "redis")

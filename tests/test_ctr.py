@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from models.ctr import CtrModel
-from models.examples import PAD, Examples
+from models.examples import PAD, Examples, from_frame, to_frame
 from models.metrics import auc
 from models.sparse import SparseConfig
 from tests.ctr_data import CATEGORIES, SPEC, synthetic
@@ -77,3 +77,9 @@ def test_export_reproduces_scores_and_delta_reproduces_the_next_model(data: Exam
 def test_logreg_needs_one_weight_per_id() -> None:
     with pytest.raises(ValueError, match="sparse dim must be 1"):
         CtrModel(replace(SPEC, kind="logreg"))
+
+
+def test_scoring_input_without_a_feature_is_a_clear_error(data: Examples) -> None:
+    frame = to_frame(data.take(slice(0, 5)), SPEC.numeric_features).drop(columns=["noise"])
+    with pytest.raises(ValueError, match=r"lacks columns \['noise'\]"):
+        from_frame(frame, SPEC.numeric_features, SPEC.sequence_length)

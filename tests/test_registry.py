@@ -15,14 +15,13 @@ import mlflow
 import numpy as np
 import pytest
 
-from infra import stack
-from infra.settings import Settings, load_settings
+from infra.settings import Settings
 from models.ctr import CtrModel
 from models.dataset import Window
 from models.examples import to_frame
 from models.registry import CHALLENGER, CHAMPION, RegistryError, alias_version, connect, gate, log_model, rollback
 from models.train import train_full
-from tests.conftest import stack_environ
+from tests.conftest import running_stack
 from tests.ctr_data import SPEC, synthetic
 
 pytestmark = pytest.mark.stack
@@ -30,11 +29,7 @@ pytestmark = pytest.mark.stack
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    environ = stack_environ(tmp_path_factory.mktemp("mlflow"), FLYWHEEL_STACK_SERVICES="mlflow")
-    s = load_settings(environ)
-    stack.up(s)
-    yield s
-    stack.down(s)
+    yield from running_stack(tmp_path_factory.mktemp("mlflow"), "mlflow")
 
 
 def register(s: Settings, model: CtrModel, tmp: Path, label: str) -> str:

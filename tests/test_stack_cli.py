@@ -8,8 +8,9 @@ import httpx
 import psutil
 import pytest
 
+from infra import stack
 from infra.process import tagged
-from infra.settings import load_settings
+from infra.settings import Settings, load_settings
 from infra.stack import STACK_TAG
 from tests.conftest import run_cli, stack_environ
 
@@ -88,3 +89,20 @@ def test_a_taken_port_is_reported_with_the_service_that_needs_it(tmp_path: Path)
     assert f"port {port} on {host} (needed by redis) is already in use" in done.stderr
     assert stack_processes(settings.paths.data_dir) == set()  # nothing was started
     assert not any(settings.paths.run_dir.glob("*.json"))
+
+
+def test_a_new_events_topic_drops_stale_stream_checkpoints(broker: Settings, tmp_path: Path) -> None:
+    """The embedded broker forgets its topics on `down`: checkpoints holding offsets of the old topic
+    would make the restarted job wait for offsets the new topic never reaches."""
+    s = load_settings(stack_environ(tmp_path, FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS=broker.kafka.bootstrap_servers,
+                                    FLYWHEEL_KAFKA_EVENTS_TOPIC=f"events-{tmp_path.name}"))
+    stale = s.paths.checkpoints_dir / "job" / "chk-7"
+    stale.mkdir(parents=True)
+    (stale / "_metadata").write_bytes(b"offsets of a topic that is gone")
+    stack.prepare_pipeline(s)  # creates the events topic
+    assert not s.paths.checkpoints_dir.exists()
+
+    stale.mkdir(parents=True)
+    (stale / "_metadata").write_bytes(b"offsets of this topic")
+    stack.prepare_pipeline(s)  # the topic exists: the checkpoints are current
+    assert (stale / "_metadata").exists()

@@ -7,7 +7,10 @@ import json
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import replace
+from datetime import UTC, datetime
 
+import numpy as np
 import pandas as pd
 import pytest
 from kafka import KafkaProducer
@@ -17,12 +20,14 @@ from feature_repo.definitions import TIMESTAMP_FIELD, view_dir
 from feature_repo.event_log import read_event_log
 from feature_repo.store import feature_store
 from infra import process, stack
-from infra.settings import Settings, load_settings
+from infra.settings import Settings
+from models.dataset import NUMERIC_FEATURES, Window, labelled_impressions, training_set
+from models.examples import PAD
 from streaming.consumer import read_dead_letter
 from streaming.events import Event, EventType
 from streaming.producer import EventProducer
 from streaming.topics import end_offsets, read_range
-from tests.conftest import stack_environ
+from tests.conftest import running_stack
 
 pytestmark = pytest.mark.stack
 
@@ -32,12 +37,8 @@ CLICK, IMP, BUY = EventType.CLICK, EventType.IMPRESSION, EventType.PURCHASE
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    environ = stack_environ(tmp_path_factory.mktemp("pipeline"), FLYWHEEL_STACK_SERVICES="kafka,redis,pipeline",
-                            FLYWHEEL_STREAMING_SEQUENCE_LENGTH="3")
-    s = load_settings(environ)
-    stack.up(s)
-    yield s
-    stack.down(s)
+    yield from running_stack(tmp_path_factory.mktemp("pipeline"), "kafka,redis,pipeline",
+                             FLYWHEEL_STREAMING_SEQUENCE_LENGTH="3")
 
 
 class Timeline:
@@ -285,3 +286,43 @@ def test_a_restarted_job_and_ingestor_lose_nothing_and_count_nothing_twice(pipel
         assert (got["user_impressions_total"], got["user_clicks_total"]) == (imps, clicks)  # not doubled
         assert got["seq_event_times"] == [e.event_time for e in everything if e.event_type is CLICK][-3:]
     wait_for(check, timeout_s=120)
+
+
+def test_training_set_labels_impressions_and_joins_features_from_just_before(pipeline: Settings,
+                                                                             timeline: Timeline) -> None:
+    """models.dataset: each impression labelled by its click (same request id), with the features
+    as they were just before it: its own update, its click and later behaviors never leak in."""
+    s = pipeline
+    t0 = timeline.take(11 * MINUTE)
+    user = "user-train"
+
+    def with_request(e: Event, request: str) -> Event:
+        return replace(e, request_id=request)
+
+    events = [with_request(event(300, user, "i1", IMP, t0), "q1"),
+              with_request(event(301, user, "i1", CLICK, t0 + 1), "q1"),
+              with_request(event(302, user, "i2", IMP, t0 + MINUTE), "q2"),
+              with_request(event(303, user, "i2", CLICK, t0 + MINUTE + 1), "q2"),
+              with_request(event(304, user, "i4", IMP, t0 + 90_000), "q4"),
+              with_request(event(305, user, "i3", IMP, t0 + 2 * MINUTE), "q3"),
+              with_request(event(306, user, "i3", CLICK, t0 + 2 * MINUTE + 1), "q3")]
+    with EventProducer(s) as producer:
+        for e in [*events, *sentinels(s, t0 + 10 * MINUTE)]:
+            producer.send(e)
+    window = Window(datetime.fromtimestamp(t0 / 1000, UTC), datetime.fromtimestamp((t0 + 3 * MINUTE) / 1000, UTC))
+
+    def logged() -> None:
+        assert len(labelled_impressions(s, window)) == 4
+
+    wait_for(logged)
+    wait_for(lambda: _assert_online(s, user, impressions_5m=4))  # the last event's window row is online
+    ex, times = training_set(s, window, sequence_length=3)
+    assert list(times) == [t0, t0 + MINUTE, t0 + 90_000, t0 + 2 * MINUTE]
+    assert list(ex.labels) == [1.0, 1.0, 0.0, 1.0]
+    assert list(ex.item_ids) == ["i1", "i2", "i4", "i3"] and set(ex.user_ids) == {user}
+    clicks_total = ex.numeric[:, NUMERIC_FEATURES.index("user_clicks_total")]
+    impressions_5m = ex.numeric[:, NUMERIC_FEATURES.index("user_impressions_5m")]
+    np.testing.assert_allclose(clicks_total, np.log1p([0, 1, 2, 2]), rtol=1e-6)  # own click never included
+    np.testing.assert_allclose(impressions_5m, np.log1p([0, 1, 2, 3]), rtol=1e-6)  # nor own impression
+    # The behavior sequence (clicks and purchases) before each impression, newest first.
+    assert ex.sequences.tolist() == [[PAD] * 3, ["i1", PAD, PAD], ["i2", "i1", PAD], ["i2", "i1", PAD]]
