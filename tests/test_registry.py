@@ -83,14 +83,14 @@ def test_gate_promotes_refuses_and_rollback_restores(registry: Settings, tmp_pat
 
 
 def test_champion_from_the_registry_scores_like_the_in_memory_model(registry: Settings, tmp_path: Path) -> None:
-    s = registry
+    s = replace(registry, models=replace(registry.models, name="scoring-check"))
     data = synthetic(3000, seed=9)
     model = CtrModel(SPEC)
     model.fit(data.take(slice(0, 2500)), progress=False)
-    version = register(s, model, tmp_path, "scoring")
-    connect(s).set_registered_model_alias(s.models.name, "scoring-test", version)
-    loaded = mlflow.pyfunc.load_model(f"models:/{s.models.name}@scoring-test")
     test = data.take(slice(2500, None))
+    version = register(s, model, tmp_path, "scoring")
+    assert gate(s, version, model, test, "synthetic evaluation").promoted
+    loaded = mlflow.pyfunc.load_model(f"models:/{s.models.name}@champion")
     scores = loaded.predict(to_frame(test, SPEC.numeric_features))
     assert np.array_equal(np.asarray(scores), model.predict(test))
 
