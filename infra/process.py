@@ -1,7 +1,9 @@
 """Background processes owned by the stack: each in its own process group, tracked by a PID file.
 
 A PID file records the PID and the process start time, so `stop` never signals an unrelated process
-that happens to reuse the PID after a reboot or crash.
+that happens to reuse the PID after a reboot or crash. The start time is the kernel's (clock ticks
+since boot, /proc/<pid>/stat): a wall-clock start time adds /proc/stat's boot time, which moves when
+the system clock is adjusted, and made live services look dead.
 """
 
 from __future__ import annotations
@@ -21,18 +23,24 @@ import psutil
 @dataclass(frozen=True)
 class Tracked:
     pid: int
-    create_time: float
+    start_ticks: int  # start time in clock ticks since boot
     command: list[str]
 
     def process(self) -> psutil.Process | None:
         """The live process this record names, or None if it has exited."""
         try:
             proc = psutil.Process(self.pid)
-            if abs(proc.create_time() - self.create_time) > 0.01 or proc.status() == psutil.STATUS_ZOMBIE:
+            if start_ticks(self.pid) != self.start_ticks or proc.status() == psutil.STATUS_ZOMBIE:
                 return None
             return proc
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
             return None
+
+
+def start_ticks(pid: int) -> int:
+    """When the process started, in clock ticks since boot (field 22 of /proc/<pid>/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[19])  # fields after the command name start at field 3
 
 
 def read_pidfile(path: Path) -> Tracked | None:
@@ -53,7 +61,7 @@ def spawn(command: list[str], pidfile: Path, logfile: Path, env: dict[str, str],
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env, cwd=cwd, start_new_session=True,
         )
-    tracked = Tracked(popen.pid, psutil.Process(popen.pid).create_time(), command)
+    tracked = Tracked(popen.pid, start_ticks(popen.pid), command)
     pidfile.write_text(json.dumps(tracked.__dict__))
     return tracked
 
