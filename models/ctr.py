@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -125,8 +124,7 @@ class CtrModel:
         self.tables["category"].apply_gradients(rows["category"], category_grad)
         return float(loss)
 
-    def fit(self, ex: Examples, epochs: int = 1, progress: bool = True,
-            on_epoch: Callable[[int, float], None] | None = None) -> list[float]:
+    def fit(self, ex: Examples, epochs: int = 1, progress: bool = True) -> list[float]:
         """Train in time order (no shuffling across the window: later examples come last, as in
         online learning). Returns the mean loss of each epoch."""
         if not len(ex):
@@ -140,8 +138,6 @@ class CtrModel:
                               disable=not progress, leave=False):
                 total += self.train_batch(ex.take(slice(start, start + size))) * len(ex.labels[start:start + size])
             losses.append(total / len(ex))
-            if on_epoch:
-                on_epoch(epoch, losses[-1])
         return losses
 
     def predict(self, ex: Examples, batch_size: int = 1024) -> np.ndarray:
