@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from feature_repo.store import feature_store
+from feature_repo.store import feature_store, online_row
 from infra import process, stack
 from infra.services import all_services
 from infra.settings import Settings, load_settings
@@ -48,8 +48,7 @@ def click(user: str) -> Event:
 
 
 def online_total(store, user: str):
-    return store.get_online_features(features=["user_total:user_clicks_total"],
-                                     entity_rows=[{"user_id": user}]).to_dict()["user_clicks_total"][0]
+    return online_row(store, ["user_total:user_clicks_total"], {"user_id": user})["user_clicks_total"]
 
 
 def wait_online(store, user: str, timeout_s: float = 600) -> float:

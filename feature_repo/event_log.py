@@ -55,9 +55,12 @@ def write_batch(s: Settings, batch: list[Consumed]) -> int:
     return len(groups)
 
 
-def read_event_log(s: Settings) -> pa.Table:
-    """The whole log (small data sets and tests); training reads it by date partitions."""
-    files = sorted(event_log_dir(s).glob("date=*/*.parquet"))
+def read_event_log(s: Settings, start_ms: int | None = None, end_ms: int | None = None) -> pa.Table:
+    """The log's date partitions that can hold events with start_ms <= event_time < end_ms (all when
+    not given); rows are not filtered, so the caller also sees the rest of those days."""
+    first, last = _date(start_ms) if start_ms is not None else "", _date(end_ms) if end_ms is not None else "~"
+    files = sorted(f for d in event_log_dir(s).glob("date=*") if first <= d.name[5:] <= last
+                   for f in d.glob("*.parquet"))
     return pa.concat_tables([pq.read_table(f, schema=SCHEMA) for f in files]) if files else SCHEMA.empty_table()
 
 

@@ -64,3 +64,9 @@ def apply(s: Settings) -> FeatureStore:
         if not empty.exists():
             write_atomic(offline_schema(spec).empty_table(), empty)
     return store
+
+
+def online_row(store: FeatureStore, features: list[str], entity_row: dict[str, str]) -> dict:
+    """`get_online_features` for one entity, as {name: value} (None where nothing is stored)."""
+    got = store.get_online_features(features=features, entity_rows=[entity_row]).to_dict()
+    return {name: values[0] for name, values in got.items()}

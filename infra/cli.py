@@ -386,7 +386,7 @@ def _await_features(s: Settings, limit: int | None, timeout: float) -> dict:
     sequences wait for the watermark, which the partition with the oldest last event holds back)."""
     from collections import Counter
 
-    from feature_repo.store import feature_store
+    from feature_repo.store import feature_store, online_row
     from streaming.movielens import replay_events
 
     events = list(replay_events(s, limit))
@@ -395,8 +395,7 @@ def _await_features(s: Settings, limit: int | None, timeout: float) -> dict:
     store, deadline = feature_store(s), time.monotonic() + timeout
 
     def online(user: str) -> dict:
-        got = store.get_online_features(features=DEMO_FEATURES, entity_rows=[{"user_id": user}]).to_dict()
-        return {k: v[0] for k, v in got.items()}
+        return online_row(store, DEMO_FEATURES, {"user_id": user})
 
     while (got := online(last)["user_impressions_total"]) != expected:
         if time.monotonic() > deadline:

@@ -155,21 +155,22 @@ class CtrModel:
 
     def save(self, directory: Path) -> Path:
         """Dense weights, spec and a full snapshot of every table."""
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "spec.json").write_text(self.spec.to_json())
-        self.network.save_weights(directory / "dense.weights.h5")
-        for name, table in self.tables.items():
-            _save_snapshot(table.snapshot(), directory / f"sparse-{name}.npz")
-        return directory
+        return self._save(directory, {name: table.snapshot() for name, table in self.tables.items()})
 
-    def save_delta(self, directory: Path, since: dict[str, int]) -> Path:
-        """Dense weights, spec and, per table, only the rows changed after `since[table]`."""
+    def save_delta(self, directory: Path, since: dict[str, int]) -> dict[str, int]:
+        """Dense weights, spec and, per table, only the rows changed after `since[table]`. Returns the
+        number of changed rows per table."""
+        deltas = {name: table.delta(since[name]) for name, table in self.tables.items()}
+        self._save(directory, deltas)
+        (directory / "delta-of.json").write_text(json.dumps(since))
+        return {name: len(delta.ids) for name, delta in deltas.items()}
+
+    def _save(self, directory: Path, snapshots: dict[str, TableSnapshot]) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "spec.json").write_text(self.spec.to_json())
-        (directory / "delta-of.json").write_text(json.dumps(since))
         self.network.save_weights(directory / "dense.weights.h5")
-        for name, table in self.tables.items():
-            _save_snapshot(table.delta(since[name]), directory / f"sparse-{name}.npz")
+        for name, snap in snapshots.items():
+            _save_snapshot(snap, directory / f"sparse-{name}.npz")
         return directory
 
     @classmethod

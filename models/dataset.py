@@ -32,6 +32,7 @@ RATES = ("user_ctr_5m", "user_ctr_1h", "item_ctr_5m", "item_ctr_1h", "user_ctr_t
          "category_ctr")
 NUMERIC_FEATURES: tuple[str, ...] = (*COUNTS, *RATES, "user_age")
 SEQUENCE = ("seq_item_ids", "seq_event_times")
+DAY_MS = 86_400_000
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,12 @@ class Window:
 def labelled_impressions(s: Settings, window: Window) -> pd.DataFrame:
     """One row per impression in `window` (event log, deduplicated by event id): user_id, item_id,
     category, event_time (ms), label (1.0 if a click with its request id and item exists)."""
-    log = read_event_log(s)
+    start, end = (int(t.timestamp() * 1000) for t in (window.start, window.end))
+    # A click comes after its impression: read a day past the window for the clicks of its last ones.
+    log = read_event_log(s, start, end + DAY_MS)
     log = log.filter(pc.field("event_id").is_valid())
     frame = log.select(["event_id", "user_id", "item_id", "event_type", "request_id", "event_time", "context"]
                        ).to_pandas().drop_duplicates("event_id")
-    start, end = (int(t.timestamp() * 1000) for t in (window.start, window.end))
     imps = frame[(frame.event_type == "impression") & (frame.event_time >= start) & (frame.event_time < end)]
     clicks = frame[frame.event_type == "click"][["request_id", "item_id"]].drop_duplicates()
     clicks["label"] = 1.0

@@ -130,10 +130,9 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
         samples_per_s = len(train) / (time.perf_counter() - started)
         mlflow.log_metric("train_logloss", losses[-1])
         metrics = _log_evaluation(model, evaluation, "eval") | {"train_samples_per_s": samples_per_s}
-        delta = model.save_delta(Path(tmp) / "delta", since=base_versions)
-        mlflow.log_artifacts(str(delta), "delta")
-        changed = sum(len(table.delta(base_versions[name]).ids) for name, table in model.tables.items())
-        mlflow.log_metric("delta_rows", float(changed))
+        changed = model.save_delta(Path(tmp) / "delta", since=base_versions)
+        mlflow.log_artifacts(str(Path(tmp) / "delta"), "delta")
+        mlflow.log_metric("delta_rows", float(sum(changed.values())))
         eval_span = [datetime.fromtimestamp(t / 1000, UTC).isoformat() for t in (times[cut], times[-1])]
         version = log_model(s, model.save(Path(tmp) / "model"), {
             "kind": model.spec.kind, "data_start": _iso(window.start), "data_end": _iso(window.end),

@@ -12,7 +12,7 @@ import pytest
 
 from feature_repo.catalog import load_movielens, materialize, write_snapshot
 from feature_repo.definitions import USER_PROFILE
-from feature_repo.store import feature_store
+from feature_repo.store import feature_store, online_row
 from infra.settings import Settings
 from streaming.movielens import dataset_dir
 
@@ -29,8 +29,7 @@ def _raw(path: Path) -> dict[str, list[str]]:
 
 
 def _online(s: Settings, features: list[str], **entity: str) -> dict:
-    got = feature_store(s).get_online_features(features=features, entity_rows=[entity]).to_dict()
-    return {k: v[0] for k, v in got.items()}
+    return online_row(feature_store(s), features, entity)
 
 
 def test_catalog_materializes_online_and_joins_point_in_time(redis_stack: Settings) -> None:

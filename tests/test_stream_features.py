@@ -18,7 +18,7 @@ from kafka.partitioner.default import murmur2
 
 from feature_repo.definitions import TIMESTAMP_FIELD, view_dir
 from feature_repo.event_log import read_event_log
-from feature_repo.store import feature_store
+from feature_repo.store import feature_store, online_row
 from infra import process, stack
 from infra.settings import Settings
 from models.dataset import NUMERIC_FEATURES, Window, labelled_impressions, training_set
@@ -88,7 +88,7 @@ def smoothed(s: Settings, clicks: int, imps: int) -> float:
 
 
 def online(s: Settings, features: list[str], row: dict) -> dict:
-    return {k: v[0] for k, v in feature_store(s).get_online_features(features=features, entity_rows=[row]).to_dict().items()}
+    return online_row(feature_store(s), features, row)
 
 
 def wait_for(check, timeout_s: float = 90.0):
