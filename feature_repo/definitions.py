@@ -21,7 +21,7 @@ from feast.types import Array, FeastType, Float64, Int64, String
 from feast.value_type import ValueType
 
 from infra.settings import Settings
-from streaming.features import BIGINT, STREAM_VIEWS, STRING, STRING_ARRAY, WINDOWS, StreamView
+from streaming.features import BIGINT, DOUBLE_ARRAY, STREAM_VIEWS, STRING, STRING_ARRAY, WINDOWS, StreamView
 
 FEAST_TYPES: dict[str, FeastType] = {
     "BIGINT": Int64, "DOUBLE": Float64, "STRING": String,
@@ -45,18 +45,24 @@ ENTITIES = {"user_id": user, "item_id": item, "category": category}
 
 @dataclass(frozen=True)
 class BatchView:
-    """A slow feature view from a side table (the catalog), not from events."""
+    """A feature view written in batches, not by the stream job: catalog snapshots, graph results."""
 
     name: str
     keys: tuple[str, ...]
     columns: tuple[tuple[str, str], ...]  # (feature name, SQL type), as in StreamView
+    description: str = "Catalog snapshots, materialized into the online store."
 
 
 ITEM_ATTRIBUTES = BatchView("item_attributes", ("item_id",), (
     ("item_genres", STRING_ARRAY), ("item_release_year", BIGINT)))
 USER_PROFILE = BatchView("user_profile", ("user_id",), (
     ("user_age", BIGINT), ("user_gender", STRING), ("user_occupation", STRING)))
-BATCH_VIEWS: tuple[BatchView, ...] = (ITEM_ATTRIBUTES, USER_PROFILE)
+BATCH_VIEWS: tuple[BatchView, ...] = (ITEM_ATTRIBUTES, USER_PROFILE)  # materialized from their files
+# Written online by the graph update itself (models/graph.py), and offline for training sets.
+ITEM_NEIGHBOURS = BatchView("item_neighbours", ("item_id",), (
+    ("neighbour_ids", STRING_ARRAY), ("neighbour_scores", DOUBLE_ARRAY)),
+    "Item-item neighbours by decayed co-interaction in the behavior graph, best first, for recall.")
+GRAPH_VIEWS: tuple[BatchView, ...] = (ITEM_NEIGHBOURS,)
 
 
 def offline_dir(s: Settings) -> Path:
@@ -105,11 +111,11 @@ def batch_feature_view(s: Settings, spec: BatchView) -> FeatureView:
     return FeatureView(
         name=spec.name,
         entities=[ENTITIES[k] for k in spec.keys],
-        ttl=timedelta(0),  # attributes hold until a newer snapshot replaces them
+        ttl=timedelta(0),  # rows hold until newer ones replace them
         schema=_schema(spec),
         source=_offline_source(s, spec.name),
         online=True,
-        description="Batch feature view: catalog snapshots, materialized into the online store.",
+        description=spec.description,
     )
 
 
@@ -117,6 +123,7 @@ def definitions(s: Settings) -> list:
     """Everything `apply` registers."""
     stream = [stream_feature_view(s, spec) for spec in STREAM_VIEWS]
     batch = [batch_feature_view(s, spec) for spec in BATCH_VIEWS]
+    graph = [batch_feature_view(s, spec) for spec in GRAPH_VIEWS]
     # The ranking model's features: the candidate item and its user; the user x category affinity
     # is looked up with the candidate's category.
     ranking = [*stream, *batch]
@@ -124,5 +131,6 @@ def definitions(s: Settings) -> list:
         FeatureService(name="ranking_serving", features=ranking, description="Online features for ranking."),
         FeatureService(name="ranking_training", features=ranking,
                        description="The same features, point-in-time correct, for training sets."),
+        FeatureService(name="recall", features=graph, description="Candidate generation: item neighbours."),
     ]
-    return [user, item, category, *stream, *batch, *services]
+    return [user, item, category, *stream, *batch, *graph, *services]

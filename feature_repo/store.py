@@ -3,12 +3,17 @@ file registry."""
 
 from __future__ import annotations
 
+import hashlib
 import warnings
+from datetime import datetime
+from pathlib import Path
 from urllib.parse import urlsplit
 
+import pyarrow as pa
 from feast import FeatureStore, RepoConfig
 
-from feature_repo.definitions import BATCH_VIEWS, definitions, offline_dir, offline_schema, view_dir
+from feature_repo.definitions import (
+    BATCH_VIEWS, GRAPH_VIEWS, TIMESTAMP_FIELD, BatchView, definitions, offline_dir, offline_schema, view_dir)
 from feature_repo.files import write_atomic
 from infra.settings import Settings
 from streaming.features import STREAM_VIEWS
@@ -57,7 +62,7 @@ def apply(s: Settings) -> FeatureStore:
     """Register every definition (idempotent) and return the store."""
     store = feature_store(s)
     store.apply(definitions(s))
-    for spec in (*STREAM_VIEWS, *BATCH_VIEWS):
+    for spec in (*STREAM_VIEWS, *BATCH_VIEWS, *GRAPH_VIEWS):
         # A zero-row file with the view's schema: a training set over a view with no rows yet gets
         # missing values (the documented defaults) instead of a "no files found" error.
         empty = view_dir(s, spec.name) / "schema.parquet"
@@ -70,3 +75,16 @@ def online_row(store: FeatureStore, features: list[str], entity_row: dict[str, s
     """`get_online_features` for one entity, as {name: value} (None where nothing is stored)."""
     got = store.get_online_features(features=features, entity_rows=[entity_row]).to_dict()
     return {name: values[0] for name, values in got.items()}
+
+
+def write_rows(s: Settings, spec: BatchView, rows: list[dict], as_of: datetime) -> Path:
+    """Rows computed outside the stream job (item neighbours from the graph), valid from `as_of`: one
+    Parquet file in the view's offline directory, for point-in-time training sets, and the same rows
+    online. Writing the same rows again rewrites the same file."""
+    table = pa.Table.from_pylist([r | {TIMESTAMP_FIELD: as_of} for r in rows], schema=offline_schema(spec))
+    keys = "\n".join(str(r[k]) for r in rows for k in spec.keys).encode()
+    path = write_atomic(table, view_dir(s, spec.name) /
+                        f"{as_of:%Y%m%dT%H%M%S%f}-{hashlib.sha256(keys).hexdigest()[:12]}.parquet")
+    if rows:
+        feature_store(s).write_to_online_store(spec.name, table.to_pandas())
+    return path

@@ -327,20 +327,9 @@ def evaluate(version: str, start: datetime, end: datetime) -> None:
 @click.argument("version")
 def promote(version: str) -> None:
     """Run the promotion gate for a registered version on its recorded evaluation window."""
-    from datetime import timedelta
+    from models.train import gate_version
 
-    from models.dataset import Window, training_set
-    from models.registry import gate, load_version, version_tags
-
-    def run():
-        s = _settings()
-        tags = version_tags(s, version)
-        window = Window(datetime.fromisoformat(tags["eval_start"]),
-                        datetime.fromisoformat(tags["eval_end"]) + timedelta(milliseconds=1))
-        ex, _ = training_set(s, window, s.streaming.sequence_length)
-        return gate(s, version, load_version(s, version), ex, f"its evaluation window {window}")
-
-    decision = _models_call(run)
+    decision = _models_call(gate_version, _settings(), version)
     click.echo(f"v{version} {'promoted to @champion' if decision.promoted else 'refused'}: {decision.reason}")
 
 

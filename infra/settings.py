@@ -139,6 +139,13 @@ class AirflowSettings:
     username: str = "admin"
     password: str = ""  # from config/env; if empty the local stack generates and keeps one
     parallelism: int = 4
+    # DAG cadences. Minutes, not seconds: each Airflow run costs seconds of scheduling and process
+    # start-up, and a training run needs enough new labelled impressions to move the model.
+    full_training_schedule: str = "@daily"  # cron or preset; empty: only when triggered
+    incremental_training_minutes: int = 5
+    graph_update_minutes: int = 10
+    materialization_minutes: int = 60
+    full_training_days: int = 30  # offline_training's default window: the days before the run
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -202,6 +209,23 @@ class ModelsSettings:
 
 
 @dataclass(frozen=True)
+class GraphSettings:
+    """The user-item behavior graph (FalkorDB on settings.redis) and the item neighbours from it."""
+
+    name: str = "behavior"  # the graph's key
+    half_life_days: float = 30.0  # an edge's weight halves in this time without new behavior
+    # Behavior weights; impressions are exposure, not interest, and add no edge.
+    click_weight: float = 1.0
+    add_to_cart_weight: float = 2.0
+    purchase_weight: float = 4.0
+    neighbours: int = 20  # item-item neighbours kept per item
+    batch_size: int = 2000  # edges per Cypher upsert
+    # A run takes events up to the newest one in the log minus this, so events this late still
+    # arrive before their window is added.
+    allowed_lateness_s: float = 60.0
+
+
+@dataclass(frozen=True)
 class Settings:
     paths: PathSettings = field(default_factory=PathSettings)
     stack: StackSettings = field(default_factory=StackSettings)
@@ -213,6 +237,7 @@ class Settings:
     flink: FlinkSettings = field(default_factory=FlinkSettings)
     streaming: StreamingSettings = field(default_factory=StreamingSettings)
     models: ModelsSettings = field(default_factory=ModelsSettings)
+    graph: GraphSettings = field(default_factory=GraphSettings)
 
 
 def _host_port(endpoint: str, default_port: int) -> tuple[str, int]:
@@ -305,6 +330,11 @@ def to_environ(settings: Settings) -> dict[str, str]:
             text = ",".join(v) if isinstance(v, tuple) else str(v).lower() if isinstance(v, bool) else str(v)
             environ[f"{ENV_PREFIX}{section.name}_{f.name}".upper()] = text
     return environ
+
+
+def override(settings: Settings, section: str, **values: Any) -> Settings:
+    """`settings` with some fields of one section replaced (a DAG run's parameters, for example)."""
+    return dataclasses.replace(settings, **{section: dataclasses.replace(getattr(settings, section), **values)})
 
 
 @functools.cache

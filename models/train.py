@@ -14,7 +14,7 @@ import logging
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import mlflow
@@ -134,18 +134,29 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
         mlflow.log_artifacts(str(Path(tmp) / "delta"), "delta")
         mlflow.log_metric("delta_rows", float(sum(changed.values())))
         eval_span = [datetime.fromtimestamp(t / 1000, UTC).isoformat() for t in (times[cut], times[-1])]
+        # The delta is published with the version: serving holding the parent applies it in place.
         version = log_model(s, model.save(Path(tmp) / "model"), {
             "kind": model.spec.kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
-            "eval_start": eval_span[0], "eval_end": eval_span[1], "parent_version": parent})
+            "eval_start": eval_span[0], "eval_end": eval_span[1], "parent_version": parent,
+            "sparse_delta": f"runs:/{mlflow.active_run().info.run_id}/delta"})
     decision = gate(s, version, model, evaluation, f"newest 20% of {window}") if promote else None
     return TrainOutcome(version, decision, metrics, window, samples_per_s)
+
+
+def gate_version(s: Settings, version: str) -> Decision:
+    """Run the promotion gate for a registered version on its recorded evaluation window."""
+    tags = version_tags(s, version)
+    window = Window(datetime.fromisoformat(tags["eval_start"]),
+                    datetime.fromisoformat(tags["eval_end"]) + timedelta(milliseconds=1))
+    ex, _ = training_set(s, window, s.streaming.sequence_length)
+    return gate(s, version, load_version(s, version), ex, f"its evaluation window {window}")
 
 
 def _spec_params(spec: ModelSpec) -> dict[str, object]:
     import tensorflow as tf
 
     # The dense step runs where TensorFlow puts it (a GPU when one is visible); sparse rows stay on CPU.
-    return {"dense_device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU","embedding_dim": spec.sparse.dim, "admit_after": spec.sparse.admit_after,
+    return {"dense_device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU", "embedding_dim": spec.sparse.dim, "admit_after": spec.sparse.admit_after,
             "sparse_learning_rate": spec.sparse.learning_rate, "dense_learning_rate": spec.learning_rate,
             "batch_size": spec.batch_size, "sequence_length": spec.sequence_length,
             "hidden": ",".join(map(str, spec.hidden)), "xla": spec.jit_compile}

@@ -5,13 +5,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from kafka.partitioner.default import murmur2
 
 from infra import stack
 from infra.settings import Settings, load_settings
+from streaming.events import Event, EventType
 
 REPO = Path(__file__).resolve().parent.parent
 FLYWHEEL = [sys.executable, "-m", "infra.cli"]
@@ -55,3 +58,29 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
 def redis_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     """A real Redis (the Feast online store) for the whole session, with its own data directory."""
     yield from running_stack(tmp_path_factory.mktemp("redis"), "redis")
+
+
+def wait_for(check: Callable, timeout_s: float = 90.0):
+    """Retry `check` until it stops raising AssertionError (the last one is raised at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return check()
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def sentinels(s: Settings, t: int) -> list[Event]:
+    """One impression per partition at time t, so every partition's watermark passes the events before."""
+    out, covered, i = [], set(), 0
+    while len(covered) < s.kafka.partitions:
+        user = f"sentinel-{i}"
+        partition = (murmur2(user.encode()) & 0x7FFFFFFF) % s.kafka.partitions
+        if partition not in covered:
+            covered.add(partition)
+            out.append(Event(event_id=f"sentinel-{t}-{i}", user_id=user, item_id="sentinel-item",
+                             event_type=EventType.IMPRESSION, request_id=f"sentinel-{t}-{i}", event_time=t))
+        i += 1
+    return out

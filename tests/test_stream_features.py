@@ -14,7 +14,6 @@ import numpy as np
 import pandas as pd
 import pytest
 from kafka import KafkaProducer
-from kafka.partitioner.default import murmur2
 
 from feature_repo.definitions import TIMESTAMP_FIELD, view_dir
 from feature_repo.event_log import read_event_log
@@ -27,7 +26,7 @@ from streaming.consumer import read_dead_letter
 from streaming.events import Event, EventType
 from streaming.producer import EventProducer
 from streaming.topics import end_offsets, read_range
-from tests.conftest import running_stack
+from tests.conftest import running_stack, sentinels, wait_for
 
 pytestmark = pytest.mark.stack
 
@@ -64,19 +63,6 @@ def event(n: int, user: str, item: str, kind: EventType, t: int, category: str |
                  event_time=t, context=context)
 
 
-def sentinels(s: Settings, t: int) -> list[Event]:
-    """One event per partition at time t, so every partition's watermark passes the test events."""
-    out, covered, i = [], set(), 0
-    while len(covered) < s.kafka.partitions:
-        user = f"sentinel-{i}"
-        partition = (murmur2(user.encode()) & 0x7FFFFFFF) % s.kafka.partitions
-        if partition not in covered:
-            covered.add(partition)
-            out.append(event(10_000 + i, user, "sentinel-item", IMP, t, category=None))
-        i += 1
-    return out
-
-
 def expected_counts(events: list[Event], key: str, value: str, at: int, window_ms: float) -> tuple[int, int]:
     rows = [e for e in events if getattr(e, key) == value and at - window_ms <= e.event_time <= at]
     return sum(e.event_type is IMP for e in rows), sum(e.event_type is CLICK for e in rows)
@@ -89,17 +75,6 @@ def smoothed(s: Settings, clicks: int, imps: int) -> float:
 
 def online(s: Settings, features: list[str], row: dict) -> dict:
     return online_row(feature_store(s), features, row)
-
-
-def wait_for(check, timeout_s: float = 90.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return check()
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1)
 
 
 def test_known_events_give_exactly_the_expected_online_features(pipeline: Settings, timeline: Timeline) -> None:

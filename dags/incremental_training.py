@@ -1,0 +1,67 @@
+"""Minute-level incremental training: continue @champion on the labelled impressions since its data
+watermark, register the version (with its sparse delta), and gate it on the newest part of the new data.
+
+Every `airflow.incremental_training_minutes` (5). Airflow suits minutes, not seconds: a run costs
+seconds of scheduling and task start-up, and a few minutes of traffic is what it takes to collect
+enough new clicks to move the model and to judge it. Runs never overlap (max_active_runs=1); a run with
+too little new data is skipped, and the next one picks it up. Logic: models/train.py.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from airflow.sdk import Param, dag, task
+
+from infra.settings import get_settings
+
+SETTINGS = get_settings()
+
+
+@dag(
+    dag_id="incremental_training",
+    schedule=timedelta(minutes=SETTINGS.airflow.incremental_training_minutes),
+    start_date=datetime(2026, 1, 1, tzinfo=UTC),
+    catchup=False,
+    max_active_runs=1,
+    dagrun_timeout=timedelta(minutes=30),
+    default_args={"retries": 0},  # the next run, minutes later, is the retry
+    params={
+        "model_name": Param(SETTINGS.models.name, type="string", minLength=1, description="Registered model."),
+        "promote": Param(True, type="boolean", description="Run the promotion gate after registering."),
+    },
+    tags=["models"],
+    doc_md=__doc__,
+)
+def incremental_training():
+    @task
+    def train(params=None) -> dict:
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        from infra.settings import override
+        from models.train import train_incremental
+
+        outcome = train_incremental(override(SETTINGS, "models", name=params["model_name"]), promote=False,
+                                    progress=False)
+        if outcome is None:
+            raise AirflowSkipException("too few new labelled impressions since the champion's data watermark")
+        return {"version": outcome.version, "window": str(outcome.window), **outcome.metrics}
+
+    @task.short_circuit
+    def promotion_asked(params=None) -> bool:
+        return bool(params["promote"])
+
+    @task
+    def gate(trained: dict, params=None) -> dict:
+        from dataclasses import asdict
+
+        from infra.settings import override
+        from models.train import gate_version
+
+        decision = gate_version(override(SETTINGS, "models", name=params["model_name"]), trained["version"])
+        return asdict(decision)
+
+    promotion_asked() >> gate(train())
+
+
+incremental_training()

@@ -1,0 +1,77 @@
+"""Offline full training: the training set of a date range -> full model -> registered version -> the
+promotion gate against @champion on the same recent window.
+
+On `airflow.full_training_schedule` (daily), over the `airflow.full_training_days` before the run.
+Triggered from the UI ("Trigger DAG w/ config") or the REST API, a run can name its own window, model
+and kind, or register without promoting.
+All logic is in models/train.py; this file only schedules it.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from airflow.sdk import Param, dag, task
+
+from infra.settings import get_settings
+
+SETTINGS = get_settings()
+
+
+def _moment(text: str) -> datetime:
+    moment = datetime.fromisoformat(text)
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+@dag(
+    dag_id="offline_training",
+    schedule=SETTINGS.airflow.full_training_schedule or None,
+    start_date=datetime(2026, 1, 1, tzinfo=UTC),
+    catchup=False,
+    max_active_runs=1,
+    default_args={"retries": 1, "retry_delay": timedelta(minutes=2)},
+    params={
+        "data_start": Param(None, type=["null", "string"],
+                            description="First impression time, ISO date or date-time (UTC). "
+                                        "Empty: `full_training_days` before data_end."),
+        "data_end": Param(None, type=["null", "string"],
+                          description="End of the window (exclusive), ISO. Empty: the run's data interval end."),
+        "model_name": Param(SETTINGS.models.name, type="string", minLength=1, description="Registered model."),
+        "kind": Param("ranker", enum=["ranker", "logreg"], description="DIN ranker or the logistic baseline."),
+        "promote": Param(True, type="boolean", description="Run the promotion gate after registering."),
+    },
+    tags=["models"],
+    doc_md=__doc__,
+)
+def offline_training():
+    @task
+    def train(params=None, data_interval_end=None) -> dict:
+        from models.dataset import Window
+        from models.train import train_full
+        from infra.settings import override
+
+        end = _moment(params["data_end"]) if params["data_end"] else data_interval_end or datetime.now(UTC)
+        start = (_moment(params["data_start"]) if params["data_start"]
+                 else end - timedelta(days=SETTINGS.airflow.full_training_days))
+        s = override(SETTINGS, "models", name=params["model_name"])
+        outcome = train_full(s, Window(start, end), kind=params["kind"], promote=False, progress=False)
+        return {"version": outcome.version, "window": str(outcome.window), **outcome.metrics}
+
+    @task.short_circuit
+    def promotion_asked(params=None) -> bool:
+        return bool(params["promote"])
+
+    @task
+    def gate(trained: dict, params=None) -> dict:
+        from dataclasses import asdict
+
+        from infra.settings import override
+        from models.train import gate_version
+
+        decision = gate_version(override(SETTINGS, "models", name=params["model_name"]), trained["version"])
+        return asdict(decision)
+
+    promotion_asked() >> gate(train())
+
+
+offline_training()

@@ -1,0 +1,78 @@
+"""A small client of Airflow's REST API (v2), authenticated with the configured credentials."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from infra.services import airflow_password
+from infra.settings import Settings
+
+FINISHED = {"success", "failed"}
+
+
+class AirflowApiError(RuntimeError):
+    """Airflow refused a request or did not answer as expected."""
+
+
+class AirflowClient:
+    def __init__(self, s: Settings, timeout_s: float = 30.0):
+        self.base = s.airflow.api_url.rstrip("/")
+        try:
+            answer = httpx.post(f"{self.base}/auth/token", timeout=timeout_s,
+                                json={"username": s.airflow.username, "password": airflow_password(s)})
+        except httpx.HTTPError as exc:
+            raise AirflowApiError(f"Airflow at {self.base} is unreachable ({type(exc).__name__}); "
+                                  "is the stack up (`flywheel status`)?") from None
+        if answer.status_code not in (200, 201):
+            raise AirflowApiError(f"login as {s.airflow.username!r} refused: HTTP {answer.status_code} {answer.text}")
+        self.http = httpx.Client(base_url=f"{self.base}/api/v2", timeout=timeout_s,
+                                 headers={"Authorization": f"Bearer {answer.json()['access_token']}"})
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> dict:
+        answer = self.http.request(method, path, **kwargs)
+        if answer.status_code >= 400:
+            raise AirflowApiError(f"{method} {path}: HTTP {answer.status_code} {answer.text[:500]}")
+        return answer.json()
+
+    def wait_for_dag(self, dag_id: str, timeout_s: float = 120.0) -> dict:
+        """The DAG once the dag-processor has parsed it (new files take up to its refresh interval)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            answer = self.http.get(f"/dags/{dag_id}")
+            if answer.status_code == 200:
+                return answer.json()
+            if time.monotonic() > deadline:
+                raise AirflowApiError(f"DAG {dag_id} not known to Airflow after {timeout_s:.0f}s "
+                                      f"(HTTP {answer.status_code}); check `flywheel logs airflow-dag-processor`")
+            time.sleep(1)
+
+    def trigger(self, dag_id: str, conf: dict | None = None) -> str:
+        """Unpause the DAG (new DAGs start paused) and start a run; returns its run id."""
+        self.wait_for_dag(dag_id)
+        self._call("PATCH", f"/dags/{dag_id}", json={"is_paused": False})
+        run = self._call("POST", f"/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf or {}})
+        return run["dag_run_id"]
+
+    def run_state(self, dag_id: str, run_id: str) -> str:
+        return self._call("GET", f"/dags/{dag_id}/dagRuns/{run_id}")["state"]
+
+    def wait(self, dag_id: str, run_id: str, timeout_s: float = 900.0) -> str:
+        """Poll until the run succeeds or fails; its final state."""
+        deadline = time.monotonic() + timeout_s
+        while (state := self.run_state(dag_id, run_id)) not in FINISHED:
+            if time.monotonic() > deadline:
+                raise AirflowApiError(f"{dag_id} run {run_id} still {state} after {timeout_s:.0f}s")
+            time.sleep(2)
+        return state
+
+    def task_states(self, dag_id: str, run_id: str) -> dict[str, str | None]:
+        tasks = self._call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
+        return {t["task_id"]: t["state"] for t in tasks}
+
+    def xcom(self, dag_id: str, run_id: str, task_id: str) -> Any:
+        """A task's return value."""
+        return self._call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value",
+                          params={"deserialize": True})["value"]

@@ -1,0 +1,275 @@
+"""The Airflow DAGs: they parse without importing the heavy packages, and each one, run with
+`dag.test()` against the real stack (broker, stream job, feature store, MLflow, FalkorDB), has its
+effect; offline training also runs through Airflow's REST API, scheduler and executor.
+
+The tests of this module share one stack and run in order: synthetic traffic for training, a first
+champion, traffic after it for incremental training, then rollback, materialization and the graph.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from feature_repo.catalog import write_snapshot
+from feature_repo.definitions import ITEM_ATTRIBUTES
+from feature_repo.event_log import read_event_log
+from feature_repo.store import feature_store, online_row
+from infra.airflow_api import AirflowClient
+from infra.services import airflow_env
+from infra.settings import Settings, override, to_environ
+from models import graph
+from models.registry import CHAMPION, alias_version, connect, list_versions, version_tags
+from streaming.events import Event
+from streaming.producer import EventProducer
+from streaming.synthetic import SyntheticConfig, SyntheticGenerator
+from tests.conftest import REPO, running_stack, sentinels, stack_environ, wait_for
+
+MINUTE = 60_000
+STEP_MS = 3_000  # event time between synthetic requests
+TRAFFIC = SyntheticConfig(users=200, items=150, categories=6, clusters=3, preferred_per_cluster=2,
+                          base_logit=-1.5, affinity_weight=1.5, seed=11)
+
+
+def iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat()
+
+
+def run_dag(environ: dict[str, str], dag_id: str, conf: dict | None = None, **extra: str) -> dict:
+    """One `dag.test()` run in a child process: {"state", "tasks": {id: state}, "values": {id: return}}."""
+    done = subprocess.run([sys.executable, "-m", "tests.run_dag", dag_id, json.dumps(conf or {})],
+                          env=environ | extra, cwd=REPO, capture_output=True, text=True, timeout=600)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert results, f"{dag_id}: no result (exit {done.returncode})\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return json.loads(results[-1][len("RESULT "):])
+
+
+def test_dags_parse_fast_without_heavy_imports(tmp_path: Path) -> None:
+    environ = stack_environ(tmp_path) | {"AIRFLOW_HOME": str(tmp_path / "airflow")}
+    done = subprocess.run([sys.executable, "-m", "tests.run_dag", "--parse"], env=environ, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    parsed = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert parsed["errors"] == {}
+    assert parsed["dags"] == ["feature_materialization", "graph_update", "incremental_training", "model_rollback",
+                              "offline_training"]
+    assert parsed["heavy"] == []  # TensorFlow, MLflow, Feast, ... load in tasks, not while parsing
+
+
+@dataclass
+class Platform:
+    s: Settings
+    environ: dict[str, str]  # for `dag.test()` runs: the stack's settings, an Airflow database of their own
+    start_ms: int  # first synthetic event
+    produced: list[Event]
+    generator: SyntheticGenerator
+
+    def produce(self, start_ms: int, requests: int) -> int:
+        """`requests` synthetic requests from start_ms, STEP_MS apart, then sentinels that move every
+        partition's watermark past them; waits until the event log and the online store have them all.
+        Returns the first event time after the traffic."""
+        times: list[int] = []
+
+        def clock() -> int:
+            times.append(start_ms + len(times) * STEP_MS)
+            return times[-1]
+
+        events = []
+        for e in self.generator.events(now_ms=clock):
+            if len(times) > requests:
+                break
+            events.append(e)
+        end = start_ms + requests * STEP_MS
+        with EventProducer(self.s) as producer:
+            for e in [*events, *sentinels(self.s, end + 10 * MINUTE)]:
+                producer.send(e)
+        self.produced += events
+        last = events[-1].user_id
+        impressions = sum(e.user_id == last and e.event_type.value == "impression" for e in self.produced)
+        store = feature_store(self.s)
+
+        def caught_up() -> None:
+            assert online_row(store, ["user_total:user_impressions_total"], {"user_id": last})[
+                "user_impressions_total"] == impressions
+
+        wait_for(caught_up, timeout_s=300)
+        return end + 10 * MINUTE
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    data = tmp_path_factory.mktemp("platform")
+    # No scheduled training: unpausing offline_training for the REST test would start a daily run too.
+    services = running_stack(data, "kafka,redis,mlflow,airflow,pipeline", FLYWHEEL_GRAPH_ALLOWED_LATENESS_S="0",
+                             FLYWHEEL_AIRFLOW_FULL_TRAINING_SCHEDULE="")
+    s = next(services)
+    try:
+        home = data / "airflow-dag-test"  # away from the running scheduler's database
+        environ = (stack_environ(data) | airflow_env(s) | to_environ(s) |
+                   {"AIRFLOW_HOME": str(home), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db"})
+        subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], env=environ, check=True,
+                       capture_output=True, timeout=300)
+        start = int(datetime.now(UTC).timestamp() * 1000) - 6 * 60 * MINUTE
+        yield Platform(s, environ, start, [], SyntheticGenerator(TRAFFIC))
+    finally:
+        services.close()  # stops the stack
+
+
+@pytest.fixture(scope="module")
+def first_window(platform: Platform) -> tuple[int, int]:
+    """An hour of traffic (1200 requests), logged and online; the window that holds it."""
+    end = platform.produce(platform.start_ms, requests=1200)
+    return platform.start_ms, end + MINUTE
+
+
+@pytest.fixture(scope="module")
+def later_traffic(platform: Platform, first_window: tuple[int, int]) -> int:
+    """Half an hour more, after the first window; returns its first event time."""
+    start = first_window[1] + 5 * MINUTE
+    platform.produce(start, requests=600)
+    return start
+
+
+
+@pytest.mark.stack
+def test_offline_training_registers_and_promotes_the_first_champion(platform: Platform, first_window) -> None:
+    s, (start, end) = platform.s, first_window
+    run = run_dag(platform.environ, "offline_training", {"data_start": iso(start), "data_end": iso(end)})
+    assert run["state"] == "success", run
+    assert run["tasks"] == {"train": "success", "promotion_asked": "success", "gate": "success"}
+    version = run["values"]["train"]["version"]
+    assert version == "1" and run["values"]["train"]["test_auc"] > 0.6  # users' category preferences learnt
+    assert run["values"]["gate"]["promoted"] is True
+    assert alias_version(connect(s), s.models.name, CHAMPION) == "1"
+    tags = version_tags(s, "1")
+    assert (tags["data_start"], tags["data_end"], tags["gate_decision"]) == (iso(start), iso(end), "promoted")
+
+
+@pytest.mark.stack
+def test_incremental_training_skips_when_there_is_no_new_data(platform: Platform, first_window) -> None:
+    run = run_dag(platform.environ, "incremental_training")
+    assert run["state"] == "success"
+    assert run["tasks"] == {"train": "skipped", "promotion_asked": "success", "gate": "skipped"}
+    assert [v["version"] for v in list_versions(platform.s)] == ["1"]  # nothing registered
+
+
+@pytest.mark.stack
+def test_incremental_training_continues_the_champion_and_publishes_its_delta(platform: Platform,
+                                                                             later_traffic: int) -> None:
+    s = platform.s
+    # A tolerance that admits any candidate, so this run is promoted and the rollback below has a
+    # previous champion to return to.
+    run = run_dag(platform.environ, "incremental_training", FLYWHEEL_MODELS_MAX_AUC_DROP="1.0")
+    assert run["tasks"] == {"train": "success", "promotion_asked": "success", "gate": "success"}, run
+    tags = version_tags(s, "2")
+    assert tags["parent_version"] == "1" and tags["data_start"] == version_tags(s, "1")["data_end"]
+    assert datetime.fromisoformat(tags["eval_start"]).timestamp() * 1000 >= later_traffic
+    assert tags["sparse_delta"].startswith("runs:/") and tags["sparse_delta"].endswith("/delta")
+    assert tags["previous_champion"] == "1" and alias_version(connect(s), s.models.name, CHAMPION) == "2"
+
+
+@pytest.mark.stack
+def test_model_rollback_moves_the_alias_back_or_refuses(platform: Platform, later_traffic: int) -> None:
+    s = platform.s
+    refused = run_dag(platform.environ, "model_rollback", {"version": "99", "reason": "no such version"})
+    assert refused["state"] == "failed" and refused["tasks"]["rollback"] == "failed"
+    assert alias_version(connect(s), s.models.name, CHAMPION) == "2"
+
+    run = run_dag(platform.environ, "model_rollback", {"version": "previous", "reason": "CTR dropped in the canary"})
+    assert run["tasks"] == {"rollback": "success", "verify": "success"}
+    assert run["values"]["rollback"] == {"from": "2", "to": "1"}
+    assert alias_version(connect(s), s.models.name, CHAMPION) == "1"
+    tags = version_tags(s, "2")
+    assert tags["rolled_back_reason"] == "CTR dropped in the canary" and tags["rolled_back_by"].startswith("airflow:")
+
+
+@pytest.mark.stack
+def test_feature_materialization_brings_a_new_snapshot_online(platform: Platform, first_window) -> None:
+    s = platform.s
+    write_snapshot(s, ITEM_ATTRIBUTES, [{"item_id": "i7", "item_genres": ["Drama", "War"], "item_release_year": 1957}])
+    run = run_dag(platform.environ, "feature_materialization")
+    assert run["tasks"] == {"materialize": "success"}
+    assert run["values"]["materialize"] == ["item_attributes", "user_profile"]
+    got = online_row(feature_store(s), ["item_attributes:item_genres", "item_attributes:item_release_year"],
+                     {"item_id": "i7"})
+    assert (got["item_genres"], got["item_release_year"]) == (["Drama", "War"], 1957)
+
+
+def reference_edges(s: Settings, until_ms: int) -> dict[tuple[str, str], tuple[float, int]]:
+    """Decayed edge weights computed directly from the event log: (u, i) -> (weight as of at, at)."""
+    weights, half_life = graph.behavior_weights(s), graph.half_life_ms(s)
+    events = defaultdict(list)
+    seen = set()
+    for e in read_event_log(s).to_pylist():
+        if e["event_type"] in weights and e["event_time"] <= until_ms and e["event_id"] not in seen:
+            seen.add(e["event_id"])
+            events[e["user_id"], e["item_id"]].append((e["event_time"], weights[e["event_type"]]))
+    out = {}
+    for pair, behaviors in events.items():
+        at = max(t for t, _ in behaviors)
+        out[pair] = (sum(w * 2 ** ((t - at) / half_life) for t, w in behaviors), at)
+    return out
+
+
+@pytest.mark.stack
+def test_graph_update_adds_decayed_edges_and_publishes_neighbours(platform: Platform, later_traffic: int) -> None:
+    s = platform.s
+    run = run_dag(platform.environ, "graph_update")
+    assert run["tasks"] == {"add_edges": "success", "refresh_neighbours": "success"}
+    added = run["values"]["add_edges"]
+    until = added["until_ms"]
+    assert until == int(read_event_log(s).column("event_time").to_numpy().max())  # no lateness allowed here
+    expected = reference_edges(s, until)
+    rows = graph.connect(s).query("MATCH (u:User)-[e:BEHAVED]->(i:Item) RETURN u.id, i.id, e.weight, e.at").result_set
+    got = {(u, i): (w, at) for u, i, w, at in rows}
+    assert set(got) == set(expected) and added["edges"] == len(expected)
+    for pair, (weight, at) in expected.items():
+        assert got[pair][1] == at and got[pair][0] == pytest.approx(weight, rel=1e-9)
+
+    # The most co-interacted item's published neighbours, against a brute-force computation.
+    half_life = graph.half_life_ms(s)
+    now = {pair: w * 2 ** ((at - until) / half_life) for pair, (w, at) in expected.items()}
+    by_user = defaultdict(dict)
+    for (u, i), w in now.items():
+        by_user[u][i] = w
+    item = Counter(i for (_, i) in expected).most_common(1)[0][0]
+    scores = Counter()
+    for items in by_user.values():
+        if item in items:
+            for j, w in items.items():
+                if j != item:
+                    scores[j] += items[item] * w
+    published = online_row(feature_store(s), ["item_neighbours:neighbour_ids", "item_neighbours:neighbour_scores"],
+                           {"item_id": item})
+    ids, values = published["neighbour_ids"], published["neighbour_scores"]
+    assert len(ids) == min(s.graph.neighbours, len(scores)) and values == sorted(values, reverse=True)
+    assert values == pytest.approx([scores[j] for j in ids], rel=1e-9)
+    assert math.isclose(values[0], max(scores.values()), rel_tol=1e-9)
+    assert run["values"]["refresh_neighbours"]["items"] == len({i for (_, i) in expected})
+
+
+@pytest.mark.stack
+def test_offline_training_through_the_rest_api(platform: Platform, first_window) -> None:
+    """The way an operator or a CI job starts a run: Airflow's REST API with the configured credentials;
+    the scheduler and the LocalExecutor run it."""
+    s, (start, end) = platform.s, first_window
+    client = AirflowClient(s)
+    run_id = client.trigger("offline_training", {"data_start": iso(start), "data_end": iso(end), "kind": "logreg",
+                                                 "model_name": "flywheel-ctr-api", "promote": False})
+    assert client.wait("offline_training", run_id, timeout_s=600) == "success", client.task_states(
+        "offline_training", run_id)
+    # Registered under the model the run named, not promoted: the gate was skipped.
+    assert client.task_states("offline_training", run_id) == {"train": "success", "promotion_asked": "success",
+                                                                "gate": "skipped"}
+    assert client.xcom("offline_training", run_id, "train")["version"] == "1"
+    tags = version_tags(override(s, "models", name="flywheel-ctr-api"), "1")
+    assert (tags["kind"], tags["data_end"]) == ("logreg", iso(end)) and "gate_decision" not in tags
+    assert alias_version(connect(s), "flywheel-ctr-api", CHAMPION) is None
