@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 FLYWHEEL := .venv/bin/flywheel
 
-.PHONY: setup demo test test-fast up down status bench bench-streaming bench-models lock clean
+.PHONY: setup demo test test-fast up down status bench bench-streaming bench-models bench-dags lock clean
 
 setup:  ## install both environments and the Flink connector jars from the lock files
 	@bash infra/setup.sh
@@ -33,6 +33,9 @@ bench-streaming: setup  ## events/s through Kafka -> Flink -> online store, and 
 
 bench-models: setup  ## after `make demo`: ranker vs logistic-regression baseline on MovieLens, incremental run
 	.venv/bin/python -m benchmarks.models $(ARGS)
+
+bench-dags: setup  ## edges/s into the graph store; with ARGS=--training (after `make demo`) an incremental run via Airflow
+	.venv/bin/python -m benchmarks.dags $(ARGS)
 
 lock:  ## re-resolve both lock files after editing a pyproject.toml
 	.tools/bin/uv lock

@@ -49,15 +49,25 @@ class AirflowClient:
                                       f"(HTTP {answer.status_code}); check `flywheel logs airflow-dag-processor`")
             time.sleep(1)
 
+    def set_paused(self, dag_id: str, paused: bool) -> bool:
+        """Pause or unpause a DAG; returns whether it was paused before."""
+        was = self.wait_for_dag(dag_id)["is_paused"]
+        self._call("PATCH", f"/dags/{dag_id}", json={"is_paused": paused})
+        return was
+
     def trigger(self, dag_id: str, conf: dict | None = None) -> str:
-        """Unpause the DAG (new DAGs start paused) and start a run; returns its run id."""
-        self.wait_for_dag(dag_id)
-        self._call("PATCH", f"/dags/{dag_id}", json={"is_paused": False})
+        """Start a run; returns its run id. The DAG is unpaused first (a paused DAG's runs never start),
+        which also turns its schedule on."""
+        self.set_paused(dag_id, False)
         run = self._call("POST", f"/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf or {}})
         return run["dag_run_id"]
 
+    def run(self, dag_id: str, run_id: str) -> dict:
+        """The run as the API describes it: state, start_date, end_date, conf, ..."""
+        return self._call("GET", f"/dags/{dag_id}/dagRuns/{run_id}")
+
     def run_state(self, dag_id: str, run_id: str) -> str:
-        return self._call("GET", f"/dags/{dag_id}/dagRuns/{run_id}")["state"]
+        return self.run(dag_id, run_id)["state"]
 
     def wait(self, dag_id: str, run_id: str, timeout_s: float = 900.0) -> str:
         """Poll until the run succeeds or fails; its final state."""
@@ -68,9 +78,11 @@ class AirflowClient:
             time.sleep(2)
         return state
 
+    def task_instances(self, dag_id: str, run_id: str) -> list[dict]:
+        return self._call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
+
     def task_states(self, dag_id: str, run_id: str) -> dict[str, str | None]:
-        tasks = self._call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
-        return {t["task_id"]: t["state"] for t in tasks}
+        return {t["task_id"]: t["state"] for t in self.task_instances(dag_id, run_id)}
 
     def xcom(self, dag_id: str, run_id: str, task_id: str) -> Any:
         """A task's return value."""

@@ -403,6 +403,40 @@ def _await_features(s: Settings, limit: int | None, timeout: float) -> dict:
 
 
 @main.command()
+@click.argument("dag_id")
+@click.option("--conf", default="{}", show_default=True, help="The run's parameters, as a JSON object.")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until the run finishes.")
+def trigger(dag_id: str, conf: str, wait: bool) -> None:
+    """Start a run of an Airflow DAG through the REST API, e.g.
+    `flywheel trigger model_rollback --conf '{"reason": "bad canary"}'`. Unpauses the DAG."""
+    import json
+
+    from infra.airflow_api import AirflowApiError, AirflowClient
+
+    try:
+        params = json.loads(conf)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--conf") from None
+    if not isinstance(params, dict):
+        raise click.BadParameter("must be a JSON object", param_hint="--conf")
+    s = _settings()
+    try:
+        client = AirflowClient(s)
+        run_id = client.trigger(dag_id, params)
+        click.echo(f"{dag_id}: run {run_id}  ({s.airflow.api_url}/dags/{dag_id}/runs/{run_id})")
+        if not wait:
+            return
+        state = client.wait(dag_id, run_id)
+        for task_id, task_state in client.task_states(dag_id, run_id).items():
+            click.echo(f"  {task_id:<20} {task_state}")
+    except AirflowApiError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{dag_id}: {state}")
+    if state != "success":
+        sys.exit(1)
+
+
+@main.command()
 @click.option("--limit", type=int, default=None, help="Replay only the first N ratings.")
 @click.option("--timeout", type=float, default=900, show_default=True,
               help="Seconds to wait for the feature store to catch up with the replay.")

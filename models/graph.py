@@ -55,11 +55,14 @@ SET e.weight = e.weight * 2 ^ ((e.at - t) / $half_life) + r.w * 2 ^ ((r.t - t) /
 RETURN count(e)
 """
 
+# Cost: one path per (user of i, other item of that user); w(u, i) is decayed once per user, not per path.
 NEIGHBOURS = """
 UNWIND $items AS item
-MATCH (i:Item {id: item})<-[a:BEHAVED]-(:User)-[b:BEHAVED]->(j:Item)
+MATCH (i:Item {id: item})<-[a:BEHAVED]-(u:User)
+WITH i, u, a.weight * 2 ^ ((a.at - $at) / $half_life) AS wa
+MATCH (u)-[b:BEHAVED]->(j:Item)
 WHERE j <> i
-WITH i, j, sum(a.weight * 2 ^ ((a.at - $at) / $half_life) * b.weight * 2 ^ ((b.at - $at) / $half_life)) AS score
+WITH i, j, sum(wa * b.weight * 2 ^ ((b.at - $at) / $half_life)) AS score
 ORDER BY score DESC, j.id
 WITH i, collect([j.id, score]) AS ranked
 RETURN i.id, ranked[0..$k]

@@ -32,7 +32,7 @@ from models.registry import CHAMPION, alias_version, connect, list_versions, ver
 from streaming.events import Event
 from streaming.producer import EventProducer
 from streaming.synthetic import SyntheticConfig, SyntheticGenerator
-from tests.conftest import REPO, running_stack, sentinels, stack_environ, wait_for
+from tests.conftest import REPO, run_cli, running_stack, sentinels, stack_environ, wait_for
 
 MINUTE = 60_000
 STEP_MS = 3_000  # event time between synthetic requests
@@ -62,6 +62,14 @@ def test_dags_parse_fast_without_heavy_imports(tmp_path: Path) -> None:
     assert parsed["dags"] == ["feature_materialization", "graph_update", "incremental_training", "model_rollback",
                               "offline_training"]
     assert parsed["heavy"] == []  # TensorFlow, MLflow, Feast, ... load in tasks, not while parsing
+
+
+def test_trigger_refuses_bad_parameters_and_reports_an_unreachable_airflow(tmp_path: Path) -> None:
+    environ = stack_environ(tmp_path)
+    bad = run_cli(environ, "trigger", "offline_training", "--conf", "[1]")
+    assert bad.returncode == 2 and "must be a JSON object" in bad.stderr
+    down = run_cli(environ, "trigger", "offline_training")
+    assert down.returncode == 1 and "unreachable" in down.stderr and "Traceback" not in down.stderr
 
 
 @dataclass
@@ -113,6 +121,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     s = next(services)
     try:
         home = data / "airflow-dag-test"  # away from the running scheduler's database
+        # no FLYWHEEL_* of the developer (stack_environ), this stack's settings (to_environ)
         environ = (stack_environ(data) | airflow_env(s) | to_environ(s) |
                    {"AIRFLOW_HOME": str(home), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db"})
         subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], env=environ, check=True,
