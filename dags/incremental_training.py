@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from airflow.sdk import Param, dag, task
 
 from infra.settings import get_settings
+from promotion import gate_if_asked  # dags/ is on sys.path
 
 SETTINGS = get_settings()
 
@@ -47,21 +48,7 @@ def incremental_training():
             raise AirflowSkipException("too few new labelled impressions since the champion's data watermark")
         return {"version": outcome.version, "window": str(outcome.window), **outcome.metrics}
 
-    @task.short_circuit
-    def promotion_asked(params=None) -> bool:
-        return bool(params["promote"])
-
-    @task
-    def gate(trained: dict, params=None) -> dict:
-        from dataclasses import asdict
-
-        from infra.settings import override
-        from models.train import gate_version
-
-        decision = gate_version(override(SETTINGS, "models", name=params["model_name"]), trained["version"])
-        return asdict(decision)
-
-    promotion_asked() >> gate(train())
+    gate_if_asked(train())
 
 
 incremental_training()

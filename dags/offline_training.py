@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from airflow.sdk import Param, dag, task
 
 from infra.settings import get_settings
+from promotion import gate_if_asked  # dags/ is on sys.path
 
 SETTINGS = get_settings()
 
@@ -46,9 +47,9 @@ def _moment(text: str) -> datetime:
 def offline_training():
     @task
     def train(params=None, data_interval_end=None) -> dict:
+        from infra.settings import override
         from models.dataset import Window
         from models.train import train_full
-        from infra.settings import override
 
         end = _moment(params["data_end"]) if params["data_end"] else data_interval_end or datetime.now(UTC)
         start = (_moment(params["data_start"]) if params["data_start"]
@@ -57,21 +58,7 @@ def offline_training():
         outcome = train_full(s, Window(start, end), kind=params["kind"], promote=False, progress=False)
         return {"version": outcome.version, "window": str(outcome.window), **outcome.metrics}
 
-    @task.short_circuit
-    def promotion_asked(params=None) -> bool:
-        return bool(params["promote"])
-
-    @task
-    def gate(trained: dict, params=None) -> dict:
-        from dataclasses import asdict
-
-        from infra.settings import override
-        from models.train import gate_version
-
-        decision = gate_version(override(SETTINGS, "models", name=params["model_name"]), trained["version"])
-        return asdict(decision)
-
-    promotion_asked() >> gate(train())
+    gate_if_asked(train())
 
 
 offline_training()

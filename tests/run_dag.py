@@ -20,11 +20,13 @@ HEAVY = ("tensorflow", "keras", "mlflow", "feast", "pyflink", "falkordb", "panda
 
 
 def main() -> None:
-    from airflow.dag_processing.dagbag import DagBag
+    from airflow.dag_processing.dagbag import BundleDagBag
 
     from infra.settings import get_settings
 
-    bag = DagBag(dag_folder=str(get_settings().paths.dags_dir))
+    # As the dag-processor and the task runner load them: the bundle (dags/) is on sys.path.
+    dags = get_settings().paths.dags_dir
+    bag = BundleDagBag(dag_folder=str(dags), bundle_path=dags)
     if sys.argv[1] == "--parse":
         print("RESULT " + json.dumps({"dags": sorted(bag.dag_ids), "errors": bag.import_errors,
                                       "heavy": sorted(m for m in HEAVY if m in sys.modules)}))
