@@ -9,7 +9,9 @@ weight * 2^-((T - at) / half life): decay needs no rewrite, only new behavior do
 Incremental, exactly once: a run adds the offline event log's events in (watermark, until], where
 `until` is the newest logged event time minus the allowed lateness. The window is recorded as
 pending before the first write and the watermark moves only after the last; a run that died midway
-is finished with the same window, and an edge already stamped with that window is skipped.
+is finished with the same window, and an edge already stamped with that window is skipped. An
+event logged after its window was added (later than the allowed lateness) stays out of the graph;
+the event log keeps it.
 
 Neighbours: every item that gained behavior is marked :Stale. The refresh scores each stale item's
 co-interaction with the items its users also touched, score(i, j) = sum over users u of
