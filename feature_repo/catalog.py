@@ -12,10 +12,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
-import pyarrow as pa
-
 from feature_repo.definitions import (
-    BATCH_VIEWS, ITEM_ATTRIBUTES, TIMESTAMP_FIELD, USER_PROFILE, BatchView, offline_schema, view_dir)
+    BATCH_VIEWS, ITEM_ATTRIBUTES, USER_PROFILE, BatchView, offline_rows, view_dir)
 from feature_repo.files import write_atomic
 from feature_repo.store import apply, feature_store
 from infra.settings import Settings
@@ -35,8 +33,7 @@ def write_snapshot(s: Settings, view: BatchView, rows: list[dict], as_of: dateti
     if materialized and as_of <= materialized:
         raise ValueError(f"{view.name}: a snapshot as of {as_of.isoformat()} is not newer than the last "
                          f"materialization ({materialized.isoformat()}) and would never be served online")
-    table = pa.Table.from_pylist([r | {TIMESTAMP_FIELD: as_of} for r in rows], schema=offline_schema(view))
-    return write_atomic(table, snapshot_path(s, view, as_of))
+    return write_atomic(offline_rows(view, rows, as_of), snapshot_path(s, view, as_of))
 
 
 def _int(text: str) -> int | None:

@@ -11,7 +11,7 @@ the documented default (0), not a stale count. Batch views hold catalog snapshot
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -78,6 +78,11 @@ def offline_schema(spec: StreamView | BatchView) -> pa.Schema:
     """The Arrow schema of every offline file of a view: its keys, its columns, the event timestamp."""
     return pa.schema([*((k, pa.string()) for k in spec.keys), *((n, ARROW_TYPES[t]) for n, t in spec.columns),
                       (TIMESTAMP_FIELD, pa.timestamp("ms", tz="UTC"))])
+
+
+def offline_rows(spec: BatchView, rows: list[dict], as_of: datetime) -> pa.Table:
+    """Rows of a batch view (one dict per entity) valid from `as_of`, as an offline file's table."""
+    return pa.Table.from_pylist([r | {TIMESTAMP_FIELD: as_of} for r in rows], schema=offline_schema(spec))
 
 
 def _ttl(view: StreamView) -> timedelta:

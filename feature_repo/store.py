@@ -9,11 +9,10 @@ from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import pyarrow as pa
 from feast import FeatureStore, RepoConfig
 
 from feature_repo.definitions import (
-    BATCH_VIEWS, GRAPH_VIEWS, TIMESTAMP_FIELD, BatchView, definitions, offline_dir, offline_schema, view_dir)
+    BATCH_VIEWS, GRAPH_VIEWS, BatchView, definitions, offline_dir, offline_rows, offline_schema, view_dir)
 from feature_repo.files import write_atomic
 from infra.settings import Settings
 from streaming.features import STREAM_VIEWS
@@ -81,7 +80,7 @@ def write_rows(s: Settings, spec: BatchView, rows: list[dict], as_of: datetime) 
     """Rows computed outside the stream job (item neighbours from the graph), valid from `as_of`: one
     Parquet file in the view's offline directory, for point-in-time training sets, and the same rows
     online. Writing the same rows again rewrites the same file."""
-    table = pa.Table.from_pylist([r | {TIMESTAMP_FIELD: as_of} for r in rows], schema=offline_schema(spec))
+    table = offline_rows(spec, rows, as_of)
     keys = "\n".join(str(r[k]) for r in rows for k in spec.keys).encode()
     path = write_atomic(table, view_dir(s, spec.name) /
                         f"{as_of:%Y%m%dT%H%M%S%f}-{hashlib.sha256(keys).hexdigest()[:12]}.parquet")
