@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 FLYWHEEL := .venv/bin/flywheel
 
-.PHONY: setup demo test test-fast up down status bench bench-streaming bench-models bench-dags lock clean
+.PHONY: setup demo test test-fast up down status serve bench bench-streaming bench-models bench-dags bench-serving lock clean
 
 setup:  ## install both environments and the Flink connector jars from the lock files
 	@bash infra/setup.sh
@@ -25,6 +25,9 @@ down:
 status:
 	$(FLYWHEEL) status
 
+serve: setup  ## the ranking server in the foreground, on the running stack (needs a @champion)
+	$(FLYWHEEL) serve
+
 bench: setup  ## producer throughput and stack cold start; figures for docs/benchmarks.md
 	.venv/bin/python -m benchmarks.foundation
 
@@ -36,6 +39,9 @@ bench-models: setup  ## after `make demo`: ranker vs logistic-regression baselin
 
 bench-dags: setup  ## edges/s into the graph store; with ARGS=--training (after `make demo`) an incremental run via Airflow
 	.venv/bin/python -m benchmarks.dags $(ARGS)
+
+bench-serving: setup  ## model limit vs server throughput at p99 <= 50 ms; batching, buckets, executors on/off; swap time
+	.venv/bin/python -m benchmarks.serving $(ARGS)
 
 lock:  ## re-resolve both lock files after editing a pyproject.toml
 	.tools/bin/uv lock

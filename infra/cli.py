@@ -345,6 +345,14 @@ def rollback(why: str, target: str) -> None:
 
 
 @main.command()
+def serve() -> None:
+    """Run the ranking server (settings [serving]) in the foreground until interrupted."""
+    from serving.api import serve as run
+
+    _models_call(run, _settings())
+
+
+@main.command()
 def versions() -> None:
     """Registered versions, newest first, with aliases, lineage and gate decisions."""
     from models.registry import list_versions

@@ -226,6 +226,50 @@ class GraphSettings:
 
 
 @dataclass(frozen=True)
+class ServingSettings:
+    """The ranking server (serving/): its endpoint, batching, shape buckets, traffic policy, model
+    following. docs: README "Serving"."""
+
+    host: str = "127.0.0.1"
+    port: int = 8500
+    # Request aggregation: a batch closes at max_batch_rows candidate rows or max_delay_ms after its
+    # first request; executors run batches in parallel.
+    max_batch_rows: int = 1024
+    max_delay_ms: float = 2.0
+    executors: int = 2
+    fetch_threads: int = 2  # online feature reads in parallel
+    batching: bool = True  # off: every request runs alone (the benchmark's baseline)
+    # Shape buckets: batch rows and sequence lengths are padded up to the nearest bucket; every
+    # bucket is compiled before the server is ready. Off: every new exact shape compiles on the
+    # request path (the baseline).
+    buckets: bool = True
+    row_buckets: tuple[int, ...] = (16, 64, 256, 1024)
+    sequence_buckets: tuple[int, ...] = (10, 25, 50)
+    # Admission: candidate rows in flight (fetching features, queued or scoring) are bounded; a request
+    # that would pass the bound is refused at once with 503 + Retry-After. Size it by Little's law:
+    # the rows/s the server sustains x the deadline (docs/benchmarks.md has this machine's figures).
+    max_inflight_rows: int = 2048
+    retry_after_s: int = 1
+    default_deadline_ms: float = 200.0  # a request may ask for less (never more)
+    max_candidates: int = 1000  # larger lists are refused (413); at most max_inflight_rows
+    # Compute allocation by value tier (serving/access.py): the queue fill at which low-value
+    # requests are degraded and then shed; "high" requests keep full quality until the queue is full.
+    degrade_low_at: float = 0.25
+    degrade_normal_at: float = 0.5
+    shed_low_at: float = 0.75
+    degraded_sequence_length: int = 10
+    degraded_max_candidates: int = 100
+    # Routing: users whose hash falls under canary_percent are scored by @challenger; shadow_percent
+    # of the others are also scored by @challenger, logged and never returned.
+    canary_percent: float = 0.0
+    shadow_percent: float = 0.0
+    # Model following: aliases are polled this often; versions kept loaded and warm.
+    poll_interval_s: float = 5.0
+    keep_warm: int = 3
+    predictions_topic: str = "predictions"
+
+
+@dataclass(frozen=True)
 class Settings:
     paths: PathSettings = field(default_factory=PathSettings)
     stack: StackSettings = field(default_factory=StackSettings)
@@ -238,6 +282,7 @@ class Settings:
     streaming: StreamingSettings = field(default_factory=StreamingSettings)
     models: ModelsSettings = field(default_factory=ModelsSettings)
     graph: GraphSettings = field(default_factory=GraphSettings)
+    serving: ServingSettings = field(default_factory=ServingSettings)
 
 
 def _host_port(endpoint: str, default_port: int) -> tuple[str, int]:
@@ -260,6 +305,8 @@ def _convert(value: Any, like: Any, name: str) -> Any:
             return Path(os.path.expanduser(str(value))).resolve()
         if isinstance(like, tuple):
             items = value.split(",") if isinstance(value, str) else list(value)
+            if like and isinstance(like[0], int):  # a tuple of numbers (shape buckets)
+                return tuple(int(i) for i in items if str(i).strip() != "")
             return tuple(i.strip() if isinstance(i, str) else tuple(i) for i in items if i != "")
         if isinstance(like, (int, float)):
             return type(like)(value)
@@ -327,7 +374,7 @@ def to_environ(settings: Settings) -> dict[str, str]:
                 continue
             if isinstance(v, tuple) and any(isinstance(i, tuple) for i in v):
                 raise SettingsError(f"{section.name}.{f.name} cannot be passed as an environment variable")
-            text = ",".join(v) if isinstance(v, tuple) else str(v).lower() if isinstance(v, bool) else str(v)
+            text = ",".join(map(str, v)) if isinstance(v, tuple) else str(v).lower() if isinstance(v, bool) else str(v)
             environ[f"{ENV_PREFIX}{section.name}_{f.name}".upper()] = text
     return environ
 

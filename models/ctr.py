@@ -80,17 +80,31 @@ class CtrModel:
                 "sequence": seq_rows, "sequence_mask": real.astype(np.float32)}
 
     def _dense_inputs(self, rows: dict[str, np.ndarray], ex: Examples) -> dict[str, tf.Tensor]:
-        length = self.spec.sequence_length
-        seq, mask = rows["sequence"], rows["sequence_mask"]
-        if seq.shape[1] < length:  # fixed length: one compiled shape per batch size
+        """Inputs with the sequence padded to `spec.sequence_length`: one compiled shape per batch size."""
+        return {k: tf.constant(v) for k, v in self._input_arrays(rows, ex, self.spec.sequence_length).items()}
+
+    def _input_arrays(self, rows: dict[str, np.ndarray], ex: Examples, length: int) -> dict[str, np.ndarray]:
+        seq, mask = rows["sequence"][:, :length], rows["sequence_mask"][:, :length]
+        if seq.shape[1] < length:
             pad = ((0, 0), (0, length - seq.shape[1]))
             seq, mask = np.pad(seq, pad), np.pad(mask, pad)
-        return {"user": tf.constant(self.tables["user"].gather(rows["user"])),
-                "item": tf.constant(self.tables["item"].gather(rows["item"])),
-                "category": tf.constant(self.tables["category"].gather(rows["category"])),
-                "sequence": tf.constant(self.tables["item"].gather(seq)),
-                "sequence_mask": tf.constant(mask),
-                "numeric": tf.constant(ex.numeric.astype(np.float32).reshape(len(ex), -1))}
+        return {"user": self.tables["user"].gather(rows["user"]),
+                "item": self.tables["item"].gather(rows["item"]),
+                "category": self.tables["category"].gather(rows["category"]),
+                "sequence": self.tables["item"].gather(seq), "sequence_mask": mask,
+                "numeric": ex.numeric.astype(np.float32).reshape(len(ex), -1)}
+
+    def scoring_inputs(self, ex: Examples) -> dict[str, np.ndarray]:
+        """The dense network's inputs for scoring `ex`, with the sequence cut to the longest real one
+        of the batch (padding past it changes no score: the attention masks it out). Serving pads
+        these to a compiled shape bucket."""
+        rows = self._lookup(ex, train=False)
+        longest = max(1, int(rows["sequence_mask"].sum(axis=1).max(initial=0)))
+        return self._input_arrays(rows, ex, longest)
+
+    def dense_weights(self) -> list[np.ndarray]:
+        """The dense network's weights in `network.trainable_variables` order (`stateless_call`'s)."""
+        return [v.numpy() for v in self.network.trainable_variables]
 
     # --- compiled dense parts --------------------------------------------------------------------
 
@@ -177,16 +191,26 @@ class CtrModel:
     def load(cls, directory: Path, delta: Path | None = None) -> CtrModel:
         """A saved model; with `delta`, that export patched by a delta (its dense weights win)."""
         spec = ModelSpec.from_json((directory / "spec.json").read_text())
-        snaps = {name: load_snapshot(directory / f"sparse-{name}.npz") for name in TABLES}
-        if delta is not None:
-            base_versions = {name: snap.version for name, snap in snaps.items()}
-            expected = json.loads((delta / "delta-of.json").read_text())
-            if expected != base_versions:
-                raise ValueError(f"delta {delta} is relative to versions {expected}, not {base_versions}")
-            snaps = {name: apply_delta(snap, load_snapshot(delta / f"sparse-{name}.npz"))
-                     for name, snap in snaps.items()}
-        model = cls(spec, {name: SparseTable.restore(name, spec.sparse, snap) for name, snap in snaps.items()})
-        model.network.load_weights((delta or directory) / "dense.weights.h5")
+        tables = {name: SparseTable.restore(name, spec.sparse, load_snapshot(directory / f"sparse-{name}.npz"))
+                  for name in TABLES}
+        model = cls(spec, tables)
+        model.network.load_weights(directory / "dense.weights.h5")
+        return model.with_delta(delta) if delta is not None else model
+
+    def with_delta(self, delta: Path) -> CtrModel:
+        """A new model: this one's tables patched by an incremental export's delta, and its dense
+        weights. Refused unless the delta was taken from exactly these table versions."""
+        base = {name: table.snapshot() for name, table in self.tables.items()}
+        expected = json.loads((delta / "delta-of.json").read_text())
+        if expected != {name: snap.version for name, snap in base.items()}:
+            raise ValueError(f"delta {delta} is relative to versions {expected}, not {self.versions()}")
+        spec = ModelSpec.from_json((delta / "spec.json").read_text())
+        if spec != self.spec:
+            raise ValueError(f"delta {delta} is of a different model spec")
+        model = type(self)(spec, {name: SparseTable.restore(
+            name, spec.sparse, apply_delta(snap, load_snapshot(delta / f"sparse-{name}.npz")))
+            for name, snap in base.items()})
+        model.network.load_weights(delta / "dense.weights.h5")
         return model
 
 

@@ -58,3 +58,9 @@ def from_frame(frame: pd.DataFrame, numeric_features: tuple[str, ...], sequence_
                     frame["category"].astype(str).to_numpy(object), sequences,
                     frame[list(numeric_features)].to_numpy(np.float32).reshape(len(frame), -1),
                     np.zeros(len(frame), np.float32))
+
+
+def concat(parts: list[Examples]) -> Examples:
+    """The examples of `parts`, in order (their sequences must have the same width)."""
+    return Examples(*(np.concatenate([getattr(p, name) for p in parts]) for name in
+                      ("user_ids", "item_ids", "categories", "sequences", "numeric", "labels")))

@@ -1,0 +1,346 @@
+"""Serving benchmarks, all in one run on one machine (`make bench-serving`).
+
+Self-contained: Kafka, Redis and MLflow of its own on free ports; online features for 943 users
+(behavior sequences of 0-50 items) and 1,682 items; a ranker with the platform's 22 numeric features
+(trained briefly on synthetic clicks: its quality is not what is measured) registered as @champion.
+Requests carry a mixed number of candidates (log-normal, median 100, 10-500) with their categories.
+
+  1. the limit: the dense model on full batches in-process (1024 rows x 50 behaviors), with and without
+     the sparse lookup;
+  2. the server (`flywheel serve`, HTTP, features, batching, prediction log): the highest open-loop
+     rate whose p99 stays <= 50 ms, and its ratio to (1);
+  3. batching on vs off, buckets on vs off (p99 and compiles during traffic), executors 1 vs N, each a
+     server restarted with that one setting changed, under the same closed-loop load;
+  4. scoring alone (batcher + lookup + XLA, no HTTP or features), batching on vs off, 16 threads;
+  5. swap and rollback time under load.
+The load generator runs on the same cores as the server. Prints Markdown for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import keras
+import mlflow
+import numpy as np
+import pandas as pd
+import tensorflow as tf
+
+from feature_repo.store import apply
+from infra import stack
+from infra.settings import REPO_ROOT, Settings, load_settings, override, to_environ
+from models.ctr import CtrModel, ModelSpec
+from models.dataset import NUMERIC_FEATURES
+from models.examples import PAD, Examples
+from models.registry import CHAMPION, connect, log_model
+from models.sparse import SparseConfig
+from serving.batching import Batcher
+from serving.dense import DenseRunner
+from streaming.topics import ensure_topics
+
+USERS, ITEMS, CATEGORIES = 943, 1682, 18
+SPEC = ModelSpec(numeric_features=NUMERIC_FEATURES, sequence_length=50, sparse=SparseConfig(dim=16, admit_after=1))
+
+
+def _examples(n: int, rng: np.random.Generator) -> Examples:
+    users, items = rng.integers(USERS, size=n), rng.integers(ITEMS, size=n)
+    lengths = rng.integers(0, 51, size=n)
+    seq = np.full((n, 50), PAD, dtype=object)
+    for r, k in enumerate(lengths):
+        seq[r, :k] = [f"i{j}" for j in rng.integers(ITEMS, size=k)]
+    labels = ((items % CATEGORIES) == (users % CATEGORIES)).astype(np.float32)
+    return Examples(np.array([f"u{u}" for u in users], object), np.array([f"i{i}" for i in items], object),
+                    np.array([f"c{i % CATEGORIES}" for i in items], object), seq,
+                    rng.random((n, len(NUMERIC_FEATURES)), dtype=np.float32), labels)
+
+
+def _world(s: Settings, tmp: Path) -> tuple[CtrModel, str, str]:
+    """Features online, two versions registered (v1 @champion, v2 for the swap); the model in memory."""
+    rng = np.random.default_rng(0)
+    store = apply(s)
+    now = pd.Timestamp.now(tz="UTC")
+    users, items = [f"u{u}" for u in range(USERS)], [f"i{i}" for i in range(ITEMS)]
+    store.write_to_online_store("user_total", pd.DataFrame({
+        "user_id": users, "user_impressions_total": rng.integers(1, 900, USERS),
+        "user_clicks_total": rng.integers(0, 90, USERS), "user_ctr_total": rng.random(USERS), "event_timestamp": now}))
+    store.write_to_online_store("item_total", pd.DataFrame({
+        "item_id": items, "item_impressions_total": rng.integers(1, 900, ITEMS),
+        "item_clicks_total": rng.integers(0, 90, ITEMS), "item_ctr_total": rng.random(ITEMS), "event_timestamp": now}))
+    base = int(time.time() * 1000) - 86_400_000
+    lengths = rng.integers(0, 51, USERS)
+    store.write_to_online_store("user_sequence", pd.DataFrame({
+        "user_id": users, "seq_item_ids": [[f"i{j}" for j in rng.integers(ITEMS, size=k)] for k in lengths],
+        "seq_event_types": [["click"] * k for k in lengths],
+        "seq_event_times": [[base + j * 1000 for j in range(k)] for k in lengths], "event_timestamp": now}))
+    ensure_topics(s, [s.serving.predictions_topic])
+    keras.utils.set_random_seed(1)
+    model = CtrModel(SPEC)
+    model.fit(_examples(20_000, rng), progress=False)
+    connect(s)
+    mlflow.set_experiment(s.models.experiment)
+    versions = []
+    for label in ("v1", "v2"):
+        with mlflow.start_run(run_name=label):
+            versions.append(log_model(s, model.save(tmp / label), {"kind": "ranker"}))
+        model.fit(_examples(5_000, rng), progress=False)
+    connect(s).set_registered_model_alias(s.models.name, CHAMPION, versions[0])
+    return model, versions[0], versions[1]
+
+
+# --- 1. the limit ---------------------------------------------------------------------------------
+
+def raw_throughput(model: CtrModel, seconds: float = 5.0) -> tuple[float, float]:
+    """Rows/s of the compiled dense network on 1024 x 50 batches, and of lookup + dense."""
+    runner = DenseRunner(model, (1024,), (50,))
+    ex = _examples(1024, np.random.default_rng(2))
+    ex.sequences[:, :] = [f"i{j}" for j in range(50)]  # full length
+    weights = [tf.constant(w) for w in model.dense_weights()]
+    inputs = model.scoring_inputs(ex)
+    runner.warm(weights, inputs)
+    rates = []
+    for with_lookup in (False, True):
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            runner.run(weights, model.scoring_inputs(ex) if with_lookup else inputs)
+            n += 1024
+        rates.append(n / (time.perf_counter() - start))
+    return rates[0], rates[1]
+
+
+def scoring_batching(model: CtrModel, batching: bool, threads: int = 16, seconds: float = 5.0) -> float:
+    """Rows/s through Batcher + lookup + compiled dense (no HTTP, no features), `threads` callers."""
+    runner = DenseRunner(model, (16, 64, 256, 1024), (10, 25, 50))
+    weights = [tf.constant(w) for w in model.dense_weights()]
+    rng = np.random.default_rng(3)
+    runner.warm(weights, model.scoring_inputs(_examples(4, rng)))
+    batcher = Batcher(lambda parts: _split(runner, weights, model, parts), max_batch_rows=1024 if batching else 1,
+                      max_delay_s=0.002, max_queue_rows=1 << 20, executors=2)
+    pool = [_examples(int(k), rng) for k in _candidates(rng, 64)]
+    done, stop = [0], time.perf_counter() + seconds
+
+    def caller(k: int) -> None:
+        i = k
+        while time.perf_counter() < stop:
+            ex = pool[i % len(pool)]
+            batcher.submit(ex, len(ex), 60).result()
+            done[0] += len(ex)
+            i += threads
+
+    workers = [threading.Thread(target=caller, args=(k,)) for k in range(threads)]
+    start = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    batcher.close()
+    return done[0] / (time.perf_counter() - start)
+
+
+def _split(runner: DenseRunner, weights, model: CtrModel, parts: list[Examples]) -> list[np.ndarray]:
+    from models.examples import concat
+
+    scores = runner.run(weights, model.scoring_inputs(concat(parts)))
+    bounds = np.cumsum([0, *(len(p) for p in parts)])
+    return [scores[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _candidates(rng: np.random.Generator, n: int) -> np.ndarray:
+    return np.clip(rng.lognormal(np.log(100), 0.8, n), 10, 500).astype(int)
+
+
+# --- 2, 3, 5. the server ------------------------------------------------------------------------------
+
+class Server:
+    def __init__(self, s: Settings, log: Path, **serving: object) -> None:
+        self.s = override(s, "serving", **serving) if serving else s
+        self.url = f"http://127.0.0.1:{self.s.serving.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")} | to_environ(self.s)
+        self._log = open(log, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "serve"], env=env, cwd=REPO_ROOT,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not become ready; see {log}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+
+    def compiles(self) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("flywheel_compiles_total{") and 'where="warm"' not in line)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self._log.close()
+
+
+def _request(rng: np.random.Generator) -> dict:
+    user, n = int(rng.integers(USERS)), int(_candidates(rng, 1)[0])
+    return {"user_id": f"u{user}", "tier": "high",
+            "candidates": [{"item_id": f"i{i}", "category": f"c{i % CATEGORIES}"} for i in rng.integers(ITEMS, size=n)]}
+
+
+async def _open_loop(url: str, rate: float, seconds: float, seed: int) -> list[tuple[float, int, str]]:
+    rng, out = np.random.default_rng(seed), []
+    bodies = [_request(rng) for _ in range(256)]
+
+    async def one(http: httpx.AsyncClient, n: int) -> None:
+        started = time.monotonic()
+        r = await http.post(f"{url}/rank", json=bodies[n % len(bodies)])
+        out.append((time.monotonic() - started, r.status_code, len(bodies[n % len(bodies)]["candidates"])))
+
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=2000)) as http:
+        tasks, start = [], time.monotonic()
+        for n in range(int(rate * seconds)):
+            await asyncio.sleep(max(0.0, start + n / rate - time.monotonic()))
+            tasks.append(asyncio.create_task(one(http, n)))
+        await asyncio.gather(*tasks)
+    return out
+
+
+async def _closed_loop(url: str, concurrency: int, seconds: float, seed: int) -> list[tuple[float, int, int]]:
+    rng, out = np.random.default_rng(seed), []
+    bodies = [_request(rng) for _ in range(256)]
+    stop = time.monotonic() + seconds
+
+    async def client(k: int) -> None:
+        async with httpx.AsyncClient(timeout=30) as http:
+            n = k
+            while time.monotonic() < stop:
+                started = time.monotonic()
+                r = await http.post(f"{url}/rank", json=bodies[n % len(bodies)])
+                out.append((time.monotonic() - started, r.status_code, len(bodies[n % len(bodies)]["candidates"])))
+                n += concurrency
+
+    await asyncio.gather(*(client(k) for k in range(concurrency)))
+    return out
+
+
+def _summary(results: list, seconds: float) -> dict[str, float]:
+    ok = [r for r in results if r[1] == 200]
+    lat = np.array([r[0] for r in ok]) * 1000 if ok else np.array([np.nan])
+    return {"req_s": len(ok) / seconds, "rows_s": sum(r[2] for r in ok) / seconds, "p50": float(np.percentile(lat, 50)),
+            "p99": float(np.percentile(lat, 99)), "errors": len(results) - len(ok)}
+
+
+def throughput_at_p99(server: Server, bound_ms: float, seconds: float) -> tuple[dict, list[tuple[float, dict]]]:
+    """Open-loop rates up from 5 req/s (x1.4 per step) until p99 > bound or errors appear."""
+    rate, best, curve = 5.0, None, []
+    while rate < 2000:
+        summary = _summary(asyncio.run(_open_loop(server.url, rate, seconds, seed=int(rate))), seconds)
+        curve.append((rate, summary))
+        print(f"  open loop {rate:.0f} req/s: {summary}", flush=True)
+        if summary["p99"] > bound_ms or summary["errors"]:
+            break
+        best, rate = summary, rate * 1.4
+    return best or curve[0][1], curve
+
+
+def swap_times(s: Settings, server: Server, v1: str, v2: str) -> tuple[float, float]:
+    """Seconds from an alias move to the first response naming the new version, under load."""
+    seen: list[tuple[float, str]] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        rng = np.random.default_rng(9)
+        with httpx.Client(timeout=30) as http:
+            while not stop.is_set():
+                r = http.post(f"{server.url}/rank", json=_request(rng))
+                seen.append((time.monotonic(), r.json().get("model_version", "error")))
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    client, out = connect(s), []
+    try:
+        for version in (v2, v1):
+            time.sleep(2)
+            moved = time.monotonic()
+            client.set_registered_model_alias(s.models.name, CHAMPION, version)
+            while not any(t >= moved and v == version for t, v in seen):
+                time.sleep(0.05)
+            out.append(min(t for t, v in seen if t >= moved and v == version) - moved)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert "error" not in {v for _, v in seen}
+    return out[0], out[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=8.0, help="Length of each load run.")
+    parser.add_argument("--concurrency", type=int, default=16, help="Closed-loop clients for the A/B runs.")
+    args = parser.parse_args()
+    print(f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}, TensorFlow {tf.__version__}, "
+          f"devices {[d.device_type for d in tf.config.list_physical_devices()]}", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-serving-"))
+    s = load_settings(os.environ | stack.side_by_side_environ(tmp) | {
+        "FLYWHEEL_CONFIG": os.devnull, "FLYWHEEL_STACK_SERVICES": "kafka,redis,mlflow",
+        "FLYWHEEL_SERVING_POLL_INTERVAL_S": "1"})
+    stack.up(s)
+    rows = []
+    try:
+        model, v1, v2 = _world(s, tmp)
+        dense, lookup_dense = raw_throughput(model)
+        print(f"limit: dense {dense:,.0f} rows/s, lookup + dense {lookup_dense:,.0f} rows/s", flush=True)
+        scoring = {on: scoring_batching(model, on) for on in (True, False)}
+        print(f"scoring tier: batching on {scoring[True]:,.0f} rows/s, off {scoring[False]:,.0f}", flush=True)
+
+        configs = {"default (batching, buckets, 2 executors)": {}, "batching off": {"batching": False},
+                   "buckets off": {"buckets": False}, "1 executor": {"executors": 1}}
+        for label, change in configs.items():
+            server = Server(s, tmp / "server.log", **change)
+            try:
+                if not change:
+                    best, _ = throughput_at_p99(server, 50.0, args.seconds)
+                    swap, rollback = swap_times(s, server, v1, v2)
+                before = server.compiles()
+                summary = _summary(asyncio.run(_closed_loop(server.url, args.concurrency, args.seconds, 5)),
+                                   args.seconds)
+                summary["compiles"] = server.compiles() - before
+                rows.append((label, summary))
+                print(f"{label}: {summary}", flush=True)
+            finally:
+                server.close()
+    finally:
+        stack.down(s)
+
+    print("\n| measure | value |\n|---|---|")
+    print(f"| dense network alone, 1024 x 50 batches in-process (the limit) | {dense:,.0f} rows/s |")
+    print(f"| sparse lookup + dense, same batches | {lookup_dense:,.0f} rows/s |")
+    print(f"| server, highest open-loop rate with p99 <= 50 ms | {best['req_s']:.1f} req/s = {best['rows_s']:,.0f} "
+          f"rows/s (p50 {best['p50']:.1f} ms, p99 {best['p99']:.1f} ms) |")
+    print(f"| server / limit (lookup + dense) | {best['rows_s'] / lookup_dense:.3f} |")
+    print(f"| scoring tier in-process, 16 threads: batching on / off | {scoring[True]:,.0f} / {scoring[False]:,.0f}"
+          f" rows/s = {scoring[True] / scoring[False]:.2f}x |")
+    print(f"| swap to a new champion under load (alias moved -> first response naming it) | {swap:.2f} s |")
+    print(f"| rollback to the previous (warm) champion under load | {rollback:.2f} s (poll interval 1 s) |")
+    print(f"\nClosed loop, {args.concurrency} clients, {args.seconds:.0f} s each, one server per row:\n")
+    print("| server | req/s | rows/s | p50 ms | p99 ms | errors | compiles during traffic |\n|---|---|---|---|---|---|---|")
+    for label, r in rows:
+        print(f"| {label} | {r['req_s']:.1f} | {r['rows_s']:,.0f} | {r['p50']:.1f} | {r['p99']:.1f} | {r['errors']} "
+              f"| {r['compiles']:.0f} |")
+    base = rows[0][1]
+    for label, r in rows[1:]:
+        print(f"- default / {label}: throughput {base['rows_s'] / r['rows_s']:.2f}x, p99 {r['p99'] / base['p99']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

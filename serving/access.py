@@ -1,0 +1,73 @@
+"""The model-access layer's decisions: which model scores a user, whether a request is mirrored to
+the shadow, and how much compute a request gets at the current load.
+
+Routing is by a stable hash of the user id, so a user sees one model for the whole canary (no
+flip-flopping between versions), and raising the percentage only moves users one way.
+
+Compute allocation by value tier (JD's dynamic power allocation). Load is the fill of the admission
+bound (candidate rows admitted and not yet answered / `serving.max_inflight_rows`). As it rises:
+
+    fill      high            normal                       low
+    < 0.25    full            full                         full
+    >= 0.25   full            full                         short sequences
+    >= 0.5    full            short sequences              short sequences + fewer candidates
+    >= 0.75   full            short sequences              shed (503)
+    full      a request that does not fit is shed, whatever its tier
+
+(thresholds: `serving.degrade_low_at`, `degrade_normal_at`, `shed_low_at`). "Short sequences" keeps
+the newest `degraded_sequence_length` behaviors (a smaller sequence bucket, fewer attention rows);
+"fewer candidates" scores the first `degraded_max_candidates` (clients send candidates best-recalled
+first) and returns the rest unscored (`null`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from infra.settings import ServingSettings
+from models.registry import CHALLENGER, CHAMPION
+
+TIERS = ("high", "normal", "low")
+
+
+def _bucket(key: str) -> float:
+    """A stable number in [0, 100) for `key`."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") % 10_000 / 100
+
+
+def route(user_id: str, canary_percent: float) -> str:
+    """@challenger for the users whose hash falls under the canary percentage, else @champion."""
+    return CHALLENGER if _bucket(f"canary:{user_id}") < canary_percent else CHAMPION
+
+
+def shadowed(request_id: str, shadow_percent: float) -> bool:
+    """Whether a (champion-routed) request is also scored by @challenger, logged and not returned."""
+    return _bucket(f"shadow:{request_id}") < shadow_percent
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What a request gets: None = no limit."""
+
+    shed: bool = False
+    sequence_length: int | None = None
+    max_candidates: int | None = None
+
+    @property
+    def degraded(self) -> bool:
+        return self.sequence_length is not None or self.max_candidates is not None
+
+
+def allocate(tier: str, fill: float, sv: ServingSettings) -> Allocation:
+    """The compute a request of `tier` gets when the admission queue is `fill` (0..1) full."""
+    short = sv.degraded_sequence_length
+    if tier == "high":
+        return Allocation()
+    if tier == "normal":
+        return Allocation(sequence_length=short) if fill >= sv.degrade_normal_at else Allocation()
+    if fill >= sv.shed_low_at:
+        return Allocation(shed=True)
+    if fill >= sv.degrade_normal_at:
+        return Allocation(sequence_length=short, max_candidates=sv.degraded_max_candidates)
+    return Allocation(sequence_length=short) if fill >= sv.degrade_low_at else Allocation()

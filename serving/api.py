@@ -1,0 +1,149 @@
+"""The ranking API (FastAPI; OpenAPI at /docs and /openapi.json).
+
+    POST /rank     scores for a user's candidates, the version that scored them, defaulted features
+    GET  /healthz  the process is up
+    GET  /readyz   200 once a champion is loaded and every shape bucket compiled and warm, else 503
+    GET  /models   the versions serving each route, the warm ones, the refused ones and why
+    GET  /metrics  Prometheus
+
+Errors, never a 500 for bad input: malformed JSON or a field of the wrong type or range -> 422 with
+FastAPI's `detail` list; more than `serving.max_candidates` candidates -> 413; unknown users, items or
+categories -> 200, scored with the documented defaults and named in `defaulted_features`. Load ->
+503 with Retry-After and `reason` (`queue`, `tier`, `deadline`, `not_ready`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from infra.settings import Settings
+from serving import metrics
+from serving.features import Candidate
+from serving.inference import Inference, NotReady, RankRequest, Shed
+
+log = logging.getLogger(__name__)
+
+
+class CandidateIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    item_id: str = Field(min_length=1, max_length=256)
+    category: str = Field("", max_length=256, description="The item's category; empty -> category features "
+                                                           "defaulted.")
+
+
+class RankIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    user_id: str = Field(min_length=1, max_length=256)
+    candidates: list[CandidateIn] = Field(min_length=1, description="Best-recalled first: under load, "
+                                                                    "low-tier requests score a prefix.")
+    tier: Literal["high", "normal", "low"] = Field("normal", description="Traffic value: compute allocation.")
+    deadline_ms: float | None = Field(None, gt=0, description="At most serving.default_deadline_ms.")
+    request_id: str | None = Field(None, min_length=1, max_length=128)
+
+
+class RankOut(BaseModel):
+    request_id: str
+    model_version: str
+    route: Literal["champion", "challenger"]
+    scores: list[float | None] = Field(description="Click probability per candidate, in request order; null "
+                                                   "= not scored (degraded under load).")
+    defaulted: bool
+    defaulted_features: list[str]
+    degraded: list[str] = Field(description="`sequence` (shortened behavior sequence), `candidates`.")
+
+
+class Refusal(BaseModel):
+    reason: str
+    detail: str
+
+
+def create_app(s: Settings, inference: Inference | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.inference = inference or Inference(s)
+        app.state.inference.start()
+        yield
+        app.state.inference.close()
+
+    app = FastAPI(title="Flywheel ranking API", version="1", lifespan=lifespan,
+                  description="Ranks a user's candidate items with the model in the MLflow registry's "
+                              "@champion (or @challenger for the canary's users).")
+
+    def refuse(reason: str, detail: str, route: str = "-") -> JSONResponse:
+        metrics.REQUESTS.labels(route, "503").inc()
+        return JSONResponse({"reason": reason, "detail": detail}, status_code=503,
+                            headers={"Retry-After": str(s.serving.retry_after_s)})
+
+    @app.post("/rank", response_model=RankOut, responses={413: {"model": Refusal}, 503: {"model": Refusal}})
+    async def rank(body: RankIn, request: Request):
+        if len(body.candidates) > s.serving.max_candidates:
+            metrics.REQUESTS.labels("-", "413").inc()
+            return JSONResponse({"reason": "too_many_candidates", "detail": f"{len(body.candidates)} candidates; "
+                                 f"at most {s.serving.max_candidates} per request"}, status_code=413)
+        started = time.monotonic()
+        req = RankRequest(body.user_id, [Candidate(c.item_id, c.category) for c in body.candidates], body.tier,
+                          body.deadline_ms)
+        if body.request_id:
+            req.request_id = body.request_id
+        try:
+            result = await request.app.state.inference.rank(req)
+        except NotReady as exc:
+            return refuse("not_ready", str(exc))
+        except Shed as exc:
+            return refuse(exc.reason, str(exc))
+        metrics.REQUESTS.labels(result.route, "200").inc()
+        metrics.LATENCY.observe(time.monotonic() - started)
+        return RankOut(request_id=result.request_id, model_version=result.model_version, route=result.route,
+                       scores=result.scores, defaulted=bool(result.defaulted_features),
+                       defaulted_features=result.defaulted_features, degraded=result.degraded)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(request: Request):
+        follower = request.app.state.inference.follower
+        if not follower.ready:
+            return JSONResponse({"ready": False, "detail": "no champion loaded and warmed yet"}, status_code=503)
+        return {"ready": True, "champion": follower.current("champion").version}
+
+    @app.get("/models")
+    async def models(request: Request) -> dict:
+        follower = request.app.state.inference.follower
+        return {"model_name": s.models.name,
+                "serving": {route: (m.version if m else None) for route, m in follower.served.items()},
+                "warm": list(follower.warm), "loaded_by": {v: m.loaded_by for v, m in follower.warm.items()},
+                "refused": follower.refused,
+                "compiled_shapes": {str(arch): sorted(r.compiled_shapes()) for arch, r in follower.runners.items()}}
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> PlainTextResponse:
+        inference = request.app.state.inference
+        metrics.QUEUE_ROWS.set(inference.batcher.stats.queued_rows)
+        metrics.INFLIGHT_ROWS.set(inference.inflight_rows)
+        return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve(s: Settings) -> None:
+    """Run the server in this process until interrupted (`flywheel serve`)."""
+    import uvicorn
+
+    from streaming.topics import ensure_topics
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ensure_topics(s, [s.serving.predictions_topic])
+    # Built before uvicorn starts, so a missing feature repo or registry is one clear error.
+    app = create_app(s, Inference(s))
+    uvicorn.run(app, host=s.serving.host, port=s.serving.port, log_level="warning", access_log=False)

@@ -1,0 +1,161 @@
+"""The dense network on the request path: XLA-compiled per shape bucket, shared by every version.
+
+The weights are an argument of the compiled function (`keras.Model.stateless_call`), not captured
+variables, so one compiled function per (architecture, shape) serves every version of that
+architecture: loading, swapping or rolling back a version compiles nothing.
+
+Shapes: a batch of R rows whose longest behavior sequence is L is padded up to the smallest row
+bucket >= R and sequence bucket >= L; every bucket is compiled and run once by `warm` before the
+server reports ready. A shape beyond the largest buckets runs at once on the uncompiled (eager) path
+while one background thread compiles it; the compiled function takes over when done. With buckets
+off, every new exact shape is compiled on the request path (what a naive server does: the baseline).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from models.ctr import CtrModel
+
+log = logging.getLogger(__name__)
+Shape = tuple[int, int]  # (rows, sequence length)
+
+
+@dataclass
+class CompileStats:
+    """Counters for the metrics endpoint: compiles by where they ran, runs on the eager path."""
+
+    warm: int = 0  # before the architecture served anything
+    background: int = 0  # out-of-bucket shapes, off the request path
+    request_path: int = 0  # buckets off: a request waited for it
+    uncompiled_runs: int = 0
+
+
+class DenseRunner:
+    """Scores padded inputs with any version's weights for one model architecture."""
+
+    def __init__(self, template: CtrModel, row_buckets: Sequence[int], sequence_buckets: Sequence[int],
+                 buckets: bool = True, on_compile: Callable[[str], None] | None = None) -> None:
+        self.network = template.network  # only its structure is used; weights come with each call
+        self.row_buckets, self.sequence_buckets = sorted(row_buckets), sorted(sequence_buckets)
+        self.buckets = buckets
+        self.stats = CompileStats()
+        self._on_compile = on_compile or (lambda where: None)
+        self._compiled: dict[Shape, Callable] = {}
+        self._pending: set[Shape] = set()
+        self._lock = threading.Lock()  # guards _pending; _compiled is replaced, never mutated
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="xla-compile")
+
+    def _forward(self, weights: list[tf.Tensor], inputs: dict[str, tf.Tensor]) -> tf.Tensor:
+        logits, _ = self.network.stateless_call(weights, [], inputs)
+        return tf.sigmoid(logits)
+
+    def _new_function(self) -> Callable:
+        # One tf.function per shape: compiling one never holds the lock of another being called.
+        return tf.function(lambda weights, inputs: self._forward(weights, inputs), jit_compile=True)
+
+    def bucket_shapes(self) -> list[Shape]:
+        return [(r, s) for r in self.row_buckets for s in self.sequence_buckets]
+
+    def shape_for(self, rows: int, length: int) -> tuple[Shape, bool]:
+        """The padded shape of a batch and whether it is a bucket. A dimension past its largest
+        bucket keeps its exact size (the other is still padded to its bucket)."""
+        if not self.buckets:
+            return (rows, length), False
+        r = bisect.bisect_left(self.row_buckets, rows)
+        s = bisect.bisect_left(self.sequence_buckets, length)
+        shape = (self.row_buckets[r] if r < len(self.row_buckets) else rows,
+                 self.sequence_buckets[s] if s < len(self.sequence_buckets) else length)
+        return shape, r < len(self.row_buckets) and s < len(self.sequence_buckets)
+
+    def warm(self, weights: list[tf.Tensor], example: dict[str, np.ndarray]) -> None:
+        """Compile (first time) and run every bucket with `weights`; raises if any score is not finite.
+        `example` is one row of inputs, repeated to fill each shape."""
+        for shape in (self.bucket_shapes() if self.buckets else []):
+            fn = self._compiled.get(shape)
+            if fn is None:
+                fn = self._new_function()
+                self._publish(shape, fn)
+                self.stats.warm += 1
+                self._on_compile("warm")
+            scores = fn(weights, _tensors(_pad(example, *shape)))
+            if not np.all(np.isfinite(scores.numpy())):
+                raise ValueError(f"non-finite scores on shape {shape}")
+
+    def run(self, weights: list[tf.Tensor], inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """Scores [rows] of `inputs` (rows x longest sequence, as `CtrModel.scoring_inputs` gives)."""
+        rows, length = inputs["sequence_mask"].shape
+        shape, in_bucket = self.shape_for(rows, length)
+        padded = _tensors(_pad(inputs, *shape))
+        fn = self._compiled.get(shape)
+        if fn is None and not self.buckets:
+            fn = self._new_function()
+            out = fn(weights, padded)  # compiles here, on the request path
+            self._publish(shape, fn)
+            self.stats.request_path += 1
+            self._on_compile("request_path")
+            return out.numpy()[:rows]
+        if fn is None:
+            if in_bucket:
+                log.warning("bucket %s was not warmed; compiling it in the background", shape)
+            self._compile_later(shape, weights, padded)
+            self.stats.uncompiled_runs += 1
+            return self._forward(weights, padded).numpy()[:rows]
+        return fn(weights, padded).numpy()[:rows]
+
+    def _compile_later(self, shape: Shape, weights: list[tf.Tensor], padded: dict[str, tf.Tensor]) -> None:
+        with self._lock:
+            if shape in self._pending:
+                return
+            self._pending.add(shape)
+
+        def compile_shape() -> None:
+            try:
+                fn = self._new_function()
+                fn(weights, padded)
+                self._publish(shape, fn)
+                self.stats.background += 1
+                self._on_compile("background")
+            except Exception:  # noqa: BLE001 - the eager path keeps serving the shape
+                log.exception("background compile of shape %s failed", shape)
+            finally:
+                with self._lock:
+                    self._pending.discard(shape)
+
+        self._compiler.submit(compile_shape)
+
+    def _publish(self, shape: Shape, fn: Callable) -> None:
+        # Readers look up without a lock: publish a new dict instead of mutating the one they read.
+        self._compiled = self._compiled | {shape: fn}
+
+    def compiled_shapes(self) -> set[Shape]:
+        return set(self._compiled)
+
+    def close(self) -> None:
+        self._compiler.shutdown(wait=True, cancel_futures=True)
+
+
+def _pad(inputs: dict[str, np.ndarray], rows: int, length: int) -> dict[str, np.ndarray]:
+    """Zero rows (they score and are cut off) and zero-mask sequence slots (the attention ignores
+    them) up to the shape."""
+    out = {}
+    for name, value in inputs.items():
+        value = value[:rows]
+        widths = [(0, rows - value.shape[0])] + [(0, 0)] * (value.ndim - 1)
+        if name in ("sequence", "sequence_mask"):
+            value = value[:, :length]
+            widths[1] = (0, length - value.shape[1])
+        out[name] = np.pad(value, widths) if any(w != (0, 0) for w in widths) else value
+    return out
+
+
+def _tensors(inputs: dict[str, np.ndarray]) -> dict[str, tf.Tensor]:
+    return {name: tf.constant(value, tf.float32) for name, value in inputs.items()}

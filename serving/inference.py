@@ -1,0 +1,230 @@
+"""The inference service: admission, features, batched scoring by the routed version, prediction log.
+
+    rank(request)
+      admission: in-flight requests and queued rows bounded; the value tier's allocation at the
+                 current load (serving/access.py) may shorten the request or shed it -> Shed (503)
+      features:  one batched online read (serving/features.py)
+      batch:     Batcher merges concurrent requests; an executor resolves each request's route to the
+                 version serving it *at batch start* (swaps land between batches), looks up sparse
+                 rows on CPU and runs the compiled dense network (serving/dense.py)
+      log:       the prediction, and any shadow prediction, to Kafka
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from infra.settings import Settings
+from models.examples import Examples, concat
+from models.registry import CHALLENGER, CHAMPION
+from serving import access, metrics
+from serving.batching import Batcher, DeadlineExceeded, Overloaded
+from serving.features import Candidate, OnlineFeatures
+from serving.lifecycle import ModelFollower
+from serving.prediction_log import PredictionLog
+
+log = logging.getLogger(__name__)
+
+
+class Shed(RuntimeError):
+    """Answered 503 + Retry-After without scoring: `reason` says why."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class NotReady(RuntimeError):
+    """No champion is loaded yet."""
+
+
+@dataclass
+class RankRequest:
+    user_id: str
+    candidates: list[Candidate]
+    tier: str = "normal"
+    deadline_ms: float | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class RankResult:
+    request_id: str
+    model_version: str
+    route: str
+    scores: list[float | None]  # per candidate, in request order; None = not scored (degraded)
+    defaulted_features: list[str]
+    degraded: list[str]
+
+
+@dataclass(frozen=True)
+class _Job:
+    route: str
+    examples: Examples
+
+
+def warm_examples(sequence_length: int, rows: int = 8) -> Examples:
+    """Rows every new version must score finitely before it serves, with full-length sequences."""
+    from models.dataset import NUMERIC_FEATURES
+
+    seq = np.array([[f"warm-{(r + j) % 97}" for j in range(sequence_length)] for r in range(rows)], dtype=object)
+    return Examples(np.array([f"warm-user-{r}" for r in range(rows)], dtype=object),
+                    np.array([f"warm-{r}" for r in range(rows)], dtype=object), np.full(rows, "", dtype=object),
+                    seq, np.linspace(0, 1, rows * len(NUMERIC_FEATURES), dtype=np.float32).reshape(rows, -1),
+                    np.zeros(rows, np.float32))
+
+
+class Inference:
+    def __init__(self, s: Settings, features: OnlineFeatures | None = None,
+                 predictions: PredictionLog | None = None) -> None:
+        self.s, sv = s, s.serving
+        self.follower = ModelFollower(s, warm_examples(max(sv.sequence_buckets)))
+        self.features = features or OnlineFeatures(s)
+        self.predictions = predictions or PredictionLog(s)
+        self.batcher: Batcher[_Job, tuple[np.ndarray, str]] = Batcher(
+            self._run_batch, max_batch_rows=sv.max_batch_rows if sv.batching else 1,
+            max_delay_s=sv.max_delay_ms / 1000, max_queue_rows=sv.max_inflight_rows, executors=sv.executors,
+            name="rank")
+        # Feature reads are Python-heavy (Feast decodes every value): a few threads, so the event loop
+        # (admission, shedding) and the executors are not starved of the GIL by a crowd of readers.
+        self._fetchers = ThreadPoolExecutor(sv.fetch_threads, thread_name_prefix="features")
+        self.inflight_rows = 0  # admitted and not answered: fetching features, queued or scoring
+        self._admit = threading.Lock()
+
+    # --- load -----------------------------------------------------------------------------------
+
+    def fill(self) -> float:
+        """How loaded the server is, 0..1: the share of the in-flight row bound in use."""
+        return min(1.0, self.inflight_rows / self.s.serving.max_inflight_rows)
+
+    # --- the request path -----------------------------------------------------------------------
+
+    async def rank(self, req: RankRequest) -> RankResult:
+        sv = self.s.serving
+        started = time.monotonic()
+        deadline = started + min(req.deadline_ms or sv.default_deadline_ms, sv.default_deadline_ms) / 1000
+        champion = self.follower.current(CHAMPION)
+        if champion is None:
+            raise NotReady("no model loaded yet")
+        allocation = access.allocate(req.tier, self.fill(), sv)
+        if allocation.shed:
+            metrics.SHED.labels(req.tier, "tier").inc()
+            raise Shed("tier", f"load is high: {req.tier}-tier requests are shed first")
+        rows = min(len(req.candidates), allocation.max_candidates or len(req.candidates))
+        with self._admit:
+            if self.inflight_rows + rows > sv.max_inflight_rows:
+                metrics.SHED.labels(req.tier, "queue").inc()
+                raise Shed("queue", f"{self.inflight_rows} candidate rows in flight; {rows} more would pass "
+                                    f"{sv.max_inflight_rows}")
+            self.inflight_rows += rows
+        try:
+            return await self._rank(req, allocation, champion.model.spec.sequence_length, deadline)
+        finally:
+            with self._admit:
+                self.inflight_rows -= rows
+
+    async def _rank(self, req: RankRequest, allocation: access.Allocation, sequence_length: int,
+                    deadline: float) -> RankResult:
+        scored = req.candidates[: allocation.max_candidates]
+        fetched = await asyncio.get_running_loop().run_in_executor(
+            self._fetchers, self.features.fetch, req.user_id, scored, int(time.time() * 1000), sequence_length,
+            allocation.sequence_length)
+        if fetched.defaulted:
+            metrics.DEFAULTED.inc()
+        if allocation.degraded:
+            metrics.DEGRADED.labels(req.tier).inc()
+        route = access.route(req.user_id, self.s.serving.canary_percent)
+        if route == CHALLENGER and self.follower.current(CHALLENGER) is None:
+            route = CHAMPION
+        scores, version = await self._score(_Job(route, fetched.examples), req.tier, deadline)
+        if route == CHAMPION and access.shadowed(req.request_id, self.s.serving.shadow_percent):
+            self._shadow(req, fetched)
+        self._log(req, scored, scores, version, route, fetched.snapshot, shadow=False)
+        degraded = [what for what, on in (("sequence", allocation.sequence_length is not None),
+                                          ("candidates", len(scored) < len(req.candidates))) if on]
+        return RankResult(req.request_id, version, route,
+                          [float(x) for x in scores] + [None] * (len(req.candidates) - len(scored)),
+                          fetched.defaulted, degraded)
+
+    async def _score(self, job: _Job, tier: str, deadline: float) -> tuple[np.ndarray, str]:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            metrics.SHED.labels(tier, "deadline").inc()
+            raise Shed("deadline", "the deadline passed before scoring")
+        try:
+            future = self.batcher.submit(job, len(job.examples), remaining)
+        except Overloaded as exc:
+            metrics.SHED.labels(tier, "queue").inc()
+            raise Shed("queue", str(exc)) from None
+        try:
+            return await asyncio.wrap_future(future)
+        except DeadlineExceeded as exc:
+            metrics.SHED.labels(tier, "deadline").inc()
+            raise Shed("deadline", str(exc)) from None
+
+    def _shadow(self, req: RankRequest, fetched) -> None:
+        """Score on @challenger too, log it, never wait for it or return it; dropped under load."""
+        if self.follower.current(CHALLENGER) is None:
+            return
+        try:
+            future = self.batcher.submit(_Job(CHALLENGER, fetched.examples), len(fetched.examples),
+                                         self.s.serving.default_deadline_ms / 1000)
+        except Overloaded:
+            metrics.SHED.labels(req.tier, "shadow").inc()
+            return
+
+        def logged(f) -> None:
+            if f.exception() is None:
+                scores, version = f.result()
+                self._log(req, req.candidates[: len(scores)], scores, version, CHALLENGER, fetched.snapshot,
+                          shadow=True)
+
+        future.add_done_callback(logged)
+
+    def _log(self, req: RankRequest, candidates: list[Candidate], scores: np.ndarray, version: str, route: str,
+             snapshot: dict, shadow: bool) -> None:
+        self.predictions.write(req.user_id, {
+            "request_id": req.request_id, "user_id": req.user_id, "items": [c.item_id for c in candidates],
+            "categories": [c.category for c in candidates], "scores": [float(x) for x in scores],
+            "model_name": self.s.models.name, "model_version": version, "route": route, "shadow": shadow,
+            "tier": req.tier, "served_at": int(time.time() * 1000), "features": snapshot})
+
+    # --- the executors --------------------------------------------------------------------------
+
+    def _run_batch(self, jobs: Sequence[_Job]) -> list[tuple[np.ndarray, str]]:
+        """Score a batch: per route, the version serving it now, all its requests in one run."""
+        results: list[tuple[np.ndarray, str] | None] = [None] * len(jobs)
+        for route in {job.route for job in jobs}:
+            model = self.follower.current(route) or self.follower.current(CHAMPION)
+            idx = [i for i, job in enumerate(jobs) if job.route == route]
+            batch = concat([jobs[i].examples for i in idx])
+            scores = model.score(batch)
+            metrics.BATCH_ROWS.observe(len(batch))
+            start = 0
+            for i in idx:
+                n = len(jobs[i].examples)
+                results[i] = (scores[start:start + n], model.version)
+                start += n
+        metrics.BATCH_REQUESTS.observe(len(jobs))
+        return results
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.follower.start()
+
+    def close(self) -> None:
+        self.follower.stop()
+        self._fetchers.shutdown(wait=True)
+        self.batcher.close()
+        self.predictions.close()
+

@@ -1,0 +1,168 @@
+"""Following the MLflow aliases: versions are loaded and warmed in the background, then swapped in
+atomically between batches; recent versions stay warm so a rollback swaps back at once.
+
+A version that fails to load or warm (missing artifact, a spec the server cannot feed, non-finite
+scores) is refused: logged, counted, remembered (not retried every poll) and the current one keeps
+serving. An incremental version whose parent is loaded is built from the parent plus its sparse delta
+(`sparse_delta` tag): only the changed rows are downloaded, and nothing is compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import tensorflow as tf
+
+from infra.settings import Settings
+from models.ctr import CtrModel, ModelSpec
+from models.dataset import NUMERIC_FEATURES
+from models.examples import Examples
+from models.registry import CHALLENGER, CHAMPION, alias_version, connect, load_version
+from serving import metrics
+from serving.dense import DenseRunner
+
+log = logging.getLogger(__name__)
+ROUTES = (CHAMPION, CHALLENGER)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One loaded, warm version: its sparse tables (CPU) and dense weights, run by its architecture's
+    shared compiled runner."""
+
+    version: str
+    model: CtrModel
+    weights: list[tf.Tensor]
+    runner: DenseRunner
+    loaded_by: str  # "full" or "delta"
+
+    def score(self, ex: Examples) -> np.ndarray:
+        """Click probabilities [N]; unknown ids use the default row."""
+        return self.runner.run(self.weights, self.model.scoring_inputs(ex))
+
+
+def architecture(spec: ModelSpec) -> tuple:
+    """What fixes the dense network's shapes: versions alike in this share compiled functions."""
+    return spec.kind, spec.hidden, len(spec.numeric_features), spec.sparse.dim
+
+
+class ModelFollower:
+    """Holds the served versions of @champion and @challenger and keeps them current."""
+
+    def __init__(self, s: Settings, warm_example: Examples) -> None:
+        self.s = s
+        self.warm_example = warm_example  # a few real-looking rows every new version must score
+        self.runners: dict[tuple, DenseRunner] = {}
+        self.served: dict[str, ServedModel | None] = dict.fromkeys(ROUTES)
+        self.warm: OrderedDict[str, ServedModel] = OrderedDict()  # version -> model, most recent last
+        self.refused: dict[str, str] = {}  # version -> why
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- what the executors read (one attribute read: a swap is atomic) -------------------------
+
+    def current(self, route: str) -> ServedModel | None:
+        return self.served[route]
+
+    @property
+    def ready(self) -> bool:
+        return self.served[CHAMPION] is not None
+
+    # --- following ------------------------------------------------------------------------------
+
+    def poll_once(self) -> None:
+        """Read both aliases; load, warm and swap in any version that changed."""
+        client = connect(self.s)
+        for route in ROUTES:
+            version = alias_version(client, self.s.models.name, route)
+            current = self.served[route]
+            if version == (current.version if current else None):
+                continue
+            if version is None:
+                if route == CHAMPION:  # never stop serving: keep the last champion
+                    log.warning("@%s was removed; still serving v%s", route, current.version)
+                    continue
+                self.served[route] = None  # canary and shadow traffic stop
+                metrics.set_version(route, None)
+                log.info("@%s removed", route)
+                continue
+            if version in self.refused:
+                continue
+            started = time.monotonic()
+            try:
+                model = self._obtain(client, version)
+            except Exception as exc:  # noqa: BLE001 - any failure refuses the version, never the server
+                self.refused[version] = f"{type(exc).__name__}: {exc}"
+                metrics.MODEL_REFUSED.inc()
+                log.error("refused v%s for @%s: %s; still serving %s", version, route, self.refused[version],
+                          f"v{current.version}" if current else "nothing")
+                continue
+            self.served[route] = model  # the swap: batches started after this use the new version
+            metrics.MODEL_SWAPS.labels(route).inc()
+            metrics.SWAP_SECONDS.observe(time.monotonic() - started)
+            metrics.set_version(route, version)
+            log.info("@%s now v%s (%s, %.2fs)", route, version, model.loaded_by, time.monotonic() - started)
+
+    def _obtain(self, client, version: str) -> ServedModel:
+        if version in self.warm:
+            self.warm.move_to_end(version)
+            return self.warm[version]
+        tags = dict(client.get_model_version(self.s.models.name, version).tags)
+        parent = self.warm.get(tags.get("parent_version", ""))
+        if parent is not None and tags.get("sparse_delta"):
+            with tempfile.TemporaryDirectory() as tmp:
+                delta = Path(mlflow.artifacts.download_artifacts(tags["sparse_delta"], dst_path=tmp))
+                model, how = parent.model.with_delta(delta), "delta"
+        else:
+            model, how = load_version(self.s, version), "full"
+        served = self._warmed(version, model, how)
+        self.warm[version] = served
+        while len(self.warm) > max(2, self.s.serving.keep_warm):
+            self.warm.popitem(last=False)
+        return served
+
+    def _warmed(self, version: str, model: CtrModel, how: str) -> ServedModel:
+        if model.spec.numeric_features != NUMERIC_FEATURES:
+            raise ValueError(f"v{version} expects numeric features {list(model.spec.numeric_features)}; "
+                             f"the server provides {list(NUMERIC_FEATURES)}")
+        arch = architecture(model.spec)
+        runner = self.runners.get(arch)
+        if runner is None:
+            sv = self.s.serving
+            runner = DenseRunner(model, sv.row_buckets, sv.sequence_buckets, sv.buckets,
+                                 on_compile=lambda where: metrics.COMPILES.labels(where).inc())
+            self.runners[arch] = runner
+        served = ServedModel(version, model, [tf.constant(w) for w in model.dense_weights()], runner, how)
+        runner.warm(served.weights, model.scoring_inputs(self.warm_example))
+        if not np.all(np.isfinite(served.score(self.warm_example))):
+            raise ValueError(f"v{version} gives non-finite scores")
+        return served
+
+    def start(self) -> None:
+        """Poll in a background thread every `serving.poll_interval_s` (the first poll at once)."""
+        def loop() -> None:
+            while not self._stop.is_set():
+                try:
+                    self.poll_once()
+                except Exception as exc:  # noqa: BLE001 - the registry being down must not stop serving
+                    metrics.REGISTRY_ERRORS.inc()
+                    log.warning("registry poll failed (%s); serving what is loaded", exc)
+                self._stop.wait(self.s.serving.poll_interval_s)
+
+        self._thread = threading.Thread(target=loop, name="model-follower", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for runner in self.runners.values():
+            runner.close()

@@ -1,0 +1,53 @@
+"""Every served prediction to Kafka (`serving.predictions_topic`, keyed by user), so clicks can be
+joined to the impressions they follow and to the features and version that scored them.
+
+Asynchronous: the request path only enqueues. A record Kafka does not take (broker down past the
+message timeout, local queue full) is counted in `flywheel_prediction_log_errors`, never fails the
+request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import confluent_kafka
+
+from infra.settings import Settings
+from serving import metrics
+from streaming.producer import PRODUCER_OPTIONS
+
+log = logging.getLogger(__name__)
+
+
+class PredictionLog:
+    def __init__(self, s: Settings) -> None:
+        self.topic = s.serving.predictions_topic
+        self._producer = confluent_kafka.Producer(
+            s.kafka.librdkafka_config() | PRODUCER_OPTIONS | {"queue.buffering.max.messages": 100_000})
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="prediction-log", daemon=True)
+        self._poller.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self._producer.poll(0.1)
+
+    def _delivered(self, err: confluent_kafka.KafkaError | None, _msg: object) -> None:
+        if err is not None:
+            metrics.PREDICTION_LOG_ERRORS.inc()
+            log.warning("prediction record not delivered: %s", err)
+
+    def write(self, user_id: str, record: dict) -> None:
+        try:
+            self._producer.produce(self.topic, json.dumps(record, separators=(",", ":")).encode(),
+                                   user_id.encode(), on_delivery=self._delivered)
+        except (BufferError, confluent_kafka.KafkaException) as exc:
+            metrics.PREDICTION_LOG_ERRORS.inc()
+            log.warning("prediction record dropped: %s", exc)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._poller.join()
+        self._producer.flush(timeout_s)

@@ -1,0 +1,75 @@
+"""The compiled dense runner: bucket padding scores exactly like the unpadded model, buckets are
+compiled by warm-up and never on the request path, an out-of-bucket shape is served at once and
+compiled in the background, and one compiled function serves every version's weights."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from models.ctr import CtrModel
+from serving.dense import DenseRunner
+from tests.ctr_data import SPEC, synthetic
+
+
+def _weights(model: CtrModel) -> list[tf.Tensor]:
+    return [tf.constant(w) for w in model.dense_weights()]
+
+
+def test_padded_buckets_score_like_the_model_and_compile_only_at_warm_up() -> None:
+    model = CtrModel(SPEC)
+    model.fit(synthetic(2000, seed=1), progress=False)
+    runner = DenseRunner(model, row_buckets=(16, 64), sequence_buckets=(4, 10))
+    ex = synthetic(300, seed=2)
+    runner.warm(_weights(model), model.scoring_inputs(ex.take(slice(0, 4))))
+    assert runner.stats.warm == 4 and runner.compiled_shapes() == {(16, 4), (16, 10), (64, 4), (64, 10)}
+    for n in (1, 7, 16, 50):
+        part = ex.take(slice(0, n))
+        np.testing.assert_allclose(runner.run(_weights(model), model.scoring_inputs(part)), model.predict(part),
+                                   rtol=1e-5, atol=1e-6)
+    assert runner.stats.warm == 4 and runner.stats.background == 0 and runner.stats.uncompiled_runs == 0
+
+
+def test_one_compiled_function_serves_every_version() -> None:
+    a, b = CtrModel(SPEC), CtrModel(SPEC)
+    b.fit(synthetic(1000, seed=3), progress=False)
+    runner = DenseRunner(a, row_buckets=(16,), sequence_buckets=(10,))
+    ex = synthetic(10, seed=4)
+    runner.warm(_weights(a), a.scoring_inputs(ex))
+    np.testing.assert_allclose(runner.run(_weights(b), b.scoring_inputs(ex)), b.predict(ex), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(runner.run(_weights(a), a.scoring_inputs(ex)), a.predict(ex), rtol=1e-5, atol=1e-6)
+    assert runner.stats.warm == 1 and len(runner.compiled_shapes()) == 1
+
+
+def test_an_out_of_bucket_shape_is_served_at_once_and_compiled_in_the_background() -> None:
+    model = CtrModel(SPEC)
+    runner = DenseRunner(model, row_buckets=(16,), sequence_buckets=(10,))
+    ex = synthetic(40, seed=5)
+    runner.warm(_weights(model), model.scoring_inputs(ex.take(slice(0, 2))))
+    first = runner.run(_weights(model), model.scoring_inputs(ex))  # 40 rows > the largest bucket
+    np.testing.assert_allclose(first, model.predict(ex), rtol=1e-5, atol=1e-6)
+    assert runner.stats.uncompiled_runs == 1
+    deadline = time.monotonic() + 60
+    while (40, 10) not in runner.compiled_shapes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runner.stats.background == 1 and (40, 10) in runner.compiled_shapes()  # rows exact, sequence padded
+    again = runner.run(_weights(model), model.scoring_inputs(ex))
+    np.testing.assert_allclose(again, first, rtol=1e-5, atol=1e-6)
+    assert runner.stats.uncompiled_runs == 1  # the compiled function took over
+    runner.close()
+
+
+def test_without_buckets_each_new_shape_compiles_on_the_request_path() -> None:
+    model = CtrModel(SPEC)
+    runner = DenseRunner(model, row_buckets=(16,), sequence_buckets=(10,), buckets=False)
+    ex = synthetic(30, seed=6)
+    runner.warm(_weights(model), model.scoring_inputs(ex.take(slice(0, 2))))
+    assert runner.stats.warm == 0
+    shapes = set()
+    for n in (3, 5, 3, 30):
+        inputs = model.scoring_inputs(ex.take(slice(0, n)))
+        shapes.add(inputs["sequence_mask"].shape)
+        runner.run(_weights(model), inputs)
+    assert runner.stats.request_path == len(shapes) == len(runner.compiled_shapes()) >= 3
