@@ -7,7 +7,7 @@ Requests carry a mixed number of candidates (log-normal, median 100, 10-500) wit
 
   1. the limit: the dense model on full batches in-process (1024 rows x 50 behaviors), with and without
      the sparse lookup;
-  2. the server (`flywheel serve`, HTTP, features, batching, prediction log): the highest open-loop
+  2. the server (the stack's ranking-server: HTTP, features, batching, prediction log): the highest open-loop
      rate whose p99 stays <= 50 ms, and its ratio to (1);
   3. batching on vs off, buckets on vs off (p99 and compiles during traffic), executors 1 vs N, each a
      server restarted with that one setting changed, under the same closed-loop load;
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,7 +36,7 @@ import tensorflow as tf
 
 from feature_repo.store import apply
 from infra import stack
-from infra.settings import REPO_ROOT, Settings, load_settings, override, to_environ
+from infra.settings import Settings, load_settings, override
 from models.ctr import CtrModel, ModelSpec
 from models.dataset import NUMERIC_FEATURES
 from models.examples import PAD, Examples
@@ -160,22 +159,16 @@ def _candidates(rng: np.random.Generator, n: int) -> np.ndarray:
 # --- 2, 3, 5. the server ------------------------------------------------------------------------------
 
 class Server:
-    def __init__(self, s: Settings, log: Path, **serving: object) -> None:
-        self.s = override(s, "serving", **serving) if serving else s
+    """The stack's ranking server alone, with some serving settings changed; ready when built."""
+
+    def __init__(self, s: Settings, **serving: object) -> None:
+        self.s = override(override(s, "stack", services=("serving",)), "serving", **serving)
         self.url = f"http://127.0.0.1:{self.s.serving.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")} | to_environ(self.s)
-        self._log = open(log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "serve"], env=env, cwd=REPO_ROOT,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+        stack.up(self.s)
         deadline = time.monotonic() + 240
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not become ready; see {log}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
+        while httpx.get(f"{self.url}/readyz", timeout=5).status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not become ready; see `flywheel logs ranking-server`")
             time.sleep(0.5)
 
     def compiles(self) -> float:
@@ -184,9 +177,7 @@ class Server:
                    if line.startswith("flywheel_compiles_total{") and 'where="warm"' not in line)
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-        self._log.close()
+        stack.down(self.s)
 
 
 def _request(rng: np.random.Generator) -> dict:
@@ -251,8 +242,9 @@ def throughput_at_p99(server: Server, bound_ms: float, seconds: float) -> tuple[
     return best or curve[0][1], curve
 
 
-def swap_times(s: Settings, server: Server, v1: str, v2: str) -> tuple[float, float]:
-    """Seconds from an alias move to the first response naming the new version, under load."""
+def swap_times(s: Settings, server: Server, v1: str, v2: str) -> tuple[float, float, int, int]:
+    """Seconds from an alias move to the first response naming the new version, under closed-loop
+    load from 4 clients; and how many of the responses were not 200, of how many."""
     seen: list[tuple[float, str]] = []
     stop = threading.Event()
 
@@ -261,7 +253,7 @@ def swap_times(s: Settings, server: Server, v1: str, v2: str) -> tuple[float, fl
         with httpx.Client(timeout=30) as http:
             while not stop.is_set():
                 r = http.post(f"{server.url}/rank", json=_request(rng))
-                seen.append((time.monotonic(), r.json().get("model_version", "error")))
+                seen.append((time.monotonic(), r.json().get("model_version", f"HTTP {r.status_code}")))
 
     threads = [threading.Thread(target=load) for _ in range(4)]
     for t in threads:
@@ -279,8 +271,8 @@ def swap_times(s: Settings, server: Server, v1: str, v2: str) -> tuple[float, fl
         stop.set()
         for t in threads:
             t.join()
-    assert "error" not in {v for _, v in seen}
-    return out[0], out[1]
+    failed = sum(v.startswith("HTTP") for _, v in seen)
+    return out[0], out[1], failed, len(seen)
 
 
 def main() -> None:
@@ -306,11 +298,11 @@ def main() -> None:
         configs = {"default (batching, buckets, 2 executors)": {}, "batching off": {"batching": False},
                    "buckets off": {"buckets": False}, "1 executor": {"executors": 1}}
         for label, change in configs.items():
-            server = Server(s, tmp / "server.log", **change)
+            server = Server(s, **change)
             try:
                 if not change:
                     best, _ = throughput_at_p99(server, 50.0, args.seconds)
-                    swap, rollback = swap_times(s, server, v1, v2)
+                    swap, rollback, failed, answered = swap_times(s, server, v1, v2)
                 before = server.compiles()
                 summary = _summary(asyncio.run(_closed_loop(server.url, args.concurrency, args.seconds, 5)),
                                    args.seconds)
@@ -332,6 +324,7 @@ def main() -> None:
           f" rows/s = {scoring[True] / scoring[False]:.2f}x |")
     print(f"| swap to a new champion under load (alias moved -> first response naming it) | {swap:.2f} s |")
     print(f"| rollback to the previous (warm) champion under load | {rollback:.2f} s (poll interval 1 s) |")
+    print(f"| responses not 200 during the swap and rollback (4 clients) | {failed} of {answered} |")
     print(f"\nClosed loop, {args.concurrency} clients, {args.seconds:.0f} s each, one server per row:\n")
     print("| server | req/s | rows/s | p50 ms | p99 ms | errors | compiles during traffic |\n|---|---|---|---|---|---|---|")
     for label, r in rows:

@@ -38,7 +38,7 @@ class Service:
     command: Callable[[], list[str]]
     env: Callable[[], dict[str, str]]
     check: Callable[[], Health]
-    phase: int = 0  # 0: infrastructure; 1: the pipeline, started once its topics exist
+    phase: int = 0  # 0: infrastructure; 1: the pipeline, started once its topics exist; 2: serving
 
     def health(self) -> Health:
         """The service's health; a failing check is reported, never raised."""
@@ -51,7 +51,10 @@ class Service:
 def _base_env() -> dict[str, str]:
     # A developer's own AIRFLOW__* or FLYWHEEL_* variables must not leak into the stack: it is
     # configured here, and its Flywheel settings are passed whole by the stack (settings.to_environ).
-    return {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW__", "FLYWHEEL_"))}
+    # Nor may the Prometheus multiprocess directory Feast exports on import: it belongs to the process
+    # that imported Feast, which deletes it on exit.
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("AIRFLOW__", "FLYWHEEL_", "PROMETHEUS_MULTIPROC"))}
 
 
 # --- Kafka-protocol broker (Tansu) -----------------------------------------------------------
@@ -265,9 +268,21 @@ def _pipeline(s: Settings) -> list[Service]:
     ]
 
 
+# --- the ranking server ------------------------------------------------------------------------
+
+def _serving(s: Settings) -> Service:
+    """Healthy once it answers HTTP; *ready* (`/readyz`) only once a champion is loaded and warm,
+    which on a fresh stack is after the first training run."""
+    url = f"http://{s.serving.host}:{s.serving.port}"
+    return Service(name="ranking-server", group="serving", url=url, ports=((s.serving.host, s.serving.port),),
+                   command=lambda: [str(BIN_DIR / "python"), "-m", "serving.api"], env=_base_env,
+                   check=lambda: _http_health(f"{url}/healthz", lambda r: Health(
+                       r.status_code == 200, f"HTTP {r.status_code}")), phase=2)
+
+
 def all_services(s: Settings) -> list[Service]:
     """Every service the local stack can run, in start order."""
-    return [_kafka(s), _redis(s), _mlflow(s), *_airflow(s), *_pipeline(s)]
+    return [_kafka(s), _redis(s), _mlflow(s), *_airflow(s), *_pipeline(s), _serving(s)]
 
 
 def enabled_services(s: Settings) -> list[Service]:

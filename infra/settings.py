@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV_PREFIX = "FLYWHEEL_"
-LOCAL_SERVICES = ("kafka", "redis", "mlflow", "airflow", "pipeline")
+LOCAL_SERVICES = ("kafka", "redis", "mlflow", "airflow", "pipeline", "serving")
 
 
 class SettingsError(ValueError):

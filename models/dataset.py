@@ -93,10 +93,15 @@ def to_examples(features: pd.DataFrame, times_ms: np.ndarray, labels: np.ndarray
         numeric[:, j] = np.log1p(np.maximum(values, 0.0)) if name in COUNTS else (
             values / 100.0 if name == "user_age" else values)
     sequences = np.full((len(features), sequence_length), PAD, dtype=object)
+    last: tuple = (None, None, None, [])  # serving: every row of a request holds the same sequence object
     for n, (items, times) in enumerate(zip(features["seq_item_ids"], features["seq_event_times"])):
         if items is None or times is None or not len(items):
             continue
-        before = [i for i, t in zip(items, times) if t < times_ms[n]][::-1][:sequence_length]  # newest first
+        if items is last[0] and times is last[1] and times_ms[n] == last[2]:
+            before = last[3]
+        else:
+            before = [i for i, t in zip(items, times) if t < times_ms[n]][::-1][:sequence_length]  # newest first
+            last = (items, times, times_ms[n], before)
         sequences[n, : len(before)] = before
     return Examples(user_ids=features["user_id"].astype(str).to_numpy(object),
                     item_ids=features["item_id"].astype(str).to_numpy(object),

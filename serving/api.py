@@ -78,18 +78,19 @@ def create_app(s: Settings, inference: Inference | None = None) -> FastAPI:
                   description="Ranks a user's candidate items with the model in the MLflow registry's "
                               "@champion (or @challenger for the canary's users).")
 
-    def refuse(reason: str, detail: str, route: str = "-") -> JSONResponse:
-        metrics.REQUESTS.labels(route, "503").inc()
+    def refuse(reason: str, detail: str, started: float) -> JSONResponse:
+        metrics.REQUESTS.labels("-", "503").inc()
+        metrics.LATENCY.labels(reason).observe(time.monotonic() - started)
         return JSONResponse({"reason": reason, "detail": detail}, status_code=503,
                             headers={"Retry-After": str(s.serving.retry_after_s)})
 
     @app.post("/rank", response_model=RankOut, responses={413: {"model": Refusal}, 503: {"model": Refusal}})
     async def rank(body: RankIn, request: Request):
+        started = time.monotonic()
         if len(body.candidates) > s.serving.max_candidates:
             metrics.REQUESTS.labels("-", "413").inc()
             return JSONResponse({"reason": "too_many_candidates", "detail": f"{len(body.candidates)} candidates; "
                                  f"at most {s.serving.max_candidates} per request"}, status_code=413)
-        started = time.monotonic()
         req = RankRequest(body.user_id, [Candidate(c.item_id, c.category) for c in body.candidates], body.tier,
                           body.deadline_ms)
         if body.request_id:
@@ -97,11 +98,11 @@ def create_app(s: Settings, inference: Inference | None = None) -> FastAPI:
         try:
             result = await request.app.state.inference.rank(req)
         except NotReady as exc:
-            return refuse("not_ready", str(exc))
+            return refuse("not_ready", str(exc), started)
         except Shed as exc:
-            return refuse(exc.reason, str(exc))
+            return refuse(exc.reason, str(exc), started)
         metrics.REQUESTS.labels(result.route, "200").inc()
-        metrics.LATENCY.observe(time.monotonic() - started)
+        metrics.LATENCY.labels("ok").observe(time.monotonic() - started)
         return RankOut(request_id=result.request_id, model_version=result.model_version, route=result.route,
                        scores=result.scores, defaulted=bool(result.defaulted_features),
                        defaulted_features=result.defaulted_features, degraded=result.degraded)
@@ -140,10 +141,21 @@ def serve(s: Settings) -> None:
     """Run the server in this process until interrupted (`flywheel serve`)."""
     import uvicorn
 
+    from feature_repo.store import apply
     from streaming.topics import ensure_topics
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     ensure_topics(s, [s.serving.predictions_topic])
-    # Built before uvicorn starts, so a missing feature repo or registry is one clear error.
+    apply(s)  # the feature definitions it reads (idempotent): the server also runs without the pipeline
+    # Built before uvicorn starts, so an unreachable store or registry is one clear error.
     app = create_app(s, Inference(s))
-    uvicorn.run(app, host=s.serving.host, port=s.serving.port, log_level="warning", access_log=False)
+    # Keep-alive longer than a load balancer's idle timeout (60 s is common), so the balancer, not the
+    # server, closes idle connections: otherwise a request can race the server's close.
+    uvicorn.run(app, host=s.serving.host, port=s.serving.port, log_level="warning", access_log=False,
+                timeout_keep_alive=75)
+
+
+if __name__ == "__main__":  # the stack's `ranking-server` service
+    from infra.settings import get_settings
+
+    serve(get_settings())

@@ -1,6 +1,10 @@
-"""Online features for one ranking request: one batched read of the `ranking_serving` feature
-service (one entity row per candidate), turned into model inputs by the same function that builds
-training sets (`models.dataset.to_examples`), so serving and training see the same features.
+"""Online features for one ranking request, from the `ranking_serving` feature service: one batched
+read per entity kind (the user's views with one row, the candidates' item views with one row per
+distinct item, the user x category view with one row per distinct category), of the features the
+model consumes, joined back to one row per candidate. Reading every view with one row per candidate
+decodes the user's features once per candidate: 3-4x slower here (docs/benchmarks.md). The rows
+become model inputs by the function that builds training sets (`models.dataset.to_examples`), so
+serving and training see the same features.
 
 Documented defaults: a feature with nothing stored (a new user or item, a window without events, a
 candidate sent without its category) is 0 after scaling, and an empty behavior sequence; every such
@@ -40,26 +44,44 @@ class OnlineFeatures:
     def __init__(self, s: Settings) -> None:
         self.store = feature_store(s)
         try:
-            self.service = self.store.get_feature_service(SERVICE)
+            service = self.store.get_feature_service(SERVICE)
         except FeatureServiceNotFoundException:
             raise ValueError(f"feature service {SERVICE} is not registered: apply the feature repo first "
                              "(`flywheel up` does)") from None
+        wanted = {*NUMERIC_FEATURES, *SEQUENCE}
+        self.reads: dict[tuple[str, ...], list[str]] = {}  # join keys -> feature refs read with them
+        for projection in service.feature_view_projections:
+            keys = tuple(self.store.get_feature_view(projection.name).join_keys)
+            refs = [f"{projection.name_to_use()}:{f.name}" for f in projection.features if f.name in wanted]
+            if refs:
+                self.reads.setdefault(keys, []).extend(refs)
+        served = {ref.split(":")[1] for refs in self.reads.values() for ref in refs}
+        if wanted - served:
+            raise ValueError(f"feature service {SERVICE} lacks {sorted(wanted - served)}")
 
     def fetch(self, user_id: str, candidates: list[Candidate], now_ms: int, sequence_length: int,
               keep_behaviors: int | None = None) -> Fetched:
         """Inputs for scoring `candidates` for `user_id` at `now_ms`; sequences keep the newest
         `keep_behaviors` (compute allocation) of at most `sequence_length`."""
-        rows = [{"user_id": user_id, "item_id": c.item_id, "category": c.category} for c in candidates]
-        values = self.store.get_online_features(features=self.service, entity_rows=rows).to_dict()
-        frame = pd.DataFrame(values)
-        defaulted = sorted(name for name in (*NUMERIC_FEATURES, *SEQUENCE)
-                           if name in frame and frame[name].isna().any())
-        missing = [name for name in (*NUMERIC_FEATURES, *SEQUENCE) if name not in frame]
-        if missing:
-            raise RuntimeError(f"feature service {SERVICE} lacks {missing}: is the feature repo applied?")
+        rows = {"user_id": [user_id] * len(candidates), "item_id": [c.item_id for c in candidates],
+                "category": [c.category for c in candidates]}
+        columns: dict[str, list] = dict(rows)
+        for keys, refs in self.reads.items():
+            # Distinct entities, and which of them each candidate row is.
+            of_row = list(zip(*(rows[k] for k in keys)))
+            distinct = list(dict.fromkeys(of_row))
+            position = {entity: n for n, entity in enumerate(distinct)}
+            values = self.store.get_online_features(
+                features=refs, entity_rows=[dict(zip(keys, e)) for e in distinct]).to_dict()
+            take = [position[e] for e in of_row]
+            for ref in refs:
+                name = ref.split(":")[1]
+                columns[name] = [values[name][i] for i in take]
+        frame = pd.DataFrame(columns)
+        defaulted = sorted(name for name in (*NUMERIC_FEATURES, *SEQUENCE) if None in columns[name])
         ex = to_examples(frame, np.full(len(frame), now_ms), np.zeros(len(frame)), sequence_length)
         if keep_behaviors is not None:
             ex.sequences[:, keep_behaviors:] = PAD
-        snapshot = {name: [None if pd.isna(v) else float(v) for v in frame[name]] for name in NUMERIC_FEATURES}
+        snapshot: dict[str, list] = {name: columns[name] for name in NUMERIC_FEATURES}  # None: missing
         snapshot["sequence"] = [i for i in ex.sequences[0] if i != PAD]
         return Fetched(ex, defaulted, snapshot)

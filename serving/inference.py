@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from infra.settings import Settings
+from models.dataset import NUMERIC_FEATURES
 from models.examples import Examples, concat
 from models.registry import CHALLENGER, CHAMPION
 from serving import access, metrics
@@ -74,8 +75,6 @@ class _Job:
 
 def warm_examples(sequence_length: int, rows: int = 8) -> Examples:
     """Rows every new version must score finitely before it serves, with full-length sequences."""
-    from models.dataset import NUMERIC_FEATURES
-
     seq = np.array([[f"warm-{(r + j) % 97}" for j in range(sequence_length)] for r in range(rows)], dtype=object)
     return Examples(np.array([f"warm-user-{r}" for r in range(rows)], dtype=object),
                     np.array([f"warm-{r}" for r in range(rows)], dtype=object), np.full(rows, "", dtype=object),
@@ -87,6 +86,9 @@ class Inference:
     def __init__(self, s: Settings, features: OnlineFeatures | None = None,
                  predictions: PredictionLog | None = None) -> None:
         self.s, sv = s, s.serving
+        if sv.max_candidates > sv.max_inflight_rows:
+            raise ValueError(f"serving.max_candidates ({sv.max_candidates}) must be at most serving.max_inflight_rows "
+                             f"({sv.max_inflight_rows}): a full request could never be admitted")
         self.follower = ModelFollower(s, warm_examples(max(sv.sequence_buckets)))
         self.features = features or OnlineFeatures(s)
         self.predictions = predictions or PredictionLog(s)

@@ -125,8 +125,10 @@ class ModelFollower:
             model, how = load_version(self.s, version), "full"
         served = self._warmed(version, model, how)
         self.warm[version] = served
-        while len(self.warm) > max(2, self.s.serving.keep_warm):
-            self.warm.popitem(last=False)
+        serving = {m.version for m in self.served.values() if m is not None}
+        for old in [v for v in self.warm if v not in serving and v != version][
+                : max(0, len(self.warm) - max(2, self.s.serving.keep_warm))]:
+            del self.warm[old]  # the least recently used first; a version serving a route stays
         return served
 
     def _warmed(self, version: str, model: CtrModel, how: str) -> ServedModel:

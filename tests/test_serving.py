@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -27,15 +24,15 @@ import pytest
 from kafka import KafkaConsumer
 
 from feature_repo.store import apply
-from infra.settings import Settings, to_environ
+from infra import process
+from infra.settings import Settings
 from models.ctr import CtrModel, ModelSpec
 from models.dataset import NUMERIC_FEATURES, to_examples
 from models.examples import to_frame
 from models.registry import CHALLENGER, CHAMPION, connect, log_model
 from models.sparse import SparseConfig
 from serving import access
-from streaming.topics import ensure_topics
-from tests.conftest import REPO, running_stack, wait_for
+from tests.conftest import running_stack, wait_for
 from tests.ctr_data import synthetic
 
 pytestmark = pytest.mark.stack
@@ -50,7 +47,7 @@ class Platform:
     s: Settings
     url: str
     versions: dict[str, str]  # label -> registered version
-    server: subprocess.Popen
+    server_pid: int
 
 
 def _examples(n: int, seed: int):
@@ -94,19 +91,28 @@ def _write_features(s: Settings) -> None:
         "event_timestamp": now}))
 
 
-def _server_env(s: Settings) -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")} | to_environ(s)
+def _server_pid(s: Settings) -> int:
+    return process.read_pidfile(s.paths.run_dir / "ranking-server.json").pid
+
+
+def _ready(url: str) -> None:
+    try:
+        assert httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+    except httpx.TransportError as exc:
+        raise AssertionError(exc) from None
 
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """The stack with its ranking server; the server is up but not ready until @champion exists."""
     tmp = tmp_path_factory.mktemp("serving")
-    for s in running_stack(tmp / "stack", "kafka,redis,mlflow",
+    for s in running_stack(tmp / "stack", "kafka,redis,mlflow,serving",
                            FLYWHEEL_SERVING_POLL_INTERVAL_S="1", FLYWHEEL_SERVING_CANARY_PERCENT="30",
                            FLYWHEEL_SERVING_SHADOW_PERCENT="50", FLYWHEEL_SERVING_MAX_INFLIGHT_ROWS="1500",
                            FLYWHEEL_SERVING_DEFAULT_DEADLINE_MS="500", FLYWHEEL_SERVING_MAX_CANDIDATES="500"):
+        url = f"http://127.0.0.1:{s.serving.port}"
+        assert httpx.get(f"{url}/readyz", timeout=5).status_code == 503  # no model yet
         _write_features(s)
-        ensure_topics(s, [s.serving.predictions_topic])
         keras.utils.set_random_seed(7)
         model = CtrModel(SPEC)
         model.fit(_examples(3000, seed=1), progress=False)
@@ -117,28 +123,9 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         v2 = _register(s, "v2", model.save(tmp / "v2"), {"parent_version": v1}, delta=tmp / "v2-delta")
         model.network.set_weights([w * np.nan for w in model.network.get_weights()])
         bad = _register(s, "bad", model.save(tmp / "bad"))
-        client = connect(s)
-        client.set_registered_model_alias(s.models.name, CHAMPION, v1)
-
-        log = open(tmp / "server.log", "wb")
-        server = subprocess.Popen([sys.executable, "-m", "infra.cli", "serve"], env=_server_env(s), cwd=REPO,
-                                  stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{s.serving.port}"
-
-        def ready() -> None:
-            assert server.poll() is None, (tmp / "server.log").read_text()[-3000:]
-            try:
-                assert httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-            except httpx.TransportError as exc:
-                raise AssertionError(exc) from None
-
-        try:
-            wait_for(ready, timeout_s=180)
-            yield Platform(s, url, {"v1": v1, "v2": v2, "bad": bad}, server)
-        finally:
-            server.terminate()
-            server.wait(30)
-            log.close()
+        connect(s).set_registered_model_alias(s.models.name, CHAMPION, v1)
+        wait_for(lambda: _ready(url), timeout_s=120)
+        yield Platform(s, url, {"v1": v1, "v2": v2, "bad": bad}, _server_pid(s))
 
 
 def _request(user: int, n: int, **extra) -> dict:
@@ -383,8 +370,11 @@ async def _open_loop(url: str, seconds: float, rate: float) -> list[tuple[str, i
     async def one(http: httpx.AsyncClient, n: int) -> None:
         tier = tiers[n % 3]
         started = time.monotonic()
-        r = await http.post(f"{url}/rank", json=_request(n % USERS, 50 + (n * 53) % 250, tier=tier))
-        out.append((tier, r.status_code, time.monotonic() - started, r.json()))
+        try:
+            r = await http.post(f"{url}/rank", json=_request(n % USERS, 50 + (n * 53) % 250, tier=tier))
+            out.append((tier, r.status_code, time.monotonic() - started, r.json()))
+        except httpx.TransportError as exc:  # the connection failed: counted, never expected
+            out.append((tier, -1, time.monotonic() - started, {"error": repr(exc)}))
 
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=1000)) as http:
         tasks, start = [], time.monotonic()
@@ -393,6 +383,17 @@ async def _open_loop(url: str, seconds: float, rate: float) -> list[tuple[str, i
             tasks.append(asyncio.create_task(one(http, n)))
         await asyncio.gather(*tasks)
     return out
+
+
+def _server_p99(p: Platform, outcome: str) -> float:
+    """The upper bound of the latency bucket holding the server's p99 for responses of `outcome`."""
+    buckets = []
+    for line in httpx.get(f"{p.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("flywheel_request_seconds_bucket{") and f'outcome="{outcome}"' in line:
+            le = line.split('le="')[1].split('"')[0]
+            buckets.append((float(le), float(line.split()[-1])))
+    total = buckets[-1][1]
+    return next(le for le, count in sorted(buckets) if count >= 0.99 * total)
 
 
 def _rss_mb(pid: int) -> float:
@@ -405,17 +406,17 @@ def _rss_mb(pid: int) -> float:
 def test_overload_is_shed_fast_by_tier_and_admitted_requests_stay_bounded(platform: Platform) -> None:
     p = platform
     capacity = asyncio.run(_closed_loop(p.url, 4, 4))
-    rss_before = _rss_mb(p.server.pid)
+    rss_before = _rss_mb(p.server_pid)
     results = asyncio.run(_open_loop(p.url, 10, 4 * capacity))
-    rss_after = _rss_mb(p.server.pid)
+    rss_after = _rss_mb(p.server_pid)
     statuses = Counter(status for _, status, _, _ in results)
     reasons = Counter(body["reason"] for _, s, _, body in results if s == 503)
     assert set(statuses) <= {200, 503} and statuses[503] > 0 and statuses[200] > 0, (statuses, reasons)
-    # Refused at admission (queue full, low tier shed): answered at once, typically. (A request dropped
-    # at its deadline waited for it, by definition.) Load generator and server share two cores.
-    shed = [lat for _, status, lat, body in results if status == 503 and body["reason"] in ("queue", "tier")]
+    # Refused at admission (queue full, low tier shed): answered at once by the server (its own latency
+    # histogram: the load generator shares the two cores and adds its own queueing to what it sees).
+    assert _server_p99(p, "queue") <= 0.05 and _server_p99(p, "tier") <= 0.05, (
+        _server_p99(p, "queue"), _server_p99(p, "tier"))
     admitted = [lat for _, status, lat, _ in results if status == 200]
-    assert np.percentile(shed, 50) < 0.1 and np.percentile(shed, 99) < 1.5, np.percentile(shed, [50, 99])
     # Admitted latency is bounded: it does not grow while the overload goes on.
     half = len(results) // 2
     first, second = ([lat for _, s, lat, _ in part if s == 200] for part in (results[:half], results[half:]))
@@ -429,8 +430,10 @@ def test_overload_is_shed_fast_by_tier_and_admitted_requests_stay_bounded(platfo
     reasons = Counter(body["reason"] for _, s, _, body in results if s == 503)
     assert reasons["tier"] > 0, reasons
     assert rss_after - rss_before < 300, (rss_before, rss_after)
-    assert p.server.poll() is None and httpx.get(f"{p.url}/readyz", timeout=5).status_code == 200
+    assert _server_pid(p.s) == p.server_pid and httpx.get(f"{p.url}/readyz", timeout=5).status_code == 200
     print(f"capacity {capacity:.0f} req/s, offered {4 * capacity:.0f} req/s: statuses {dict(statuses)}, "
           f"shed rate by tier {rate}, reasons {dict(reasons)}, degraded "
-          f"{dict(degraded)}, p99 admitted {np.percentile(admitted, 99) * 1000:.0f} ms, shed "
-          f"{np.percentile(shed, 99) * 1000:.0f} ms, RSS {rss_before:.0f} -> {rss_after:.0f} MB")
+          f"{dict(degraded)}, p99 admitted {np.percentile(admitted, 99) * 1000:.0f} ms (server "
+          f"{_server_p99(p, 'ok') * 1000:.0f} ms), queue shed p99 in the server <= "
+          f"{_server_p99(p, 'queue') * 1000:.0f} ms, "
+          f"RSS {rss_before:.0f} -> {rss_after:.0f} MB")
