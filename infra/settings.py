@@ -238,6 +238,10 @@ class ServingSettings:
     max_delay_ms: float = 2.0
     executors: int = 2
     fetch_threads: int = 2  # online feature reads in parallel
+    # Item features are shared by every user's requests: kept this long in the process (0 = read every
+    # request), at the cost of item counts up to this much older than the online store's.
+    item_features_ttl_ms: float = 1000.0
+    item_features_cache_size: int = 100_000
     batching: bool = True  # off: every request runs alone (the benchmark's baseline)
     # Shape buckets: batch rows and sequence lengths are padded up to the nearest bucket; every
     # bucket is compiled before the server is ready. Off: every new exact shape compiles on the

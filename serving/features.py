@@ -6,6 +6,9 @@ decodes the user's features once per candidate: 3-4x slower here (docs/benchmark
 become model inputs by the function that builds training sets (`models.dataset.to_examples`), so
 serving and training see the same features.
 
+Item features are cached in the process for `serving.item_features_ttl_ms` (1 s by default): hot
+items are read once per TTL, not once per request, at the cost of item counts up to that much older.
+
 Documented defaults: a feature with nothing stored (a new user or item, a window without events, a
 candidate sent without its category) is 0 after scaling, and an empty behavior sequence; every such
 feature is named in the response's `defaulted_features`.
@@ -13,6 +16,9 @@ feature is named in the response's `defaulted_features`.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +46,42 @@ class Fetched:
     snapshot: dict[str, list]  # raw feature values as read, for the prediction log
 
 
+class SharedEntityCache:
+    """Feature values of entities shared by every user's requests (candidate items), kept for `ttl_s`:
+    a hot item is read from the online store once per TTL instead of once per request. Its windowed
+    counts are then up to `ttl_s` older than the store's; 0 turns the cache off."""
+
+    def __init__(self, ttl_s: float, max_entries: int) -> None:
+        self.ttl_s, self.max_entries = ttl_s, max_entries
+        self._values: OrderedDict[tuple, tuple[float, tuple]] = OrderedDict()  # (keys, entity) -> (read at, values)
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, keys: tuple[str, ...], entities: list[tuple]) -> dict[tuple, tuple]:
+        if self.ttl_s <= 0:
+            return {}
+        fresh_after, found = time.monotonic() - self.ttl_s, {}
+        with self._lock:
+            for e in dict.fromkeys(entities):
+                hit = self._values.get((keys, e))
+                if hit is not None and hit[0] >= fresh_after:
+                    found[e] = hit[1]
+            self.hits += len(found)
+        return found
+
+    def put(self, keys: tuple[str, ...], read: dict[tuple, tuple]) -> None:
+        if self.ttl_s <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            self.misses += len(read)
+            for e, values in read.items():
+                self._values[(keys, e)] = (now, values)
+                self._values.move_to_end((keys, e))
+            while len(self._values) > self.max_entries:
+                self._values.popitem(last=False)  # the least recently read
+
+
 class OnlineFeatures:
     def __init__(self, s: Settings) -> None:
         self.store = feature_store(s)
@@ -58,6 +100,7 @@ class OnlineFeatures:
         served = {ref.split(":")[1] for refs in self.reads.values() for ref in refs}
         if wanted - served:
             raise ValueError(f"feature service {SERVICE} lacks {sorted(wanted - served)}")
+        self.cache = SharedEntityCache(s.serving.item_features_ttl_ms / 1000, s.serving.item_features_cache_size)
 
     def fetch(self, user_id: str, candidates: list[Candidate], now_ms: int, sequence_length: int,
               keep_behaviors: int | None = None) -> Fetched:
@@ -67,16 +110,20 @@ class OnlineFeatures:
                 "category": [c.category for c in candidates]}
         columns: dict[str, list] = dict(rows)
         for keys, refs in self.reads.items():
-            # Distinct entities, and which of them each candidate row is.
-            of_row = list(zip(*(rows[k] for k in keys)))
-            distinct = list(dict.fromkeys(of_row))
-            position = {entity: n for n, entity in enumerate(distinct)}
-            values = self.store.get_online_features(
-                features=refs, entity_rows=[dict(zip(keys, e)) for e in distinct]).to_dict()
-            take = [position[e] for e in of_row]
-            for ref in refs:
-                name = ref.split(":")[1]
-                columns[name] = [values[name][i] for i in take]
+            names = [ref.split(":")[1] for ref in refs]
+            of_row = list(zip(*(rows[k] for k in keys)))  # the entity of each candidate row
+            shared = "user_id" not in keys  # an item's features are the same for every user: cached
+            found = self.cache.get(keys, of_row) if shared else {}
+            missing = [e for e in dict.fromkeys(of_row) if e not in found]
+            if missing:
+                values = self.store.get_online_features(
+                    features=refs, entity_rows=[dict(zip(keys, e)) for e in missing]).to_dict()
+                read = {e: tuple(values[name][i] for name in names) for i, e in enumerate(missing)}
+                if shared:
+                    self.cache.put(keys, read)
+                found |= read
+            for j, name in enumerate(names):
+                columns[name] = [found[e][j] for e in of_row]
         frame = pd.DataFrame(columns)
         defaulted = sorted(name for name in (*NUMERIC_FEATURES, *SEQUENCE) if None in columns[name])
         ex = to_examples(frame, np.full(len(frame), now_ms), np.zeros(len(frame)), sequence_length)

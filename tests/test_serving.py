@@ -437,3 +437,16 @@ def test_overload_is_shed_fast_by_tier_and_admitted_requests_stay_bounded(platfo
           f"{_server_p99(p, 'ok') * 1000:.0f} ms), queue shed p99 in the server <= "
           f"{_server_p99(p, 'queue') * 1000:.0f} ms, "
           f"RSS {rss_before:.0f} -> {rss_after:.0f} MB")
+
+
+def test_item_features_are_cached_no_longer_than_the_ttl(platform: Platform) -> None:
+    p = platform
+    body = {"user_id": f"u{_champion_user(p)}", "candidates": [{"item_id": "i7", "category": "c1"}]}
+    score = lambda: httpx.post(f"{p.url}/rank", json=body, timeout=10).json()["scores"][0]  # noqa: E731
+    before = score()
+    apply(p.s).write_to_online_store("item_total", pd.DataFrame({
+        "item_id": ["i7"], "item_impressions_total": [100_000], "item_clicks_total": [90_000],
+        "item_ctr_total": [0.9], "event_timestamp": pd.Timestamp(datetime.now(UTC))}))
+    written = time.monotonic()
+    wait_for(lambda: _assert(score() != pytest.approx(before)), timeout_s=10)
+    assert time.monotonic() - written <= p.s.serving.item_features_ttl_ms / 1000 + 1.5
