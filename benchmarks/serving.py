@@ -300,8 +300,10 @@ def main() -> None:
 
         # The A/B rows measure capacity, not shedding: a generous deadline and admission bound.
         roomy = {"default_deadline_ms": 5000.0, "max_inflight_rows": 1 << 16}
-        configs = {"default (batching, buckets, 2 executors, item cache)": {}, "batching off": {"batching": False},
-                   "buckets off": {"buckets": False}, "1 executor": {"executors": 1},
+        executors = s.serving.executors
+        configs = {f"default (batching, buckets, {executors} executor(s), item cache)": {},
+                   "batching off": {"batching": False}, "buckets off": {"buckets": False},
+                   f"{2 * executors} executors": {"executors": 2 * executors},
                    "item feature cache off": {"item_features_ttl_ms": 0.0}}
         server = Server(s)
         try:
