@@ -473,6 +473,9 @@ def demo(limit: int | None, timeout: float) -> None:
             newest = name.startswith("seq_")
             value = f"{value[-5:] if newest else value[:5]} ({'newest' if newest else 'top'} 5 of {len(value)})"
         click.echo(f"  {name:24} {value}")
+    click.echo(f"Ranking server: http://{s.serving.host}:{s.serving.port}/docs, ready once a model is @champion: "
+               """.venv/bin/flywheel trigger offline_training --conf '{"data_start": "1997-09-01T00:00:00Z", """
+               """"data_end": "1998-05-01T00:00:00Z"}'""")
     click.echo("OK.\nStop the stack with `make down` (or `.venv/bin/flywheel down`).")
 
 

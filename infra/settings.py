@@ -248,7 +248,7 @@ class ServingSettings:
     # bucket is compiled before the server is ready. Off: every new exact shape compiles on the
     # request path (the baseline).
     buckets: bool = True
-    row_buckets: tuple[int, ...] = (16, 64, 256, 1024)
+    row_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)  # x2 steps: at most half is padding
     sequence_buckets: tuple[int, ...] = (10, 25, 50)
     # Admission: candidate rows in flight (fetching features, queued or scoring) are bounded; a request
     # that would pass the bound is refused at once with 503 + Retry-After. Size it by Little's law:
