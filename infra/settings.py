@@ -236,7 +236,8 @@ class ServingSettings:
     # first request; executors run batches in parallel.
     max_batch_rows: int = 1024
     max_delay_ms: float = 2.0
-    # Half the cores: the other half reads features and serves HTTP (on 2 cores, 1 executor beats 2).
+    # Half the cores: the other half reads features and serves HTTP (on 2 cores, 1 and 2 executors are
+    # within the noise of docs/benchmarks.md).
     executors: int = max(1, (os.cpu_count() or 2) // 2)
     fetch_threads: int = 2  # online feature reads in parallel
     # Item features are shared by every user's requests: kept this long in the process (0 = read every
