@@ -2,7 +2,7 @@
 atomically between batches; recent versions stay warm so a rollback swaps back at once.
 
 A version that fails to load or warm (missing artifact, a spec the server cannot feed, non-finite
-scores) is refused: logged, counted, remembered (not retried every poll) and the current one keeps
+scores) is refused: logged, counted, retried only every RETRY_REFUSED_S, and the current one keeps
 serving. An incremental version whose parent is loaded is built from the parent plus its sparse delta
 (`sparse_delta` tag): only the changed rows are downloaded, and nothing is compiled.
 """
@@ -31,6 +31,7 @@ from serving.dense import DenseRunner
 
 log = logging.getLogger(__name__)
 ROUTES = (CHAMPION, CHALLENGER)
+RETRY_REFUSED_S = 300.0  # a refused version is tried again this long after (a cause may have been transient)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class ModelFollower:
         self.served: dict[str, ServedModel | None] = dict.fromkeys(ROUTES)
         self.warm: OrderedDict[str, ServedModel] = OrderedDict()  # version -> model, most recent last
         self.refused: dict[str, str] = {}  # version -> why
+        self._refused_at: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -94,13 +96,14 @@ class ModelFollower:
                 metrics.set_version(route, None)
                 log.info("@%s removed", route)
                 continue
-            if version in self.refused:
+            if time.monotonic() - self._refused_at.get(version, -RETRY_REFUSED_S) < RETRY_REFUSED_S:
                 continue
             started = time.monotonic()
             try:
                 model = self._obtain(client, version)
             except Exception as exc:  # noqa: BLE001 - any failure refuses the version, never the server
                 self.refused[version] = f"{type(exc).__name__}: {exc}"
+                self._refused_at[version] = time.monotonic()
                 metrics.MODEL_REFUSED.inc()
                 log.error("refused v%s for @%s: %s; still serving %s", version, route, self.refused[version],
                           f"v{current.version}" if current else "nothing")
