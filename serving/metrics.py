@@ -8,7 +8,8 @@ from prometheus_client import Counter, Gauge, Histogram
 REQUESTS = Counter("flywheel_requests", "Ranking requests answered, by route and HTTP status.", ["route", "status"])
 LATENCY = Histogram("flywheel_request_seconds", "Ranking request latency in the server, by outcome: ok, or the "
                     "reason it was shed (queue, tier, deadline, not_ready).", ["outcome"],
-                    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5))
+                    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0,
+                             1.5, 2.5, 5.0))
 BATCH_ROWS = Histogram("flywheel_batch_rows", "Candidate rows per executed batch.",
                        buckets=(1, 16, 32, 64, 128, 256, 512, 1024, 2048))
 BATCH_REQUESTS = Histogram("flywheel_batch_requests", "Requests merged into one executed batch.",
