@@ -121,11 +121,12 @@ def create_app(s: Settings, inference: Inference | None = None) -> FastAPI:
     @app.get("/models")
     async def models(request: Request) -> dict:
         follower = request.app.state.inference.follower
-        return {"model_name": s.models.name,
-                "serving": {route: (m.version if m else None) for route, m in follower.served.items()},
-                "warm": list(follower.warm), "loaded_by": {v: m.loaded_by for v, m in follower.warm.items()},
-                "refused": follower.refused,
-                "compiled_shapes": {str(arch): sorted(r.compiled_shapes()) for arch, r in follower.runners.items()}}
+        # Snapshots first (one C-level copy each): the follower thread may change these meanwhile.
+        served, warm = list(follower.served.items()), list(follower.warm.items())
+        runners, refused = list(follower.runners.items()), dict(follower.refused)
+        return {"model_name": s.models.name, "serving": {route: (m.version if m else None) for route, m in served},
+                "warm": [v for v, _ in warm], "loaded_by": {v: m.loaded_by for v, m in warm}, "refused": refused,
+                "compiled_shapes": {str(arch): sorted(r.compiled_shapes()) for arch, r in runners}}
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> PlainTextResponse:

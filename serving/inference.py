@@ -29,7 +29,7 @@ from models.examples import Examples, concat
 from models.registry import CHALLENGER, CHAMPION
 from serving import access, metrics
 from serving.batching import Batcher, DeadlineExceeded, Overloaded
-from serving.features import Candidate, OnlineFeatures
+from serving.features import Candidate, Fetched, OnlineFeatures
 from serving.lifecycle import ModelFollower
 from serving.prediction_log import PredictionLog
 
@@ -173,7 +173,7 @@ class Inference:
             metrics.SHED.labels(tier, "deadline").inc()
             raise Shed("deadline", str(exc)) from None
 
-    def _shadow(self, req: RankRequest, fetched) -> None:
+    def _shadow(self, req: RankRequest, fetched: Fetched) -> None:
         """Score on @challenger too, log it, never wait for it or return it; dropped under load."""
         if self.follower.current(CHALLENGER) is None:
             return
