@@ -66,10 +66,10 @@ class Refusal(BaseModel):
     detail: str
 
 
-def create_app(s: Settings, inference: Inference | None = None) -> FastAPI:
+def create_app(s: Settings, inference: Inference) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.inference = inference or Inference(s)
+        app.state.inference = inference
         app.state.inference.start()
         yield
         app.state.inference.close()

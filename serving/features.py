@@ -100,6 +100,7 @@ class OnlineFeatures:
         served = {ref.split(":")[1] for refs in self.reads.values() for ref in refs}
         if wanted - served:
             raise ValueError(f"feature service {SERVICE} lacks {sorted(wanted - served)}")
+        self.names = {keys: [ref.split(":")[1] for ref in refs] for keys, refs in self.reads.items()}
         self.cache = SharedEntityCache(s.serving.item_features_ttl_ms / 1000, s.serving.item_features_cache_size)
 
     def fetch(self, user_id: str, candidates: list[Candidate], now_ms: int, sequence_length: int,
@@ -110,7 +111,7 @@ class OnlineFeatures:
                 "category": [c.category for c in candidates]}
         columns: dict[str, list] = dict(rows)
         for keys, refs in self.reads.items():
-            names = [ref.split(":")[1] for ref in refs]
+            names = self.names[keys]
             of_row = list(zip(*(rows[k] for k in keys)))  # the entity of each candidate row
             shared = "user_id" not in keys  # an item's features are the same for every user: cached
             found = self.cache.get(keys, of_row) if shared else {}

@@ -83,15 +83,14 @@ def warm_examples(sequence_length: int, rows: int = 8) -> Examples:
 
 
 class Inference:
-    def __init__(self, s: Settings, features: OnlineFeatures | None = None,
-                 predictions: PredictionLog | None = None) -> None:
+    def __init__(self, s: Settings) -> None:
         self.s, sv = s, s.serving
         if sv.max_candidates > sv.max_inflight_rows:
             raise ValueError(f"serving.max_candidates ({sv.max_candidates}) must be at most serving.max_inflight_rows "
                              f"({sv.max_inflight_rows}): a full request could never be admitted")
         self.follower = ModelFollower(s, warm_examples(max(sv.sequence_buckets)))
-        self.features = features or OnlineFeatures(s)
-        self.predictions = predictions or PredictionLog(s)
+        self.features = OnlineFeatures(s)
+        self.predictions = PredictionLog(s)
         self.batcher: Batcher[_Job, tuple[np.ndarray, str]] = Batcher(
             self._run_batch, max_batch_rows=sv.max_batch_rows if sv.batching else 1,
             max_delay_s=sv.max_delay_ms / 1000, max_queue_rows=sv.max_inflight_rows, executors=sv.executors,
