@@ -23,8 +23,9 @@ from models.train import train_full, train_incremental
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--start", default="1997-09-01")
-    parser.add_argument("--split", default="1998-04-01", help="full training data ends here; incremental after")
-    parser.add_argument("--end", default="1998-05-01")
+    # `make demo` replays the ratings before 1998-03-01 as history (the rest is live traffic, timed now).
+    parser.add_argument("--split", default="1998-02-01", help="full training data ends here; incremental after")
+    parser.add_argument("--end", default="1998-03-01")
     args = parser.parse_args()
     s = get_settings()
     s = replace(s, models=replace(s.models, name=f"{s.models.name}-bench", experiment=f"{s.models.experiment}-bench"))

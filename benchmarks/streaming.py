@@ -27,6 +27,7 @@ import httpx
 import psutil
 
 from feature_repo.store import feature_store, online_row
+from benchmarks.record import record
 from infra import process, stack
 from infra.services import all_services
 from infra.settings import Settings, load_settings
@@ -185,6 +186,7 @@ def main() -> None:
             stack.down(s)
     ms = [x * 1000 for x in latencies]
     rate = args.rate
+    record("streaming_freshness", {"rate": rate, "seconds": latencies})
     print(f"| stream (parallelism 1, {args.backlog:,}-event backlog) | events/s | vs baseline |\n|---|---:|---:|")
     print(f"| producing the backlog into Kafka alone (baseline) | {produce_rate:,.0f} | 1.00 |")
     print(f"| Kafka -> Flink -> Feast online store, end to end | {end_to_end:,.0f} | {end_to_end / produce_rate:.2f} |")

@@ -1,7 +1,7 @@
 """Minute-level incremental training: continue @champion on the labelled impressions since its data
 watermark, register the version (with its sparse delta), and gate it on the newest part of the new data.
 
-Every `airflow.incremental_training_minutes` (5). Airflow suits minutes, not seconds: a run costs
+Every `airflow.incremental_training_minutes` (2). Airflow suits minutes, not seconds: a run costs
 seconds of scheduling and task start-up, and a few minutes of traffic is what it takes to collect
 enough new clicks to move the model and to judge it. Runs never overlap (max_active_runs=1); a run with
 too little new data is skipped, and the next one picks it up. Logic: models/train.py.

@@ -1,7 +1,8 @@
 """Offline full training: the training set of a date range -> full model -> registered version -> the
 promotion gate against @champion on the same recent window.
 
-On `airflow.full_training_schedule` (daily), over the `airflow.full_training_days` before the run.
+On `airflow.full_training_schedule` (daily), over the `airflow.full_training_days` before the run; a
+scheduled run whose window holds no impressions is skipped (a run given a window fails instead).
 Triggered from the UI ("Trigger DAG w/ config") or the REST API, a run can name its own window, model
 and kind, or register without promoting.
 All logic is in models/train.py; this file only schedules it.
@@ -47,15 +48,22 @@ def _moment(text: str) -> datetime:
 def offline_training():
     @task
     def train(params=None, data_interval_end=None) -> dict:
+        from airflow.sdk.exceptions import AirflowSkipException
+
         from infra.settings import override
-        from models.dataset import Window
+        from models.dataset import NoImpressions, Window
         from models.train import train_full
 
         end = _moment(params["data_end"]) if params["data_end"] else data_interval_end or datetime.now(UTC)
         start = (_moment(params["data_start"]) if params["data_start"]
                  else end - timedelta(days=SETTINGS.airflow.full_training_days))
         s = override(SETTINGS, "models", name=params["model_name"])
-        outcome = train_full(s, Window(start, end), kind=params["kind"], promote=False, progress=False)
+        try:
+            outcome = train_full(s, Window(start, end), kind=params["kind"], promote=False, progress=False)
+        except NoImpressions as exc:
+            if params["data_start"] or params["data_end"]:
+                raise
+            raise AirflowSkipException(str(exc)) from None
         return {"version": outcome.version, "window": str(outcome.window), **outcome.metrics}
 
     gate_if_asked(train())

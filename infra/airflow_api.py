@@ -78,6 +78,11 @@ class AirflowClient:
             time.sleep(2)
         return state
 
+    def active_runs(self, dag_id: str) -> list[str]:
+        """Run ids of the DAG's queued and running runs."""
+        runs = self._call("GET", f"/dags/{dag_id}/dagRuns", params={"state": ["queued", "running"]})["dag_runs"]
+        return [r["dag_run_id"] for r in runs]
+
     def task_instances(self, dag_id: str, run_id: str) -> list[dict]:
         return self._call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
 

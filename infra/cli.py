@@ -369,45 +369,8 @@ def versions() -> None:
             click.echo(f"      gate: {r['reason']}")
         if r["rolled_back"]:
             click.echo(f"      rolled back: {r['rolled_back']}")
-
-
-DEMO_FEATURES = ["user_total:user_impressions_total", "user_total:user_clicks_total", "user_total:user_ctr_total",
-                 "user_sequence:seq_item_ids", "user_interest:interest_categories", "user_interest:interest_weights",
-                 "user_profile:user_age", "user_profile:user_occupation"]
-
-
-def _await_features(s: Settings, limit: int | None, timeout: float) -> dict:
-    """Wait until the stream job and the ingestor have caught up with the replay: the running total
-    of the last replayed user equals its impressions in the replay. Returns the online features of
-    one of the most active users whose behavior sequence is online (the newest events' windows and
-    sequences wait for the watermark, which the partition with the oldest last event holds back)."""
-    from collections import Counter
-
-    from feature_repo.store import feature_store, online_row
-    from streaming.movielens import replay_events
-
-    events = list(replay_events(s, limit))
-    impressions = Counter(e.user_id for e in events if e.event_type.value == "impression")
-    last, expected = events[-1].user_id, impressions[events[-1].user_id]
-    store, deadline = feature_store(s), time.monotonic() + timeout
-
-    def online(user: str) -> dict:
-        return online_row(store, DEMO_FEATURES, {"user_id": user})
-
-    while (got := online(last)["user_impressions_total"]) != expected:
-        if time.monotonic() > deadline:
-            raise click.ClickException(
-                f"after {timeout:.0f}s user {last} has {got} of {expected} impressions online; "
-                "see `flywheel logs stream-job` and `flywheel logs feast-ingestor`")
-        time.sleep(2)
-    # The other views' topics can lag a little behind `user_total`.
-    settle = time.monotonic() + 60
-    while time.monotonic() < settle:
-        for user, _ in impressions.most_common(20):
-            if (row := online(user))["seq_item_ids"] is not None:
-                return row
-        time.sleep(2)
-    return online(impressions.most_common(1)[0][0])
+        if r["drill"]:
+            click.echo(f"      drill: {r['drill']}")
 
 
 @main.command()
@@ -445,38 +408,36 @@ def trigger(dag_id: str, conf: str, wait: bool) -> None:
 
 
 @main.command()
-@click.option("--limit", type=int, default=None, help="Replay only the first N ratings.")
-@click.option("--timeout", type=float, default=900, show_default=True,
-              help="Seconds to wait for the feature store to catch up with the replay.")
-def demo(limit: int | None, timeout: float) -> None:
-    """Start the stack, replay MovieLens-100k into Kafka and wait until the stream job has turned it
-    into online features; load the catalog (batch features)."""
-    from streaming.produce import count_landed
+@click.option("--split", type=_DATE, default="1998-03-01", show_default=True,
+              help="Ratings before this date are the history (replayed, trained on); the rest is live traffic.")
+@click.option("--history-limit", type=int, default=None, help="Replay at most N history ratings.")
+@click.option("--sessions", type=int, default=None, help="Live requests at most (default: all after --split).")
+@click.option("--rate", type=float, default=2.0, show_default=True, help="Live requests per second.")
+@click.option("--tail", type=float, default=30.0, show_default=True,
+              help="Seconds of live traffic kept up after the rollback drill is served.")
+def demo(split: datetime, history_limit: int | None, sessions: int | None, rate: float, tail: float) -> None:
+    """The whole loop on the local stack: history into Kafka and Flink/Feast, offline training through
+    Airflow, the first champion served, the rest of MovieLens as live traffic through the ranking API,
+    incremental training from it, a refused bad model and a rollback; then the summary."""
+    from infra.airflow_api import AirflowApiError
+    from infra.loop import LoopError, LoopPlan, run_loop, summary_lines
 
+    import logging
+    import os
+
+    # The drill loads and logs a model in this process: keep TensorFlow's and MLflow's chatter out of the demo.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    logging.getLogger("mlflow").setLevel(logging.ERROR)
     s = _settings()
     click.get_current_context().invoke(up)
-    topic = s.kafka.events_topic
-    before = _end_offsets(s, topic)
-    started = time.monotonic()
-    report = _replay(s, topic, limit, speed=0.0)
-    landed = count_landed(s, topic, before, _end_offsets(s, topic))
-    click.echo(f"landed in Kafka topic {topic!r}: {sum(landed.values())} events {dict(sorted(landed.items()))}")
-    if landed != report.by_type:
-        raise click.ClickException(f"Kafka holds {dict(landed)} but the replay sent {dict(report.by_type)}")
-    _load_catalog(s)
-    features = _await_features(s, limit, timeout)
-    seconds = time.monotonic() - started
-    click.echo(f"Flink -> Feast caught up with the replay {seconds:.0f}s after it began "
-               f"({report.total / seconds:,.0f} events/s end to end). Online features of user {features['user_id']}:")
-    for name, value in features.items():
-        if isinstance(value, list) and len(value) > 5:  # sequences: the newest 5; rankings: the top 5
-            newest = name.startswith("seq_")
-            value = f"{value[-5:] if newest else value[:5]} ({'newest' if newest else 'top'} 5 of {len(value)})"
-        click.echo(f"  {name:24} {value}")
-    click.echo(f"Ranking server: http://{s.serving.host}:{s.serving.port}/docs, ready once a model is @champion: "
-               """.venv/bin/flywheel trigger offline_training --conf '{"data_start": "1997-09-01T00:00:00Z", """
-               """"data_end": "1998-05-01T00:00:00Z"}'""")
-    click.echo("OK.\nStop the stack with `make down` (or `.venv/bin/flywheel down`).")
+    plan = LoopPlan(split=_utc(split), history_limit=history_limit, sessions=sessions, rate=rate, tail_s=tail)
+    try:
+        summary = _models_call(run_loop, s, plan, click.echo)
+    except (LoopError, AirflowApiError) as exc:
+        raise click.ClickException(str(exc)) from None
+    for line in summary_lines(s, summary):
+        click.echo(line)
 
 
 if __name__ == "__main__":

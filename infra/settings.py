@@ -142,7 +142,7 @@ class AirflowSettings:
     # DAG cadences. Minutes, not seconds: each Airflow run costs seconds of scheduling and process
     # start-up, and a training run needs enough new labelled impressions to move the model.
     full_training_schedule: str = "@daily"  # cron or preset; empty: only when triggered
-    incremental_training_minutes: int = 5
+    incremental_training_minutes: int = 2
     graph_update_minutes: int = 10
     materialization_minutes: int = 60
     full_training_days: int = 30  # offline_training's default window: the days before the run

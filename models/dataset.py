@@ -35,6 +35,10 @@ SEQUENCE = ("seq_item_ids", "seq_event_times")
 DAY_MS = 86_400_000
 
 
+class NoImpressions(ValueError):
+    """A window without impressions: nothing to train or evaluate on."""
+
+
 @dataclass(frozen=True)
 class Window:
     """Impressions with start <= event time < end."""
@@ -69,7 +73,7 @@ def training_set(s: Settings, window: Window, sequence_length: int) -> tuple[Exa
     """The examples of `window` in time order, and their event times (ms)."""
     imps = labelled_impressions(s, window)
     if imps.empty:
-        raise ValueError(f"no impressions in {window}: nothing to train or evaluate on")
+        raise NoImpressions(f"no impressions in {window}: nothing to train or evaluate on")
     store = feature_store(s)
     entity_df = imps[["user_id", "item_id", "category"]].copy()
     entity_df["event_timestamp"] = pd.to_datetime(imps["event_time"] - 1, unit="ms", utc=True)

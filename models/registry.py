@@ -108,15 +108,20 @@ class Decision:
 
 def gate(s: Settings, version: str, candidate: CtrModel, evaluation: Examples, window: str) -> Decision:
     """Promote `version` to @champion if it is not worse than the champion on `evaluation` (the same
-    recent window for both); otherwise make it @challenger and record why."""
+    recent window for both) and, when it continues a parent, that parent is still the champion;
+    otherwise make it @challenger and record why."""
     client, name = connect(s), s.models.name
     candidate_auc = auc(evaluation.labels, candidate.predict(evaluation))  # fails before any alias moves
     champion = alias_version(client, name, CHAMPION)
+    parent = client.get_model_version(name, version).tags.get("parent_version")
     champion_auc = None
     if champion is None:
         promoted, reason = True, f"first champion (AUC {candidate_auc:.4f} on {window})"
     elif champion == version:
         promoted, reason = True, f"v{version} is already the champion"
+    elif parent and parent != champion:  # e.g. its parent was rolled back while it trained
+        promoted, reason = False, (f"continues v{parent}, which is no longer @champion (v{champion} is); "
+                                   f"AUC {candidate_auc:.4f} on {window}")
     else:
         champion_auc = auc(evaluation.labels, load_version(s, champion).predict(evaluation))
         floor = champion_auc - s.models.max_auc_drop
@@ -176,5 +181,5 @@ def list_versions(s: Settings) -> list[dict[str, str]]:
                      "data": f"{t.get('data_start', '')} .. {t.get('data_end', '')}",
                      "parent": t.get("parent_version", ""), "auc": t.get("gate_auc", ""),
                      "gate": t.get("gate_decision", ""), "reason": t.get("gate_reason", ""),
-                     "rolled_back": t.get("rolled_back_reason", "")})
+                     "rolled_back": t.get("rolled_back_reason", ""), "drill": t.get("drill", "")})
     return rows

@@ -2,7 +2,7 @@
 read per entity kind (the user's views with one row, the candidates' item views with one row per
 distinct item, the user x category view with one row per distinct category), of the features the
 model consumes, joined back to one row per candidate. Reading every view with one row per candidate
-decodes the user's features once per candidate: 3-4x slower here (docs/benchmarks.md). The rows
+decodes the user's features once per candidate: 3-4x slower here (docs/benchmark-notes.md). The rows
 become model inputs by the function that builds training sets (`models.dataset.to_examples`), so
 serving and training see the same features.
 

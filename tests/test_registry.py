@@ -119,3 +119,21 @@ def test_unreachable_mlflow_is_a_clear_error(registry: Settings) -> None:
     with pytest.raises(RegistryError, match="unreachable"):
         rollback(s, why="x")
     assert time.monotonic() - started < 30
+
+
+def test_a_version_continuing_a_former_champion_is_refused(registry: Settings, tmp_path: Path) -> None:
+    """An incremental version whose parent was rolled back (or replaced) while it trained never
+    undoes that: the gate refuses it, however good its AUC."""
+    s = registry
+    data = synthetic(4000, seed=9)
+    model = CtrModel(SPEC)
+    model.fit(data.take(slice(0, 3000)), progress=False)
+    client = connect(s)
+    current = register(s, model, tmp_path, "current")
+    client.set_registered_model_alias(s.models.name, CHAMPION, current)
+    former = register(s, model, tmp_path, "former")
+    stale = register(s, model, tmp_path, "stale")  # the same model: it would pass on AUC alone
+    client.set_model_version_tag(s.models.name, stale, "parent_version", former)
+    decision = gate(s, stale, model, data.take(slice(3000, None)), "synthetic evaluation")
+    assert not decision.promoted and f"continues v{former}, which is no longer @champion" in decision.reason
+    assert champion(s) == current

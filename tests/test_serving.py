@@ -32,6 +32,7 @@ from models.examples import to_frame
 from models.registry import CHALLENGER, CHAMPION, connect, log_model
 from models.sparse import SparseConfig
 from serving import access
+from serving.client import Served, closed_loop, open_loop
 from tests.conftest import running_stack, wait_for
 from tests.ctr_data import synthetic
 
@@ -347,42 +348,17 @@ def test_a_bad_version_is_refused_and_the_champion_keeps_serving(platform: Platf
         _set_alias(p, CHAMPION, "v1")
 
 
-async def _closed_loop(url: str, seconds: float, concurrency: int) -> float:
-    """Requests/s answered 200 by `concurrency` high-tier clients sending back to back: the capacity."""
-    ok, stop = 0, time.monotonic() + seconds
-
-    async def client(k: int) -> None:
-        nonlocal ok
-        async with httpx.AsyncClient(timeout=30) as http:
-            while time.monotonic() < stop:
-                r = await http.post(f"{url}/rank", json=_request(k % USERS, 175, tier="high"))
-                ok += r.status_code == 200
-
-    await asyncio.gather(*(client(k) for k in range(concurrency)))
-    return ok / seconds
+def _capacity(url: str, seconds: float, concurrency: int) -> float:
+    """Requests/s answered 200 by `concurrency` high-tier clients sending back to back."""
+    results = asyncio.run(closed_loop(url, lambda k, n: _request(k % USERS, 175, tier="high"), concurrency, seconds))
+    return sum(r.status == 200 for r in results) / seconds
 
 
-async def _open_loop(url: str, seconds: float, rate: float) -> list[tuple[str, int, float, dict]]:
+def _overload(url: str, seconds: float, rate: float) -> list[Served]:
     """`rate` requests/s whatever the answers (open loop), tiers in turn, 50-300 candidates each."""
-    out: list[tuple[str, int, float, dict]] = []
     tiers = ("high", "normal", "low")
-
-    async def one(http: httpx.AsyncClient, n: int) -> None:
-        tier = tiers[n % 3]
-        started = time.monotonic()
-        try:
-            r = await http.post(f"{url}/rank", json=_request(n % USERS, 50 + (n * 53) % 250, tier=tier))
-            out.append((tier, r.status_code, time.monotonic() - started, r.json()))
-        except httpx.TransportError as exc:  # the connection failed: counted, never expected
-            out.append((tier, -1, time.monotonic() - started, {"error": repr(exc)}))
-
-    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=1000)) as http:
-        tasks, start = [], time.monotonic()
-        for n in range(int(seconds * rate)):
-            await asyncio.sleep(max(0.0, start + n / rate - time.monotonic()))
-            tasks.append(asyncio.create_task(one(http, n)))
-        await asyncio.gather(*tasks)
-    return out
+    requests = (_request(n % USERS, 50 + (n * 53) % 250, tier=tiers[n % 3]) for n in range(int(seconds * rate)))
+    return asyncio.run(open_loop(url, requests, rate))
 
 
 def _server_p99(p: Platform, outcome: str) -> float:
@@ -405,27 +381,27 @@ def _rss_mb(pid: int) -> float:
 
 def test_overload_is_shed_fast_by_tier_and_admitted_requests_stay_bounded(platform: Platform) -> None:
     p = platform
-    capacity = asyncio.run(_closed_loop(p.url, 4, 4))
+    capacity = _capacity(p.url, 4, 4)
     rss_before = _rss_mb(p.server_pid)
-    results = asyncio.run(_open_loop(p.url, 10, 4 * capacity))
+    results = _overload(p.url, 10, 4 * capacity)
     rss_after = _rss_mb(p.server_pid)
-    statuses = Counter(status for _, status, _, _ in results)
-    reasons = Counter(body["reason"] for _, s, _, body in results if s == 503)
+    statuses = Counter(r.status for r in results)
+    reasons = Counter(r.body["reason"] for r in results if r.status == 503)
     assert set(statuses) <= {200, 503} and statuses[503] > 0 and statuses[200] > 0, (statuses, reasons)
     # Refused at admission (queue full, low tier shed): answered at once by the server (its own latency
     # histogram: the load generator shares the two cores and adds its own queueing to what it sees).
     assert _server_p99(p, "queue") <= 0.05 and _server_p99(p, "tier") <= 0.05, (
         _server_p99(p, "queue"), _server_p99(p, "tier"))
-    admitted = [lat for _, status, lat, _ in results if status == 200]
+    admitted = [r.seconds for r in results if r.status == 200]
     # Admitted requests stay bounded in the server: their deadline (500 ms) is checked before scoring,
     # which then takes tens of milliseconds. (What the client sees adds its own queueing.)
     assert _server_p99(p, "ok") <= 1.5, _server_p99(p, "ok")
-    rate = {t: sum(s == 503 for tt, s, _, _ in results if tt == t) / sum(tt == t for tt, _, _, _ in results)
+    tier = lambda r: r.request["tier"]  # noqa: E731
+    rate = {t: sum(r.status == 503 for r in results if tier(r) == t) / sum(tier(r) == t for r in results)
             for t in ("high", "normal", "low")}
     assert rate["low"] > rate["high"], rate  # low-value traffic is shed first
-    degraded = Counter(t for t, s, _, body in results if s == 200 and body["degraded"])
+    degraded = Counter(tier(r) for r in results if r.status == 200 and r.body["degraded"])
     assert degraded["low"] > 0 and degraded["high"] == 0, degraded
-    reasons = Counter(body["reason"] for _, s, _, body in results if s == 503)
     assert reasons["tier"] > 0, reasons
     assert rss_after - rss_before < 300, (rss_before, rss_after)
     assert _server_pid(p.s) == p.server_pid and httpx.get(f"{p.url}/readyz", timeout=5).status_code == 200

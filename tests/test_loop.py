@@ -1,0 +1,125 @@
+"""The whole loop, shortened (`flywheel demo`'s own code on a full stack of its own): each stage's effect
+is checked where it lands (Kafka, the online store, the registry, the server, the prediction log), not
+only in the summary the loop returns."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import pytest
+
+from feature_repo.event_log import read_event_log
+from feature_repo.store import feature_store, online_row
+from infra import stack
+from infra.loop import LoopPlan, Summary, run_loop, summary_lines
+from infra.settings import Settings, load_settings
+from models.registry import CHAMPION, alias_version, connect, version_tags
+from serving.outcomes import Period, served_outcomes
+from streaming.produce import count_landed
+from streaming.topics import end_offsets
+from tests.conftest import stack_environ, wait_for
+
+pytestmark = [pytest.mark.stack, pytest.mark.loop, pytest.mark.timeout(1200)]
+PLAN = LoopPlan(history_limit=8000, sessions=900, rate=5.0, tail_s=10.0)
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, Summary]]:
+    data_dir: Path = tmp_path_factory.mktemp("loop")
+    s = load_settings(stack_environ(data_dir, FLYWHEEL_AIRFLOW_INCREMENTAL_TRAINING_MINUTES="1",
+                                    FLYWHEEL_AIRFLOW_FULL_TRAINING_SCHEDULE="", FLYWHEEL_SERVING_POLL_INTERVAL_S="1"))
+    stack.up(s)
+    try:
+        summary = run_loop(s, PLAN)
+        print("\n".join(summary_lines(s, summary)))
+        yield s, summary
+    finally:
+        stack.down(s)
+
+
+def test_every_event_sent_is_in_kafka_and_none_was_dead_lettered(loop) -> None:
+    s, summary = loop
+    landed = count_landed(s, s.kafka.events_topic, {}, end_offsets(s, s.kafka.events_topic))
+    assert landed == Counter(summary.history_events) + Counter(summary.live_events)
+    assert summary.history_events["impression"] == PLAN.history_limit
+    assert summary.live_events["impression"] > 1000 and summary.live_events["click"] > 0
+    assert summary.dead_letters == 0
+
+
+def test_live_events_reach_the_online_features(loop) -> None:
+    s, summary = loop
+    assert summary.feature_freshness_s and max(summary.feature_freshness_s) < 60
+    # The most active live user's running total online counts its live impressions too.
+    store = feature_store(s)
+
+    def caught_up() -> None:
+        log = read_event_log(s).to_pandas()
+        impressions = log[log.event_type == "impression"].drop_duplicates("event_id")
+        is_live = impressions.request_id.str.contains("@")  # served sessions: source:user:start@served_at
+        both = set(impressions[is_live].user_id) & set(impressions[~is_live].user_id)
+        user = impressions[is_live & impressions.user_id.isin(both)].user_id.value_counts().index[0]
+        online = online_row(store, ["user_total:user_impressions_total"], {"user_id": user})
+        # History and live impressions of the user, all counted once.
+        assert online["user_impressions_total"] == (impressions.user_id == user).sum()
+
+    wait_for(caught_up, timeout_s=60)
+
+
+def test_the_first_champion_was_trained_on_the_history_and_served(loop) -> None:
+    s, summary = loop
+    tags = version_tags(s, summary.first_champion)
+    assert tags["gate_decision"] == "promoted" and tags["parent_version"] == ""
+    assert datetime.fromisoformat(tags["data_end"]) == PLAN.split
+    served = {row["model_version"]: row for row in summary.served}
+    assert served[summary.first_champion]["requests"] > 0
+
+
+def test_a_version_trained_from_served_traffic_was_promoted_and_served(loop) -> None:
+    s, summary = loop
+    assert summary.incremental_promoted, summary.versions
+    version = summary.incremental_promoted[0]
+    tags = version_tags(s, version)
+    assert tags["parent_version"] and tags["gate_decision"] == "promoted" and tags["gate_reason"]
+    # Its training window holds only served impressions: each one's request id is a logged prediction's.
+    outcomes = served_outcomes(s, Period({}, {}))
+    start, end = (int(datetime.fromisoformat(tags[k]).timestamp() * 1000) for k in ("data_start", "data_end"))
+    log = read_event_log(s, start, end).to_pandas()
+    trained_on = log[(log.event_type == "impression") & (log.event_time >= start) & (log.event_time < end)]
+    assert len(trained_on) >= 50
+    assert set(trained_on.request_id) <= set(outcomes.request_id)
+    served = {row["model_version"]: row for row in summary.served}
+    assert served[version]["requests"] > 0 and 0.0 < served[version]["auc"] < 1.0
+    assert version in summary.model_freshness_s and summary.model_freshness_s[version] > 0
+    # The predictions that name it came after it was registered.
+    registered = datetime.fromisoformat(tags["gate_at"]).timestamp() * 1000
+    assert outcomes[outcomes.model_version == version].served_at.min() >= registered - 1000
+
+
+def test_every_version_gated_has_a_recorded_reason_and_the_bad_one_was_refused(loop) -> None:
+    s, summary = loop
+    for row in summary.versions:
+        assert row["gate"] in ("promoted", "refused") and row["reason"], row
+    bad = summary.refused_drill["version"]
+    tags = version_tags(s, bad)
+    assert tags["gate_decision"] == "refused" and "<" in tags["gate_reason"], tags
+    assert bad not in {row["model_version"] for row in summary.served}
+
+
+def test_the_rollback_is_followed_by_serving(loop) -> None:
+    s, summary = loop
+    r = summary.rollback
+    assert r["to"] == r["expected"] and r["from"] in summary.incremental_promoted
+    champion = alias_version(connect(s), s.models.name, CHAMPION)  # a later run may have promoted again
+    url = f"http://{s.serving.host}:{s.serving.port}/models"
+    wait_for(lambda: _assert(httpx.get(url, timeout=10).json()["serving"]["champion"] == champion), timeout_s=30)
+    assert version_tags(s, r["from"])["rolled_back_reason"]
+    served = {row["model_version"]: row for row in summary.served}
+    assert served[r["to"]]["last_served"] > served[r["from"]]["first_served"]  # served again after it
+
+
+def _assert(condition: bool) -> None:
+    assert condition
