@@ -422,13 +422,14 @@ def demo(split: datetime, history_limit: int | None, sessions: int | None, rate:
     from infra.airflow_api import AirflowApiError
     from infra.loop import LoopError, LoopPlan, run_loop, summary_lines
 
-    import logging
     import os
+    import warnings
 
     # The drill loads and logs a model in this process: keep TensorFlow's and MLflow's chatter out of the demo.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    logging.getLogger("mlflow").setLevel(logging.ERROR)
+    for name, value in {"TF_CPP_MIN_LOG_LEVEL": "2", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+                        "MLFLOW_LOGGING_LEVEL": "WARNING", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}.items():
+        os.environ.setdefault(name, value)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
     s = _settings()
     click.get_current_context().invoke(up)
     plan = LoopPlan(split=_utc(split), history_limit=history_limit, sessions=sessions, rate=rate, tail_s=tail)

@@ -30,11 +30,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from infra.airflow_api import AirflowClient
 from infra.settings import Settings
+
+if TYPE_CHECKING:
+    from serving.client import Served
+    from streaming.movielens import Session
 
 Say = Callable[[str], None]
 HISTORY_FEATURES = ["user_total:user_impressions_total", "user_total:user_clicks_total",
@@ -239,11 +244,11 @@ class Traffic:
         self.feast = ThreadPoolExecutor(1)  # one thread owns the feature store: probes are serialized
         self.stop = threading.Event()
         self.error: Exception | None = None
-        self.results: list = []  # Served, in answer order
+        self.results: list[Served] = []  # in answer order
         self.events: Counter = Counter()
         self.freshness: list[float] = []
         self._probing, self._last_probe, self._last_sent = False, 0.0, {}
-        self._by_id: dict[str, object] = {}  # request id -> session
+        self._by_id: dict[str, Session] = {}  # request id -> session, while in flight
         self.thread = threading.Thread(target=self._run, name="live-traffic")
 
     def requests(self) -> Iterator[dict]:
@@ -268,21 +273,25 @@ class Traffic:
         finally:
             self.feast.shutdown(wait=True)
 
-    async def _after(self, served) -> None:
+    async def _after(self, served: Served) -> None:
         from streaming.movielens import served_events
 
         self.results.append(served)
+        request_id = served.request["request_id"]
+        sess = self._by_id.pop(request_id)
         if served.status != 200:
             return  # nothing was shown
-        body, sess = served.body, self._by_id[served.request["request_id"]]
+        body = served.body
         shown = [item for _, item in sorted(((-score, item) for item, score in zip(
             (c["item_id"] for c in served.request["candidates"]), body["scores"]) if score is not None))]
         now = time.monotonic()
-        probe = (not self._probing and now - self._last_probe > 5 and now - self._last_sent.get(sess.user_id, -1e9) > 30)
+        # One probe in flight, every 5 s or more, of a user with no events in the last 30 s (whose
+        # running total online is then settled before this request's impressions).
+        probe = not self._probing and now - self._last_probe > 5 and now - self._last_sent.get(sess.user_id, -1e9) > 30
         if probe:
             self._probing, self._last_probe = True, now
             before = await asyncio.get_running_loop().run_in_executor(self.feast, self._total, sess.user_id)
-        events = served_events(sess, served.request["request_id"], shown, int(time.time() * 1000), self.s.movielens.click_min_rating,
+        events = served_events(sess, request_id, shown, int(time.time() * 1000), self.s.movielens.click_min_rating,
                                self.categories, str(body["model_version"]))
         for event in events:
             self.producer.send(event)
@@ -457,8 +466,7 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
         f"{summary.predictions_logged:,} requests",
         f"feature freshness (live events sent -> the user's running total online): p50 {fresh['p50'] / 1000:.2f}s, "
         f"p99 {fresh['p99'] / 1000:.2f}s ({len(summary.feature_freshness_s)} probes)",
-        f"serving latency (client side, 200s): p50 {summary.latency_ms.get('p50', float('nan')):.1f} ms, "
-        f"p95 {summary.latency_ms.get('p95', float('nan')):.1f} ms, p99 {summary.latency_ms.get('p99', float('nan')):.1f} ms",
+        "serving latency (client side, 200s): " + ", ".join(f"{q} {ms:.1f} ms" for q, ms in summary.latency_ms.items()),
         f"offline_training (Airflow) -> first @champion v{summary.first_champion}: {summary.offline_training_s:.0f}s; "
         f"served {summary.first_served_s:.1f}s after the run finished",
         "model versions (newest first):"]

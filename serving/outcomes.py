@@ -62,9 +62,9 @@ def _auc(frame: pd.DataFrame) -> float:
 
 def auc_by_version(outcomes: pd.DataFrame) -> pd.DataFrame:
     """Per model version: requests, items shown, clicks, CTR, AUC of its scores, first/last served (ms)."""
-    rows = [{"model_version": v, "requests": g["request_id"].nunique(), "items": len(g), "clicks": int(g["label"].sum()),
-             "ctr": float(g["label"].mean()), "auc": _auc(g), "first_served": int(g["served_at"].min()),
-             "last_served": int(g["served_at"].max())}
+    rows = [{"model_version": v, "requests": g["request_id"].nunique(), "items": len(g),
+             "clicks": int(g["label"].sum()), "ctr": float(g["label"].mean()), "auc": _auc(g),
+             "first_served": int(g["served_at"].min()), "last_served": int(g["served_at"].max())}
             for v, g in outcomes.groupby("model_version", sort=False)]
     return pd.DataFrame(rows).sort_values("first_served").reset_index(drop=True) if rows else pd.DataFrame()
 
