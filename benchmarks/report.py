@@ -1,6 +1,8 @@
 """`make bench-report`: run every benchmark suite and the demo loop, one after another on this machine,
 and write docs/benchmarks.md (each suite's own Markdown output under its command) plus plots in
 docs/plots/: feature freshness, serving latency percentiles vs load, AUC per model version over time.
+The plots' figures are kept as JSON in docs/plots/data/, so `ARGS=--only serving` re-runs one suite,
+replaces its section and redraws the plots with the others' figures as they were.
 
 Order matters: the self-contained suites (own stacks on free ports, the default stack down) first;
 then `flywheel demo` on the default stack, whose data the models and DAG suites train on; then
@@ -12,15 +14,16 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 
@@ -63,8 +66,8 @@ def run(suite: Suite, out: Path) -> tuple[int, str, float]:
     """Run a suite, echoing its output; returns (exit status, stdout, seconds)."""
     print(f"\n=== {suite.title}: {' '.join(suite.command[1:])}", flush=True)
     started = time.monotonic()
-    proc = subprocess.Popen(suite.command, cwd=REPO, env=os.environ | {ENV: str(out)}, stdout=subprocess.PIPE,
-                            text=True, bufsize=1)
+    env = os.environ | {ENV: str(out), "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+    proc = subprocess.Popen(suite.command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
     lines = []
     for line in proc.stdout:
         print(line, end="", flush=True)
@@ -75,8 +78,8 @@ def run(suite: Suite, out: Path) -> tuple[int, str, float]:
 def plot_freshness(out: Path, plots: Path) -> str | None:
     stream, loop = recorded(out, "streaming_freshness"), recorded(out, "loop")
     series = []
-    if stream:
-        series.append((f"streaming bench, synthetic load {stream['rate']:,.0f} events/s", stream["seconds"]))
+    for probes in stream or []:
+        series.append((f"streaming bench, synthetic load {probes['rate']:,.0f} events/s", probes["seconds"]))
     if loop and loop.get("feature_freshness_s"):
         series.append(("demo, live traffic (probes)", loop["feature_freshness_s"]))
     if not series:
@@ -99,9 +102,13 @@ def plot_latency(out: Path, plots: Path) -> str | None:
     offered = [c["offered_req_s"] for c in curve]
     for q in ("p50", "p99"):
         ax.plot(offered, [c[q] for c in curve], marker="o", label=q)
-    ax.plot(offered, [c["req_s"] for c in curve], ls=":", color="grey", label="answered req/s (right of x = ok)")
-    ax.set(xlabel="offered load, requests/s (open loop; 10-500 candidates each)", ylabel="latency (ms)",
+    for c in curve:
+        if c["errors"]:
+            ax.annotate(f"{c['errors']:.0f} refused", (c["offered_req_s"], c["p99"]), fontsize=7)
+    ax.set(xlabel="offered load, requests/s (open loop; 10-500 candidates each)", ylabel="latency of 200s (ms)",
            title="Ranking server latency vs load", xscale="log", yscale="log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend(fontsize=7)
     return _save(fig, plots / "latency_vs_load.png")
 
@@ -114,8 +121,12 @@ def plot_auc(out: Path, plots: Path) -> str | None:
     t0 = min(p["t"] for p in points)
     fig, ax = plt.subplots(figsize=(7, 4))
     for version in sorted({p["model_version"] for p in points}, key=int):
-        mine = [p for p in points if p["model_version"] == version and p["items"] >= 30]
-        ax.plot([(p["t"] - t0) / 60000 for p in mine], [p["auc"] for p in mine], marker="o", label=f"v{version}")
+        xs, ys = [], []
+        for p in (p for p in points if p["model_version"] == version and p["items"] >= 30):
+            if xs and (p["t"] - t0) / 60000 - xs[-1] > 0.51:  # not served in between: no line across the gap
+                xs, ys = [*xs, np.nan], [*ys, np.nan]
+            xs, ys = [*xs, (p["t"] - t0) / 60000], [*ys, p["auc"]]
+        ax.plot(xs, ys, marker="o", label=f"v{version}")
     ax.set(xlabel="minutes of live traffic", ylabel="AUC on the traffic it served (30 s buckets)",
            title="AUC per model version over time (demo)")
     ax.legend(fontsize=7)
@@ -130,14 +141,22 @@ def _save(fig, path: Path) -> str:
     return path.name
 
 
+def sections_of(text: str) -> dict[str, str]:
+    """A report's suite sections by title ("## title" up to the next one)."""
+    return {m.group(1): m.group(0).rstrip() + "\n" for m in re.finditer(r"^## (.+?)$.*?(?=^## |\Z)", text, re.M | re.S)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help=f"comma-separated suites of {[x.key for x in SUITES]}")
     parser.add_argument("--docs", type=Path, default=REPO / "docs")
     args = parser.parse_args()
     chosen = [x for x in SUITES if not args.only or x.key in args.only.split(",")]
-    out = Path(tempfile.mkdtemp(prefix="flywheel-bench-report-"))
-    sections, failed = [], 0
+    report, plots_dir = args.docs / "benchmarks.md", args.docs / "plots"
+    out = plots_dir / "data"
+    out.mkdir(parents=True, exist_ok=True)
+    sections = sections_of(report.read_text()) if report.exists() else {}
+    failed = 0
     for suite in chosen:
         status, stdout, seconds = run(suite, out)
         failed += status != 0
@@ -146,24 +165,26 @@ def main() -> None:
             if summary.exists():
                 (out / "loop.json").write_text(summary.read_text())
         verdict = "" if status == 0 else f" **FAILED (exit {status})**"
-        body = f"```\n{stdout.strip()}\n```" if suite.key == "loop" else stdout.strip()  # the demo prints text
-        sections.append(f"## {suite.title}\n\nCommand: `{suite.make}`, {seconds / 60:.1f} min{verdict}.\n\n{body}\n")
+        # The stack's status lines print the local Airflow password: not into a committed report. Nor colours.
+        stdout = re.sub(r"(login:? \S+ / )\S+", r"\1<password>", re.sub(r"\x1b\[[0-9;]*m", "", stdout.strip()))
+        body = f"```\n{stdout}\n```" if suite.key == "loop" else stdout  # the demo prints text
+        sections[suite.title] = (f"## {suite.title}\n\nCommand: `{suite.make}`, {seconds / 60:.1f} min, "
+                                 f"{datetime.now(UTC):%Y-%m-%d}{verdict}.\n\n{body}\n")
     if any(x.key == "loop" for x in chosen):
         subprocess.run([*FLYWHEEL, "down"], cwd=REPO, check=False)
-    plots = [p for p in (plot_freshness(out, args.docs / "plots"), plot_latency(out, args.docs / "plots"),
-                         plot_auc(out, args.docs / "plots")) if p]
+    plots = [p for p in (plot_freshness(out, plots_dir), plot_latency(out, plots_dir), plot_auc(out, plots_dir)) if p]
     machine = (f"{psutil.cpu_count()} cores ({platform.processor() or platform.machine()}), "
                f"{psutil.virtual_memory().total / 2**30:.0f} GiB, Python {platform.python_version()}")
     header = [
         "# Benchmarks", "",
-        f"Written by `make bench-report` (benchmarks/report.py) on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, "
-        f"{machine}. Every suite ran in this one run, one after another; each ratio's baseline was measured in "
-        "the same suite run. Reading of the figures, profiles and earlier runs: "
-        "[benchmark-notes.md](benchmark-notes.md).", ""]
+        f"Written by `make bench-report` (benchmarks/report.py), last on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, "
+        f"{machine}. Each section is one run of its suite (its date is under the title); every ratio's "
+        "baseline was measured in that same run. Reading of the figures, profiles and earlier runs: "
+        "[benchmark-notes.md](benchmark-notes.md). Plots drawn from docs/plots/data/.", ""]
     header += [f"![{p}](plots/{p})" for p in plots] + [""]
-    text = "\n".join(header) + "\n" + "\n".join(sections)
-    (args.docs / "benchmarks.md").write_text(text)
-    print(f"\nwrote {args.docs / 'benchmarks.md'} and plots {plots}; raw figures in {out}")
+    ordered = [sections[x.title] for x in SUITES if x.title in sections]
+    report.write_text("\n".join(header) + "\n" + "\n".join(ordered))
+    print(f"\nwrote {report} and plots {plots}; their figures in {out}")
     sys.exit(1 if failed else 0)
 
 

@@ -411,7 +411,8 @@ def trigger(dag_id: str, conf: str, wait: bool) -> None:
 @click.option("--split", type=_DATE, default="1998-03-01", show_default=True,
               help="Ratings before this date are the history (replayed, trained on); the rest is live traffic.")
 @click.option("--history-limit", type=int, default=None, help="Replay at most N history ratings.")
-@click.option("--sessions", type=int, default=None, help="Live requests at most (default: all after --split).")
+@click.option("--sessions", type=int, default=None,
+              help="Replay only the first N sessions after --split (all by default; they start over if needed).")
 @click.option("--rate", type=float, default=2.0, show_default=True, help="Live requests per second.")
 @click.option("--tail", type=float, default=30.0, show_default=True,
               help="Seconds of live traffic kept up after the rollback drill is served.")
@@ -419,11 +420,11 @@ def demo(split: datetime, history_limit: int | None, sessions: int | None, rate:
     """The whole loop on the local stack: history into Kafka and Flink/Feast, offline training through
     Airflow, the first champion served, the rest of MovieLens as live traffic through the ranking API,
     incremental training from it, a refused bad model and a rollback; then the summary."""
-    from infra.airflow_api import AirflowApiError
-    from infra.loop import LoopError, LoopPlan, run_loop, summary_lines
-
     import os
     import warnings
+
+    from infra.airflow_api import AirflowApiError
+    from infra.loop import LoopError, LoopPlan, run_loop, summary_lines
 
     # The drill loads and logs a model in this process: keep TensorFlow's and MLflow's chatter out of the demo.
     for name, value in {"TF_CPP_MIN_LOG_LEVEL": "2", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",

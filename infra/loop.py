@@ -38,7 +38,9 @@ from infra.airflow_api import AirflowClient
 from infra.settings import Settings
 
 if TYPE_CHECKING:
+    from models.registry import Decision
     from serving.client import Served
+    from serving.outcomes import Period
     from streaming.movielens import Session
 
 Say = Callable[[str], None]
@@ -56,7 +58,7 @@ class LoopPlan:
     split: datetime = datetime(1998, 3, 1, tzinfo=UTC)  # ratings before: history; from then on: live traffic
     history_from: datetime = datetime(1997, 9, 1, tzinfo=UTC)  # offline training window start
     history_limit: int | None = None  # replay at most this many history ratings (a shortened loop)
-    sessions: int | None = None  # live requests at most (None: all of MovieLens after `split`)
+    sessions: int | None = None  # the first N live sessions (None: all after `split`), replayed in a cycle
     rate: float = 2.0  # live requests per second
     tail_s: float = 30.0  # live traffic kept up after the rollback is served
     feature_timeout_s: float = 900.0
@@ -405,7 +407,7 @@ def drills(s: Settings, server: str, airflow: AirflowClient, champion: str, summ
         f"the ranking server served v{moved['to']} {served_s:.1f}s after the run finished")
 
 
-def register_inverted(s: Settings, champion: str):
+def register_inverted(s: Settings, champion: str) -> tuple[str, Decision]:
     """Register the champion with its output layer negated (every ranking reversed, as a model trained
     on inverted labels would rank) under the champion's own evaluation window, and run the gate."""
     import mlflow
@@ -428,7 +430,7 @@ def register_inverted(s: Settings, champion: str):
 
 # --- 5. the summary --------------------------------------------------------------------------------
 
-def report(s: Settings, period, summary: Summary) -> None:
+def report(s: Settings, period: Period, summary: Summary) -> None:
     from models.registry import list_versions, version_tags
     from serving.outcomes import auc_by_version, auc_over_time, served_outcomes
     from streaming.topics import end_offsets
@@ -451,7 +453,6 @@ def report(s: Settings, period, summary: Summary) -> None:
 
 
 def summary_lines(s: Settings, summary: Summary) -> list[str]:
-    from infra.services import airflow_password
     from serving.outcomes import percentiles
 
     def events(counts: dict[str, int]) -> str:
@@ -492,7 +493,7 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
         lines.append(f"rollback drill: model_rollback DAG v{r['from']} -> v{r['to']} in {r['dag_s']:.1f}s, served "
                      f"{r['served_after_dag_s']:.1f}s later")
     lines += [f"whole loop: {summary.seconds / 60:.1f} min",
-              f"Airflow UI: {s.airflow.api_url} (login {s.airflow.username} / {airflow_password(s)})",
+              f"Airflow UI: {s.airflow.api_url} (user {s.airflow.username}; its password: `flywheel status`)",
               f"MLflow UI:  {s.mlflow.tracking_uri}/#/models/{s.models.name}",
               f"Ranking API: http://{s.serving.host}:{s.serving.port}/docs",
               f"Summary as JSON: {s.paths.data_dir / 'demo' / 'summary.json'}",

@@ -7,7 +7,8 @@ import pytest
 
 from infra.settings import Settings, load_settings
 from streaming.events import EventType
-from streaming.movielens import Rating, dataset_dir, load_ratings, rating_events, replay_events
+from streaming.movielens import (Rating, dataset_dir, load_ratings, rating_events, replay_events, served_events,
+                                  sessions)
 from streaming.produce import count_landed, event_time_pace, fixed_rate_pace
 from streaming.synthetic import SyntheticConfig, SyntheticGenerator
 from streaming.topics import end_offsets
@@ -45,6 +46,20 @@ def test_the_replay_emits_one_impression_per_rating_and_a_click_per_liked_one(ra
     assert counts[EventType.CLICK] == sum(r.rating >= 4 for r in ratings)
     toy_story = next(e for e in events if e.item_id == "1")
     assert toy_story.context["category"] == "Animation"  # the item's first genre
+
+
+def test_live_sessions_cut_at_gaps_and_size_and_their_served_lists_become_events(ratings: list[Rating]) -> None:
+    rs = [Rating("1", "a", 5.0, 0), Rating("2", "x", 1.0, 10), Rating("1", "b", 2.0, 60), Rating("1", "c", 4.0, 4000)]
+    cut = sessions(rs, gap_s=1800)
+    assert [(x.user_id, [r.item_id for r in x.ratings]) for x in cut] == [("1", ["a", "b"]), ("2", ["x"]), ("1", ["c"])]
+    assert all(len(x.ratings) <= 50 for x in sessions(ratings))
+    assert sum(len(x.ratings) for x in sessions(ratings)) == len(ratings)
+    request_id = cut[0].request_id(1_000)
+    events = served_events(cut[0], request_id, ["b", "a"], 1_000, 4, {"a": "Drama"}, served_by="3")
+    assert [(e.item_id, e.event_type, e.event_time) for e in events] == [
+        ("b", EventType.IMPRESSION, 1_000), ("a", EventType.IMPRESSION, 1_000), ("a", EventType.CLICK, 1_001)]
+    assert {e.request_id for e in events} == {request_id} and request_id != cut[0].request_id(2_000)
+    assert events[1].context == {"source": "movielens-100k", "position": 1, "served_by": "3", "category": "Drama"}
 
 
 def test_pacing_follows_event_time_or_a_fixed_rate() -> None:
