@@ -43,7 +43,7 @@ bench-dags: setup  ## edges/s into the graph store; with ARGS=--training (after 
 bench-serving: setup  ## model limit vs server throughput at p99 <= 50 ms; batching, buckets, executors on/off; swap time
 	.venv/bin/python -m benchmarks.serving $(ARGS)
 
-bench-report: setup  ## every suite and the demo, one run: docs/benchmarks.md and docs/plots/*.png (~45 min)
+bench-report: setup  ## every suite and the demo, one run: docs/benchmarks.md and docs/plots/*.png (~35 min)
 	.venv/bin/python -m benchmarks.report $(ARGS)
 
 lock:  ## re-resolve both lock files after editing a pyproject.toml

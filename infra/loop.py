@@ -73,6 +73,7 @@ class Summary:
     dead_letters: int = 0
     predictions_logged: int = 0
     feature_freshness_s: list[float] = field(default_factory=list)
+    feature_probes_timed_out: int = 0  # not online within 60 s
     first_champion: str = ""
     offline_training_s: float = 0.0
     first_served_s: float = 0.0  # offline_training run finished -> its champion served
@@ -249,6 +250,7 @@ class Traffic:
         self.results: list[Served] = []  # in answer order
         self.events: Counter = Counter()
         self.freshness: list[float] = []
+        self.probes_timed_out = 0
         self._probing, self._last_probe, self._last_sent = False, 0.0, {}
         self._by_id: dict[str, Session] = {}  # request id -> session, while in flight
         self.thread = threading.Thread(target=self._run, name="live-traffic")
@@ -276,6 +278,13 @@ class Traffic:
             self.feast.shutdown(wait=True)
 
     async def _after(self, served: Served) -> None:
+        try:
+            await self._show(served)
+        except Exception as exc:  # noqa: BLE001 - handed to the controller at once, which stops the loop with it
+            self.error = exc
+            self.stop.set()
+
+    async def _show(self, served: Served) -> None:
         from streaming.movielens import served_events
 
         self.results.append(served)
@@ -316,6 +325,7 @@ class Traffic:
                     self.freshness.append(time.monotonic() - sent)
                     return
                 time.sleep(0.05)
+            self.probes_timed_out += 1
         finally:
             self._probing = False
 
@@ -370,6 +380,7 @@ def live(s: Settings, plan: LoopPlan, server: str, airflow: AirflowClient, summa
         airflow.wait("incremental_training", run_id, 600)
     summary.live_events = dict(traffic.events)
     summary.feature_freshness_s = traffic.freshness
+    summary.feature_probes_timed_out = traffic.probes_timed_out
     summary.requests = len(traffic.results)
     summary.statuses = {str(k): v for k, v in Counter(
         r.status if r.status != 503 else f"503 {r.body.get('reason')}" for r in traffic.results).items()}
@@ -466,7 +477,8 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
         f"live requests: {summary.requests:,} ({summary.statuses}); predictions logged and joined to clicks: "
         f"{summary.predictions_logged:,} requests",
         f"feature freshness (live events sent -> the user's running total online): p50 {fresh['p50'] / 1000:.2f}s, "
-        f"p99 {fresh['p99'] / 1000:.2f}s ({len(summary.feature_freshness_s)} probes)",
+        f"p99 {fresh['p99'] / 1000:.2f}s ({len(summary.feature_freshness_s)} probes; "
+        f"{summary.feature_probes_timed_out} not online within 60 s)",
         "serving latency (client side, 200s): " + ", ".join(f"{q} {ms:.1f} ms" for q, ms in summary.latency_ms.items()),
         f"offline_training (Airflow) -> first @champion v{summary.first_champion}: {summary.offline_training_s:.0f}s; "
         f"served {summary.first_served_s:.1f}s after the run finished",

@@ -32,11 +32,13 @@ async def rank(http: httpx.AsyncClient, url: str, request: dict) -> Served:
     sent = time.monotonic()
     try:
         r = await http.post(f"{url}/rank", json=request)
-        body = r.json()
-        status = r.status_code
     except httpx.TransportError as exc:  # counted as a failure, never raised: load keeps its shape
-        body, status = {"error": repr(exc)}, -1
-    return Served(request, sent, time.monotonic() - sent, status, body)
+        return Served(request, sent, time.monotonic() - sent, -1, {"error": repr(exc)})
+    try:
+        body = r.json()
+    except ValueError:  # not JSON (a proxy's or the server's plain-text error page)
+        body = {"error": r.text[:500]}
+    return Served(request, sent, time.monotonic() - sent, r.status_code, body)
 
 
 async def open_loop(url: str, requests: Iterable[dict], rate: float,

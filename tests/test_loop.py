@@ -52,7 +52,7 @@ def test_every_event_sent_is_in_kafka_and_none_was_dead_lettered(loop) -> None:
 
 def test_live_events_reach_the_online_features(loop) -> None:
     s, summary = loop
-    assert summary.feature_freshness_s and max(summary.feature_freshness_s) < 60
+    assert summary.feature_freshness_s and summary.feature_probes_timed_out == 0
     # The most active live user's running total online counts its live impressions too.
     store = feature_store(s)
 
