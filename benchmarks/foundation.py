@@ -38,7 +38,7 @@ def bench_settings(data_dir: Path, services: str) -> Settings:
 
 def raw_producer_rate(s: Settings, topic: str, payloads: list[tuple[bytes, bytes]]) -> float:
     """The same client and options as EventProducer, sending bytes encoded beforehand."""
-    producer = confluent_kafka.Producer(s.kafka.librdkafka_config() | PRODUCER_OPTIONS)
+    producer = confluent_kafka.Producer(s.kafka.client_options("librdkafka") | PRODUCER_OPTIONS)
     start = time.monotonic()
     for key, value in payloads:
         while True:

@@ -36,7 +36,7 @@ from infra.settings import get_settings  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
-FLYWHEEL = [PY, "-m", "infra.cli"]
+FLYWHEEL = [PY, "-m", "flywheel.cli"]
 
 
 @dataclass(frozen=True)

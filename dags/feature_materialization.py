@@ -8,14 +8,13 @@ from datetime import UTC, datetime, timedelta
 
 from airflow.sdk import dag, task
 
-from infra.settings import get_settings
-
-SETTINGS = get_settings()
+from infra.settings import setting_from_environ
+from task_settings import task_settings  # dags/ is on sys.path
 
 
 @dag(
     dag_id="feature_materialization",
-    schedule=timedelta(minutes=SETTINGS.airflow.materialization_minutes),
+    schedule=timedelta(minutes=setting_from_environ("airflow", "materialization_minutes")),
     start_date=datetime(2026, 1, 1, tzinfo=UTC),
     catchup=False,
     max_active_runs=1,
@@ -28,7 +27,7 @@ def feature_materialization():
     def materialize(data_interval_end=None) -> list[str]:
         from feature_repo.catalog import materialize
 
-        return materialize(SETTINGS, data_interval_end or datetime.now(UTC))
+        return materialize(task_settings(), data_interval_end or datetime.now(UTC))
 
     materialize()
 

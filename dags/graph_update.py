@@ -9,14 +9,13 @@ from datetime import UTC, datetime, timedelta
 
 from airflow.sdk import dag, task
 
-from infra.settings import get_settings
-
-SETTINGS = get_settings()
+from infra.settings import setting_from_environ
+from task_settings import task_settings  # dags/ is on sys.path
 
 
 @dag(
     dag_id="graph_update",
-    schedule=timedelta(minutes=SETTINGS.airflow.graph_update_minutes),
+    schedule=timedelta(minutes=setting_from_environ("airflow", "graph_update_minutes")),
     start_date=datetime(2026, 1, 1, tzinfo=UTC),
     catchup=False,
     max_active_runs=1,
@@ -31,7 +30,7 @@ def graph_update():
 
         from models.graph import add_edges
 
-        return asdict(add_edges(SETTINGS))
+        return asdict(add_edges(task_settings()))
 
     @task
     def refresh_neighbours() -> dict:
@@ -40,7 +39,7 @@ def graph_update():
 
         from models.graph import refresh_neighbours
 
-        return asdict(refresh_neighbours(SETTINGS))
+        return asdict(refresh_neighbours(task_settings()))
 
     add_edges() >> refresh_neighbours()
 

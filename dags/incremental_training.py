@@ -13,22 +13,21 @@ from datetime import UTC, datetime, timedelta
 
 from airflow.sdk import Param, dag, task
 
-from infra.settings import get_settings
+from infra.settings import setting_from_environ
 from promotion import gate_if_asked  # dags/ is on sys.path
-
-SETTINGS = get_settings()
+from task_settings import task_settings
 
 
 @dag(
     dag_id="incremental_training",
-    schedule=timedelta(minutes=SETTINGS.airflow.incremental_training_minutes),
+    schedule=timedelta(minutes=setting_from_environ("airflow", "incremental_training_minutes")),
     start_date=datetime(2026, 1, 1, tzinfo=UTC),
     catchup=False,
     max_active_runs=1,
     dagrun_timeout=timedelta(minutes=30),
     default_args={"retries": 0},  # the next run, minutes later, is the retry
     params={
-        "model_name": Param(SETTINGS.models.name, type="string", minLength=1, description="Registered model."),
+        "model_name": Param(setting_from_environ("models", "name"), type="string", minLength=1, description="Registered model."),
         "promote": Param(True, type="boolean", description="Run the promotion gate after registering."),
     },
     tags=["models"],
@@ -39,11 +38,9 @@ def incremental_training():
     def train(params=None) -> dict:
         from airflow.sdk.exceptions import AirflowSkipException
 
-        from infra.settings import override
         from models.train import train_incremental
 
-        outcome = train_incremental(override(SETTINGS, "models", name=params["model_name"]), promote=False,
-                                    progress=False)
+        outcome = train_incremental(task_settings(params), promote=False, progress=False)
         if outcome is None:
             raise AirflowSkipException("too few new labelled impressions since the champion's data watermark")
         return {"version": outcome.version, "window": str(outcome.window), **outcome.metrics}

@@ -9,9 +9,8 @@ from datetime import UTC, datetime
 
 from airflow.sdk import Param, dag, task
 
-from infra.settings import get_settings
-
-SETTINGS = get_settings()
+from infra.settings import setting_from_environ
+from task_settings import task_settings  # dags/ is on sys.path
 
 
 @dag(
@@ -21,7 +20,7 @@ SETTINGS = get_settings()
     catchup=False,
     max_active_runs=1,
     params={
-        "model_name": Param(SETTINGS.models.name, type="string", minLength=1, description="Registered model."),
+        "model_name": Param(setting_from_environ("models", "name"), type="string", minLength=1, description="Registered model."),
         "version": Param("previous", type="string", pattern=r"^(previous|[0-9]+)$",
                          description='Target version number, or "previous" (the champion before the current one).'),
         "reason": Param("", type="string", description="Why; recorded on the version rolled back from. Required."),
@@ -32,20 +31,18 @@ SETTINGS = get_settings()
 def model_rollback():
     @task
     def rollback(params=None, dag_run=None) -> dict:
-        from infra.settings import override
         from models.registry import rollback
 
         who = f"airflow:{getattr(dag_run, 'triggering_user_name', None) or 'unknown'}"
-        s = override(SETTINGS, "models", name=params["model_name"])
+        s = task_settings(params)
         old, new = rollback(s, params["reason"], params["version"], who=who)
         return {"from": old, "to": new}
 
     @task
     def verify(moved: dict, params=None) -> str:
-        from infra.settings import override
         from models.registry import CHAMPION, alias_version, connect
 
-        s = override(SETTINGS, "models", name=params["model_name"])
+        s = task_settings(params)
         serving = alias_version(connect(s), s.models.name, CHAMPION)
         if serving != moved["to"]:
             raise RuntimeError(f"@champion is v{serving}, not v{moved['to']} as the rollback set it")

@@ -14,10 +14,9 @@ from datetime import UTC, datetime, timedelta
 
 from airflow.sdk import Param, dag, task
 
-from infra.settings import get_settings
+from infra.settings import setting_from_environ
 from promotion import gate_if_asked  # dags/ is on sys.path
-
-SETTINGS = get_settings()
+from task_settings import task_settings
 
 
 def _moment(text: str) -> datetime:
@@ -27,7 +26,7 @@ def _moment(text: str) -> datetime:
 
 @dag(
     dag_id="offline_training",
-    schedule=SETTINGS.airflow.full_training_schedule or None,
+    schedule=setting_from_environ("airflow", "full_training_schedule") or None,
     start_date=datetime(2026, 1, 1, tzinfo=UTC),
     catchup=False,
     max_active_runs=1,
@@ -38,7 +37,7 @@ def _moment(text: str) -> datetime:
                                         "Empty: `full_training_days` before data_end."),
         "data_end": Param(None, type=["null", "string"],
                           description="End of the window (exclusive), ISO. Empty: the run's data interval end."),
-        "model_name": Param(SETTINGS.models.name, type="string", minLength=1, description="Registered model."),
+        "model_name": Param(setting_from_environ("models", "name"), type="string", minLength=1, description="Registered model."),
         "kind": Param("ranker", enum=["ranker", "logreg"], description="DIN ranker or the logistic baseline."),
         "promote": Param(True, type="boolean", description="Run the promotion gate after registering."),
     },
@@ -50,14 +49,13 @@ def offline_training():
     def train(params=None, data_interval_end=None) -> dict:
         from airflow.sdk.exceptions import AirflowSkipException
 
-        from infra.settings import override
         from models.dataset import NoImpressions, Window
         from models.train import train_full
 
+        s = task_settings(params)
         end = _moment(params["data_end"]) if params["data_end"] else data_interval_end or datetime.now(UTC)
         start = (_moment(params["data_start"]) if params["data_start"]
-                 else end - timedelta(days=SETTINGS.airflow.full_training_days))
-        s = override(SETTINGS, "models", name=params["model_name"])
+                 else end - timedelta(days=s.airflow.full_training_days))
         try:
             outcome = train_full(s, Window(start, end), kind=params["kind"], promote=False, progress=False)
         except NoImpressions as exc:

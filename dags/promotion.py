@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from airflow.sdk import task
 
-from infra.settings import get_settings
+from task_settings import task_settings  # dags/ is on sys.path
 
 
 def gate_if_asked(trained) -> None:
@@ -19,10 +19,8 @@ def gate_if_asked(trained) -> None:
     def gate(trained: dict, params=None) -> dict:
         from dataclasses import asdict
 
-        from infra.settings import override
         from models.train import gate_version
 
-        s = override(get_settings(), "models", name=params["model_name"])
-        return asdict(gate_version(s, trained["version"]))
+        return asdict(gate_version(task_settings(params), trained["version"]))
 
     promotion_asked() >> gate(trained)

@@ -21,7 +21,7 @@ from feast.types import Array, FeastType, Float64, Int64, String
 from feast.value_type import ValueType
 
 from infra.settings import Settings
-from streaming.features import BIGINT, DOUBLE_ARRAY, STREAM_VIEWS, STRING, STRING_ARRAY, WINDOWS, StreamView
+from streaming.features import BIGINT, DOUBLE_ARRAY, STREAM_VIEWS, STRING, STRING_ARRAY, StreamView
 
 FEAST_TYPES: dict[str, FeastType] = {
     "BIGINT": Int64, "DOUBLE": Float64, "STRING": String,
@@ -32,8 +32,6 @@ ARROW_TYPES: dict[str, pa.DataType] = {
     "ARRAY<STRING>": pa.list_(pa.string()), "ARRAY<BIGINT>": pa.list_(pa.int64()),
     "ARRAY<DOUBLE>": pa.list_(pa.float64()),
 }
-WINDOW_TTL = {"5m": timedelta(minutes=5), "1h": timedelta(hours=1)}
-LONG_TTL = timedelta(days=365)
 TIMESTAMP_FIELD = "event_timestamp"
 
 user = Entity(name="user", join_keys=["user_id"], value_type=ValueType.STRING, description="A user (raw id).")
@@ -85,11 +83,6 @@ def offline_rows(spec: BatchView, rows: list[dict], as_of: datetime) -> pa.Table
     return pa.Table.from_pylist([r | {TIMESTAMP_FIELD: as_of} for r in rows], schema=offline_schema(spec))
 
 
-def _ttl(view: StreamView) -> timedelta:
-    suffix = view.name.rsplit("_", 1)[-1]
-    return WINDOW_TTL[suffix] if suffix in WINDOWS else LONG_TTL
-
-
 def _offline_source(s: Settings, name: str) -> FileSource:
     return FileSource(name=f"{name}_offline", path=str(view_dir(s, name) / "*.parquet"),
                       file_format=ParquetFormat(), timestamp_field=TIMESTAMP_FIELD)
@@ -104,7 +97,7 @@ def stream_feature_view(s: Settings, spec: StreamView) -> FeatureView:
     return FeatureView(
         name=spec.name,
         entities=[ENTITIES[k] for k in spec.keys],
-        ttl=_ttl(spec),
+        ttl=spec.ttl,
         schema=_schema(spec),
         source=PushSource(name=spec.push_source, batch_source=batch),
         online=True,

@@ -51,7 +51,7 @@ class FeatureIngestor:
         self.store = apply(s)
         self.stats = IngestStats()
         self.consumer = KafkaConsumer(
-            *VIEWS_BY_TOPIC, **s.kafka.client_config(), group_id=GROUP, enable_auto_commit=False,
+            *VIEWS_BY_TOPIC, **s.kafka.client_options("kafka-python"), group_id=GROUP, enable_auto_commit=False,
             auto_offset_reset="earliest", session_timeout_ms=s.kafka.session_timeout_ms,
             heartbeat_interval_ms=s.kafka.heartbeat_interval_ms)
 

@@ -39,6 +39,10 @@ class Service:
     env: Callable[[], dict[str, str]]
     check: Callable[[], Health]
     phase: int = 0  # 0: infrastructure; 1: the pipeline, started once its topics exist; 2: serving
+    # Run to completion before the process starts (a schema migration, the topics it needs); services
+    # sharing one setup command run it once. It lives with the stage that needs it, named as a command,
+    # so the stack imports no stage.
+    setup: Callable[[], list[str]] | None = None
 
     def health(self) -> Health:
         """The service's health; a failing check is reported, never raised."""
@@ -75,7 +79,7 @@ def _kafka(s: Settings) -> Service:
         from kafka.errors import KafkaError
 
         try:
-            admin = KafkaAdminClient(**s.kafka.client_config(), request_timeout_ms=3000)
+            admin = KafkaAdminClient(**s.kafka.client_options("kafka-python"), request_timeout_ms=3000)
         except KafkaError as exc:
             return Health(False, f"no broker: {exc}")
         try:
@@ -221,7 +225,8 @@ def _airflow(s: Settings) -> list[Service]:
     def service(name: str, args: list[str], component: str, ports: tuple) -> Service:
         return Service(name=f"airflow-{name}", group="airflow", url=s.airflow.api_url, ports=ports,
                        command=lambda: [str(BIN_DIR / "airflow"), *args],
-                       env=lambda: airflow_env(s), check=component_health(component))
+                       env=lambda: airflow_env(s), check=component_health(component),
+                       setup=lambda: [str(BIN_DIR / "airflow"), "db", "migrate"])
 
     return [
         service("api-server", ["api-server"], "metadatabase", ((host, port),)),
@@ -255,16 +260,21 @@ def _pipeline(s: Settings) -> list[Service]:
     def alive(what: str) -> Callable[[], Health]:
         return lambda: Health(True, what)  # liveness is the PID check done by the stack
 
+    # The topics must exist before the job starts (a missing source topic fails a Flink job); a new
+    # events topic also makes the job's checkpoints stale (streaming/topics.py: prepare_pipeline).
+    def topics() -> list[str]:
+        return [str(BIN_DIR / "python"), "-m", "streaming.topics"]
+
     return [
         Service(name="stream-job", group="pipeline", url=s.flink.rest_url, ports=(s.flink.host_port,),
                 command=lambda: [str(s.paths.flink_python), "-m", "streaming.job"], env=flink_env,
-                check=job_health, phase=1),
+                check=job_health, phase=1, setup=topics),
         Service(name="feast-ingestor", group="pipeline", url=s.redis.url, ports=(),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "feature_repo.ingest"], env=_base_env,
-                check=alive("consuming feature updates"), phase=1),
+                check=alive("consuming feature updates"), phase=1, setup=topics),
         Service(name="event-log", group="pipeline", url=str(s.paths.service_dir("offline") / "events"), ports=(),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "feature_repo.event_log"], env=_base_env,
-                check=alive("logging events"), phase=1),
+                check=alive("logging events"), phase=1, setup=topics),
     ]
 
 

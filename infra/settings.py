@@ -17,12 +17,15 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV_PREFIX = "FLYWHEEL_"
 LOCAL_SERVICES = ("kafka", "redis", "mlflow", "airflow", "pipeline", "serving")
+
+
+KafkaClient = Literal["kafka-python", "librdkafka", "java"]
 
 
 class SettingsError(ValueError):
@@ -83,30 +86,29 @@ class KafkaSettings:
     def dlq_topic(self, topic: str) -> str:
         return topic + self.dlq_suffix
 
-    def client_config(self) -> dict[str, Any]:
-        """Connection options shared by every kafka-python client."""
-        config: dict[str, Any] = {
-            "bootstrap_servers": self.bootstrap_servers.split(","),
-            "security_protocol": self.security_protocol,
-        }
-        if self.sasl_mechanism:
-            config |= {
-                "sasl_mechanism": self.sasl_mechanism,
-                "sasl_plain_username": self.sasl_username,
-                "sasl_plain_password": self.sasl_password,
-            }
-        return config
-
-    def librdkafka_config(self) -> dict[str, Any]:
-        """The same connection options for confluent-kafka (librdkafka), used where throughput matters."""
-        config: dict[str, Any] = {
-            "bootstrap.servers": self.bootstrap_servers,
-            "security.protocol": self.security_protocol,
-        }
-        if self.sasl_mechanism:
-            config |= {"sasl.mechanism": self.sasl_mechanism, "sasl.username": self.sasl_username,
-                       "sasl.password": self.sasl_password}
-        return config
+    def client_options(self, client: KafkaClient) -> dict[str, Any]:
+        """Connection and security options, in the spelling of `client`: "kafka-python" (consumers,
+        admin tools), "librdkafka" (confluent-kafka producers, where throughput matters) or "java"
+        (Apache Kafka client properties: the Flink connector prefixes them with `properties.`)."""
+        if client not in ("kafka-python", "librdkafka", "java"):
+            raise ValueError(f"unknown Kafka client {client!r}")
+        if client == "kafka-python":
+            config: dict[str, Any] = {"bootstrap_servers": self.bootstrap_servers.split(","),
+                                      "security_protocol": self.security_protocol}
+            if self.sasl_mechanism:  # kafka-python names the SCRAM credentials "plain" too
+                config |= {"sasl_mechanism": self.sasl_mechanism, "sasl_plain_username": self.sasl_username,
+                           "sasl_plain_password": self.sasl_password}
+            return config
+        config = {"bootstrap.servers": self.bootstrap_servers, "security.protocol": self.security_protocol}
+        if not self.sasl_mechanism:
+            return config
+        if client == "librdkafka":
+            return config | {"sasl.mechanism": self.sasl_mechanism, "sasl.username": self.sasl_username,
+                             "sasl.password": self.sasl_password}
+        module = "plain.PlainLoginModule" if self.sasl_mechanism == "PLAIN" else "scram.ScramLoginModule"
+        user, password = (v.replace("\\", "\\\\").replace('"', '\\"') for v in (self.sasl_username, self.sasl_password))
+        return config | {"sasl.mechanism": self.sasl_mechanism, "sasl.jaas.config":
+                         f'org.apache.kafka.common.security.{module} required username="{user}" password="{password}";'}
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -388,6 +390,17 @@ def to_environ(settings: Settings) -> dict[str, str]:
 def override(settings: Settings, section: str, **values: Any) -> Settings:
     """`settings` with some fields of one section replaced (a DAG run's parameters, for example)."""
     return dataclasses.replace(settings, **{section: dataclasses.replace(getattr(settings, section), **values)})
+
+
+def setting_from_environ(section: str, key: str, environ: dict[str, str] | None = None) -> Any:
+    """One setting as the environment gives it (`FLYWHEEL_<SECTION>_<KEY>`), else its default; no config
+    file is read. For what Airflow must know while it parses DAG files (schedules, parameter defaults),
+    which must stay cheap: the stack hands its Airflow every non-default setting in the environment
+    (`to_environ`); an Airflow deployed elsewhere sets those variables. Tasks call `get_settings()`."""
+    environ = os.environ if environ is None else environ
+    default = getattr(getattr(Settings(), section), key)
+    name = f"{ENV_PREFIX}{section}_{key}".upper()
+    return _convert(environ[name], default, name) if name in environ else default
 
 
 @functools.cache

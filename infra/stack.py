@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra import process
-from infra.services import BIN_DIR, Health, Service, airflow_env, all_services, enabled_services
+from infra.services import Health, Service, all_services, enabled_services
 from infra.settings import Settings, to_environ
 
 
@@ -67,14 +67,22 @@ def side_by_side_environ(data_dir: Path) -> dict[str, str]:
     }
 
 
-def _migrate_airflow(s: Settings) -> None:
-    log = s.paths.logs_dir / "airflow-db-migrate.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out:
-        done = subprocess.run([str(BIN_DIR / "airflow"), "db", "migrate"], env=airflow_env(s),
-                              stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    if done.returncode != 0:
-        raise StackError(f"airflow db migrate failed (exit {done.returncode}); see {log}")
+def _run_setups(s: Settings, services: list[Service]) -> None:
+    """Each distinct setup command of the services not yet running, once, to completion."""
+    done: set[tuple[str, ...]] = set()
+    for svc in services:
+        command = svc.setup() if svc.setup is not None and _running(s, svc) is None else None
+        if command is None or tuple(command) in done:
+            continue
+        done.add(tuple(command))
+        log = s.paths.logs_dir / f"{svc.group}-setup.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            finished = subprocess.run(command, env=svc.env() | to_environ(s), cwd=s.paths.data_dir,
+                                      stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        if finished.returncode != 0:
+            raise StackError(f"setup of {svc.group} ({' '.join(command[1:])}) failed (exit {finished.returncode}):\n"
+                             f"--- last lines of {log}:\n{process.tail(log, 20)}")
 
 
 def wait_healthy(s: Settings, services: list[Service], timeout_s: float) -> dict[str, Health]:
@@ -101,40 +109,19 @@ def wait_healthy(s: Settings, services: list[Service], timeout_s: float) -> dict
     return last
 
 
-def prepare_pipeline(s: Settings) -> None:
-    """Before the pipeline starts: its topics must exist (a missing source topic fails a Flink job).
-
-    A newly created events topic (the embedded broker keeps topics in memory only, so after
-    `down`/`up` they are new) makes the stream job's checkpoints stale: they hold offsets and state
-    of the topic that is gone, and resuming from them would wait for offsets the new topic never
-    reaches. They are removed, so the job starts from the new topic's beginning.
-    """
-    import shutil
-
-    from streaming.features import STREAM_VIEWS
-    from streaming.topics import ensure_topics
-
-    created = ensure_topics(s, [s.kafka.events_topic, *(v.topic for v in STREAM_VIEWS)])
-    if s.kafka.events_topic in created and s.paths.checkpoints_dir.exists():
-        shutil.rmtree(s.paths.checkpoints_dir)
-
-
 def up(s: Settings) -> list[str]:
     """Start every enabled service that is not running, then wait until all are healthy.
 
-    Infrastructure first; the pipeline once the broker is healthy and the topics exist.
-    Returns the names of the services this call started.
+    Phase by phase: infrastructure, the pipeline, serving; a phase's setup commands run before its
+    processes start. Returns the names of the services this call started.
     """
     services = enabled_services(s)
     _check_ports(s, services)
     started: list[str] = []
     try:
-        if any(svc.group == "airflow" and _running(s, svc) is None for svc in services):
-            _migrate_airflow(s)
         for phase in sorted({svc.phase for svc in services}):
-            if phase == 1:
-                prepare_pipeline(s)
             batch = [svc for svc in services if svc.phase == phase]
+            _run_setups(s, batch)
             for svc in batch:
                 if _running(s, svc) is None:
                     # the service reads the same settings as this process, however they were given

@@ -21,15 +21,13 @@ from feature_repo.event_log import read_event_log
 from feature_repo.store import feature_store
 from infra.settings import Settings
 from models.examples import PAD, Examples
+from streaming.features import BIGINT, DOUBLE, STREAM_VIEWS
 
-# Numeric inputs of the models and how each is scaled; a missing value (a window without events,
-# a user without a profile) is the default 0 after scaling.
-COUNTS = ("user_impressions_5m", "user_clicks_5m", "user_impressions_1h", "user_clicks_1h",
-          "item_impressions_5m", "item_clicks_5m", "item_impressions_1h", "item_clicks_1h",
-          "user_impressions_total", "user_clicks_total", "item_impressions_total", "item_clicks_total",
-          "category_impressions", "category_clicks")
-RATES = ("user_ctr_5m", "user_ctr_1h", "item_ctr_5m", "item_ctr_1h", "user_ctr_total", "item_ctr_total",
-         "category_ctr")
+# Numeric inputs of the models, from the stream views' scalar columns (counts: BIGINT, log-scaled;
+# rates: DOUBLE, as they are) and the user's age; a missing value (a window without events, a user
+# without a profile) is the default 0 after scaling.
+COUNTS = tuple(name for view in STREAM_VIEWS for name, sql_type in view.columns if sql_type == BIGINT)
+RATES = tuple(name for view in STREAM_VIEWS for name, sql_type in view.columns if sql_type == DOUBLE)
 NUMERIC_FEATURES: tuple[str, ...] = (*COUNTS, *RATES, "user_age")
 SEQUENCE = ("seq_item_ids", "seq_event_times")
 DAY_MS = 86_400_000

@@ -25,7 +25,7 @@ class PredictionLog:
     def __init__(self, s: Settings) -> None:
         self.topic = s.serving.predictions_topic
         self._producer = confluent_kafka.Producer(
-            s.kafka.librdkafka_config() | PRODUCER_OPTIONS | {"queue.buffering.max.messages": 100_000})
+            s.kafka.client_options("librdkafka") | PRODUCER_OPTIONS | {"queue.buffering.max.messages": 100_000})
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="prediction-log", daemon=True)
         self._poller.start()

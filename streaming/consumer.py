@@ -58,9 +58,9 @@ class EventConsumer:
             group_id=group_id, enable_auto_commit=False, auto_offset_reset="earliest",
             session_timeout_ms=s.kafka.session_timeout_ms, heartbeat_interval_ms=s.kafka.heartbeat_interval_ms,
         ) | client_overrides
-        self._consumer = KafkaConsumer(self.topic, **s.kafka.client_config(), **options)
+        self._consumer = KafkaConsumer(self.topic, **s.kafka.client_options("kafka-python"), **options)
         # Dead letters keep the whole original record, which may exceed the event size limit.
-        self._dlq = KafkaProducer(**s.kafka.client_config(), acks="all", max_request_size=4 * 1024 * 1024)
+        self._dlq = KafkaProducer(**s.kafka.client_options("kafka-python"), acks="all", max_request_size=4 * 1024 * 1024)
         self._dlq_pending: list = []
 
     def poll(self, timeout_ms: int = 1000, max_records: int = 1000) -> list[Consumed]:

@@ -26,13 +26,10 @@ from pyflink.table.udf import AggregateFunction, udaf, udtf
 
 from infra.settings import Settings, get_settings
 from streaming.events import InvalidEvent, decode
-from streaming.features import STREAM_VIEWS, VIEWS_BY_NAME, WINDOWS, StreamView
+from streaming.features import STREAM_VIEWS, StreamView
 from streaming.interest import InterestHistogram
 
 log = logging.getLogger("flywheel.stream-job")
-# Views computed by updating GROUP BY aggregates (no watermark wait, late events included),
-# written to upsert-kafka; the others are event-time OVER windows, appended.
-UPSERT_VIEWS = {"user_total", "item_total", "user_category", "user_interest"}
 
 
 def latest_checkpoint(s: Settings) -> Path | None:
@@ -133,21 +130,18 @@ class InterestAggregate(AggregateFunction):
 
 def _kafka(s: Settings, topic: str) -> str:
     """Connector options for `topic`, with the same connection settings as every other client."""
-    options = (f"'topic' = '{topic}', 'properties.bootstrap.servers' = '{s.kafka.bootstrap_servers}', "
-               f"'properties.security.protocol' = '{s.kafka.security_protocol}'")
-    if s.kafka.sasl_mechanism:
-        module = "plain.PlainLoginModule" if s.kafka.sasl_mechanism == "PLAIN" else "scram.ScramLoginModule"
-        jaas = (f'org.apache.kafka.common.security.{module} required '
-                f'username="{s.kafka.sasl_username}" password="{s.kafka.sasl_password}";')
-        options += (f", 'properties.sasl.mechanism' = '{s.kafka.sasl_mechanism}', "
-                    f"'properties.sasl.jaas.config' = '{jaas}'")
-    return options
+    options = {"topic": topic} | {f"properties.{k}": v for k, v in s.kafka.client_options("java").items()}
+    return ", ".join(f"'{k}' = {_sql_string(v)}" for k, v in options.items())
 
 
-def sink_ddl(s: Settings, view: StreamView, upsert: bool = False) -> str:
+def _sql_string(value: object) -> str:
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def sink_ddl(s: Settings, view: StreamView) -> str:
     columns = ", ".join(f"`{name}` {sql_type}" for name, sql_type in
                         [*((k, "STRING") for k in view.keys), ("event_time", "BIGINT"), *view.columns])
-    if upsert:
+    if view.upsert:
         keys = ", ".join(f"`{k}`" for k in view.keys)
         return (f"CREATE TABLE `{view.topic}` ({columns}, PRIMARY KEY ({keys}) NOT ENFORCED) WITH ("
                 f"'connector' = 'upsert-kafka', {_kafka(s, view.topic)}, 'key.format' = 'json', "
@@ -179,7 +173,7 @@ def create_tables(env: TableEnvironment, s: Settings) -> None:
           'key.format' = 'raw', 'key.fields' = 'kafka_key', 'value.format' = 'raw',
           'value.fields-include' = 'EXCEPT_KEY')""")
     for view in STREAM_VIEWS:
-        env.execute_sql(sink_ddl(s, view, upsert=view.name in UPSERT_VIEWS))
+        env.execute_sql(sink_ddl(s, view))
     names = ", ".join(name for name, _ in PARSED)
     env.execute_sql(f"""
         CREATE TEMPORARY VIEW parsed AS
@@ -194,55 +188,11 @@ def create_tables(env: TableEnvironment, s: Settings) -> None:
 
 # --- the feature queries -----------------------------------------------------------------------
 
-def _smoothed_ctr(s: Settings, clicks: str, impressions: str) -> str:
-    weight = s.streaming.ctr_prior_weight
-    return f"({clicks} + {weight * s.streaming.ctr_prior}) / ({impressions} + {weight})"
-
-
-def _window_counts(s: Settings, view: str, key: str, interval: str) -> str:
-    """Impressions, clicks and smoothed CTR in the event-time window ending at each event."""
-    return f"""
-        INSERT INTO `{VIEWS_BY_NAME[view].topic}`
-        SELECT {key}, event_time, imps, clicks, {_smoothed_ctr(s, 'clicks', 'imps')}
-        FROM (SELECT {key}, event_time,
-                CAST(SUM(is_impression) OVER w AS BIGINT) AS imps, CAST(SUM(is_click) OVER w AS BIGINT) AS clicks
-              FROM valid_events
-              WINDOW w AS (PARTITION BY {key} ORDER BY rowtime RANGE BETWEEN {interval} PRECEDING AND CURRENT ROW))"""
-
-
-def _running_counts(s: Settings, view: str, keys: list[str], where: str = "TRUE") -> str:
-    """Impressions, clicks and smoothed CTR over all history: an updating aggregate, upserted by key."""
-    key_list = ", ".join(keys)
-    return f"""
-        INSERT INTO `{VIEWS_BY_NAME[view].topic}`
-        SELECT {key_list}, MAX(event_time), CAST(SUM(is_impression) AS BIGINT), CAST(SUM(is_click) AS BIGINT),
-               {_smoothed_ctr(s, 'SUM(is_click)', 'SUM(is_impression)')}
-        FROM valid_events WHERE {where} GROUP BY {key_list}"""
-
-
 def feature_queries(s: Settings) -> list[str]:
-    queries = []
-    for entity in ("user", "item"):
-        for suffix, interval in WINDOWS.items():
-            queries.append(_window_counts(s, f"{entity}_{suffix}", f"{entity}_id", interval))
-        queries.append(_running_counts(s, f"{entity}_total", [f"{entity}_id"]))
-    queries.append(_running_counts(s, "user_category", ["user_id", "category"], where="category IS NOT NULL"))
-    n = s.streaming.sequence_length
-    queries.append(f"""
-        INSERT INTO `{VIEWS_BY_NAME['user_sequence'].topic}`
-        SELECT user_id, event_time, ARRAY_AGG(item_id) OVER w, ARRAY_AGG(event_type) OVER w,
-               ARRAY_AGG(event_time) OVER w
-        FROM valid_events WHERE event_type <> 'impression'
-        WINDOW w AS (PARTITION BY user_id ORDER BY rowtime ROWS BETWEEN {n - 1} PRECEDING AND CURRENT ROW)""")
-    queries.append(f"""
-        INSERT INTO `{VIEWS_BY_NAME['user_interest'].topic}`
-        SELECT user_id, event_time, interest.categories, interest.weights
-        FROM (SELECT user_id, MAX(event_time) AS event_time, interest_histogram(category, event_time) AS interest
-              FROM valid_events WHERE event_type <> 'impression' AND category IS NOT NULL GROUP BY user_id)""")
-    queries.append("""
+    """Every stream view's query into its topic, and invalid events into the dead-letter topic."""
+    return [*(f"INSERT INTO `{view.topic}` {view.query(s)}" for view in STREAM_VIEWS), """
         INSERT INTO events_dlq
-        SELECT kafka_key, payload, MAP['dlq.reason', CAST(reason AS BYTES)] FROM parsed WHERE reason IS NOT NULL""")
-    return queries
+        SELECT kafka_key, payload, MAP['dlq.reason', CAST(reason AS BYTES)] FROM parsed WHERE reason IS NOT NULL"""]
 
 
 def build(s: Settings) -> TableEnvironment:

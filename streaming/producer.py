@@ -29,7 +29,7 @@ class EventProducer:
         self.max_bytes = s.kafka.max_event_bytes
         self.sent = 0
         self._producer = confluent_kafka.Producer(
-            s.kafka.librdkafka_config() | PRODUCER_OPTIONS | librdkafka_overrides)
+            s.kafka.client_options("librdkafka") | PRODUCER_OPTIONS | librdkafka_overrides)
         self._failures: list[confluent_kafka.KafkaError] = []
 
     def _delivered(self, err: confluent_kafka.KafkaError | None, _msg: object) -> None:

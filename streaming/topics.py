@@ -7,6 +7,7 @@ broker, so end offsets here are read by fetching.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 
@@ -15,14 +16,15 @@ from kafka.admin import NewTopic
 from kafka.errors import TopicAlreadyExistsError
 from kafka.consumer.fetcher import ConsumerRecord
 
-from infra.settings import Settings
+from infra.settings import Settings, get_settings
+from streaming.features import STREAM_VIEWS
 
 
 def ensure_topics(s: Settings, topics: list[str], partitions: int | None = None) -> set[str]:
     """Create `topics` (and their dead-letter topics) if missing; existing topics are left as they are.
     Returns the topics this call created."""
     wanted = set(topics) | {s.kafka.dlq_topic(t) for t in topics if not t.endswith(s.kafka.dlq_suffix)}
-    admin = KafkaAdminClient(**s.kafka.client_config())
+    admin = KafkaAdminClient(**s.kafka.client_options("kafka-python"))
     try:
         missing = wanted - set(admin.list_topics())
         for name in sorted(missing):
@@ -37,7 +39,7 @@ def ensure_topics(s: Settings, topics: list[str], partitions: int | None = None)
 
 
 def _wait_for_metadata(s: Settings, topics: set[str], timeout_s: float = 10.0) -> None:
-    consumer = KafkaConsumer(**s.kafka.client_config())
+    consumer = KafkaConsumer(**s.kafka.client_options("kafka-python"))
     try:
         deadline = time.monotonic() + timeout_s
         while any(not consumer.partitions_for_topic(t) for t in topics):
@@ -95,7 +97,7 @@ class _reader:
         self.s, self.topic = s, topic
 
     def __enter__(self) -> tuple[KafkaConsumer, list[TopicPartition]]:
-        self.consumer = KafkaConsumer(**self.s.kafka.client_config(), enable_auto_commit=False,
+        self.consumer = KafkaConsumer(**self.s.kafka.client_options("kafka-python"), enable_auto_commit=False,
                                       group_id=None, fetch_max_bytes=16 * 1024 * 1024)
         ids = self.consumer.partitions_for_topic(self.topic)
         if not ids:
@@ -107,3 +109,21 @@ class _reader:
 
     def __exit__(self, *exc: object) -> None:
         self.consumer.close()
+
+
+def prepare_pipeline(s: Settings) -> None:
+    """Before the pipeline starts (the stack runs this as the pipeline's setup): its topics must exist,
+    since a missing source topic fails a Flink job.
+
+    A newly created events topic (the embedded broker keeps topics in memory only, so after
+    `down`/`up` they are new) makes the stream job's checkpoints stale: they hold offsets and state
+    of the topic that is gone, and resuming from them would wait for offsets the new topic never
+    reaches. They are removed, so the job starts from the new topic's beginning.
+    """
+    created = ensure_topics(s, [s.kafka.events_topic, *(v.topic for v in STREAM_VIEWS)])
+    if s.kafka.events_topic in created and s.paths.checkpoints_dir.exists():
+        shutil.rmtree(s.paths.checkpoints_dir)
+
+
+if __name__ == "__main__":
+    prepare_pipeline(get_settings())

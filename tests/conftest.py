@@ -17,7 +17,7 @@ from infra.settings import Settings, load_settings
 from streaming.events import Event, EventType
 
 REPO = Path(__file__).resolve().parent.parent
-FLYWHEEL = [sys.executable, "-m", "infra.cli"]
+FLYWHEEL = [sys.executable, "-m", "flywheel.cli"]
 
 
 def stack_environ(data_dir: Path, **extra: str) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Airflow in a child process, for tests (Airflow reads AIRFLOW_HOME once, at import).
 
-    python -m tests.run_dag --parse         the DAG folder's DAGs, import errors and the heavy modules
-                                            parsing imported, as JSON
+    python -m tests.run_dag --parse         the DAG folder's DAGs, import errors, the heavy modules
+                                            parsing imported and whether it loaded settings, as JSON
     python -m tests.run_dag DAG_ID [CONF]   one run with `dag.test()` (no scheduler, no executor); the
                                             run's state, each task's state and return value, as JSON
 
@@ -22,14 +22,15 @@ HEAVY = ("tensorflow", "keras", "mlflow", "feast", "pyflink", "falkordb", "panda
 def main() -> None:
     from airflow.dag_processing.dagbag import BundleDagBag
 
-    from infra.settings import get_settings
+    from infra.settings import get_settings, setting_from_environ
 
     # As the dag-processor and the task runner load them: the bundle (dags/) is on sys.path.
-    dags = get_settings().paths.dags_dir
+    dags = setting_from_environ("paths", "dags_dir")
     bag = BundleDagBag(dag_folder=str(dags), bundle_path=dags)
     if sys.argv[1] == "--parse":
         print("RESULT " + json.dumps({"dags": sorted(bag.dag_ids), "errors": bag.import_errors,
-                                      "heavy": sorted(m for m in HEAVY if m in sys.modules)}))
+                                      "heavy": sorted(m for m in HEAVY if m in sys.modules),
+                                      "settings_loaded": get_settings.cache_info().currsize > 0}))
         return
     dag_id, conf = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     if bag.import_errors or dag_id not in bag.dag_ids:

@@ -62,6 +62,23 @@ def test_dags_parse_fast_without_heavy_imports(tmp_path: Path) -> None:
     assert parsed["dags"] == ["feature_materialization", "graph_update", "incremental_training", "model_rollback",
                               "offline_training"]
     assert parsed["heavy"] == []  # TensorFlow, MLflow, Feast, ... load in tasks, not while parsing
+    assert parsed["settings_loaded"] is False  # nor are the settings: no config file is read while parsing
+
+
+def test_dag_schedules_and_defaults_follow_the_settings_the_stack_hands_airflow(tmp_path: Path) -> None:
+    environ = stack_environ(tmp_path) | {"AIRFLOW_HOME": str(tmp_path / "airflow"),
+                                         "FLYWHEEL_AIRFLOW_INCREMENTAL_TRAINING_MINUTES": "7",
+                                         "FLYWHEEL_MODELS_NAME": "ctr-elsewhere"}
+    done = subprocess.run([sys.executable, "-c", """
+import json
+from airflow.dag_processing.dagbag import BundleDagBag
+from infra.settings import setting_from_environ
+dags = setting_from_environ("paths", "dags_dir")
+dag = BundleDagBag(dag_folder=str(dags), bundle_path=dags).dags["incremental_training"]
+print("RESULT " + json.dumps([str(dag.timetable.delta), dag.params["model_name"]]))
+"""], env=environ, cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    assert json.loads(result[7:]) == ["0:07:00", "ctr-elsewhere"], done.stderr[-2000:]
 
 
 def test_trigger_refuses_bad_parameters_and_reports_an_unreachable_airflow(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """The separate Flink environment and its Kafka connector jars, as setup installs them."""
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -41,3 +42,28 @@ def test_the_flink_environment_runs_pyflink_2_3_apart_from_the_platform() -> Non
     flink, protobuf_major, kafka = out.stdout.split()
     assert (flink, kafka) == ("2.3.0", "3.0.12")
     assert int(protobuf_major) < 6  # the reason it is a separate environment
+
+
+def test_the_planner_accepts_every_stream_view_query_into_its_declared_sink(tmp_path: Path) -> None:
+    """Each view's query fits the sink built from its own declaration (keys, event_time, columns, upsert or
+    append): Flink's planner refuses a column mismatch, and an updating query into an append-only sink."""
+    s = load_settings({"FLYWHEEL_PATHS_DATA_DIR": str(tmp_path)})
+    script = """
+from infra.settings import get_settings
+from streaming.features import STREAM_VIEWS
+from streaming.job import build, feature_queries
+s = get_settings()
+statements = build(s).create_statement_set()
+for query in feature_queries(s):
+    statements.add_insert_sql(query)
+plan = statements.explain()
+print("SINKS", *sorted(v.topic for v in STREAM_VIEWS if f"default_database.{v.topic}]" in plan))
+"""
+    out = subprocess.run([str(s.paths.flink_python), "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent,
+                         env=dict(os.environ, FLYWHEEL_PATHS_DATA_DIR=str(tmp_path)))
+    sinks = next((line.split()[1:] for line in out.stdout.splitlines() if line.startswith("SINKS")), None)
+    assert sinks is not None, out.stderr[-3000:]
+    from streaming.features import STREAM_VIEWS
+
+    assert sinks == sorted(v.topic for v in STREAM_VIEWS)

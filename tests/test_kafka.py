@@ -85,7 +85,7 @@ def test_bad_records_go_to_the_dead_letter_topic_with_the_reason(broker: Setting
         json.dumps(valid | {"event_type": "hover"}).encode(): "unknown event_type 'hover'",
         json.dumps(valid | {"context": {"blob": "x" * 100_000}}).encode(): "oversized",
     }
-    raw = KafkaProducer(**broker.kafka.client_config(), acks="all", max_request_size=1 << 20)
+    raw = KafkaProducer(**broker.kafka.client_options("kafka-python"), acks="all", max_request_size=1 << 20)
     records = good[:20] + list(bad) + good[20:]
     for value in records:
         raw.send(topic, key=b"u0", value=value, headers=[("origin", b"test")])

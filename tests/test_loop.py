@@ -16,7 +16,7 @@ from feature_repo.event_log import read_event_log
 from feature_repo.store import feature_store, online_row
 from infra import stack
 from infra.airflow_api import AirflowClient
-from infra.loop import LoopPlan, Summary, run_loop, summary_lines
+from flywheel.demo import LoopPlan, Summary, run_loop, summary_lines
 from infra.settings import Settings, load_settings
 from models.registry import CHAMPION, alias_version, connect, version_tags
 from serving.outcomes import Period, served_outcomes

@@ -33,9 +33,23 @@ def test_kafka_credentials_come_from_the_environment() -> None:
     s = load_settings({"FLYWHEEL_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "FLYWHEEL_KAFKA_SASL_MECHANISM": "PLAIN",
                        "FLYWHEEL_KAFKA_SASL_USERNAME": "svc", "FLYWHEEL_KAFKA_SASL_PASSWORD": "from-env"},
                       config_file=None)
-    config = s.kafka.client_config()
+    config = s.kafka.client_options("kafka-python")
     assert config["security_protocol"] == "SASL_SSL"
     assert (config["sasl_plain_username"], config["sasl_plain_password"]) == ("svc", "from-env")
+    rd = s.kafka.client_options("librdkafka")
+    assert (rd["security.protocol"], rd["sasl.username"], rd["sasl.password"]) == ("SASL_SSL", "svc", "from-env")
+
+
+def test_the_flink_connector_gets_the_same_credentials_as_a_jaas_line() -> None:
+    s = load_settings({"FLYWHEEL_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "FLYWHEEL_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+                       "FLYWHEEL_KAFKA_SASL_USERNAME": "svc", "FLYWHEEL_KAFKA_SASL_PASSWORD": 'p"w\\d'},
+                      config_file=None)
+    java = s.kafka.client_options("java")
+    assert java["security.protocol"] == "SASL_SSL" and java["sasl.mechanism"] == "SCRAM-SHA-512"
+    assert java["sasl.jaas.config"] == ('org.apache.kafka.common.security.scram.ScramLoginModule required '
+                                        'username="svc" password="p\\"w\\\\d";')
+    plain = load_settings({}, config_file=None).kafka.client_options("java")
+    assert plain == {"bootstrap.servers": "127.0.0.1:9092", "security.protocol": "PLAINTEXT"}
 
 
 @pytest.mark.parametrize("environ, config, message", [
@@ -57,7 +71,7 @@ def test_the_documented_example_config_for_real_clusters_loads() -> None:
 
     s = load_settings({"FLYWHEEL_KAFKA_SASL_PASSWORD": "secret"}, config_file=REPO_ROOT / "flywheel.example.toml")
     assert s.stack.services == ("airflow",)
-    assert s.kafka.client_config()["sasl_plain_password"] == "secret"
+    assert s.kafka.client_options("kafka-python")["sasl_plain_password"] == "secret"
     assert s.redis.url.startswith("rediss://")
 
 

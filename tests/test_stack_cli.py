@@ -12,6 +12,7 @@ from infra import stack
 from infra.process import tagged
 from infra.settings import Settings, load_settings
 from infra.stack import STACK_TAG
+from streaming.topics import prepare_pipeline
 from tests.conftest import run_cli, stack_environ
 
 pytestmark = pytest.mark.stack
@@ -99,10 +100,10 @@ def test_a_new_events_topic_drops_stale_stream_checkpoints(broker: Settings, tmp
     stale = s.paths.checkpoints_dir / "job" / "chk-7"
     stale.mkdir(parents=True)
     (stale / "_metadata").write_bytes(b"offsets of a topic that is gone")
-    stack.prepare_pipeline(s)  # creates the events topic
+    prepare_pipeline(s)  # creates the events topic
     assert not s.paths.checkpoints_dir.exists()
 
     stale.mkdir(parents=True)
     (stale / "_metadata").write_bytes(b"offsets of this topic")
-    stack.prepare_pipeline(s)  # the topic exists: the checkpoints are current
+    prepare_pipeline(s)  # the topic exists: the checkpoints are current
     assert (stale / "_metadata").exists()

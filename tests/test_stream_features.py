@@ -99,7 +99,7 @@ def test_known_events_give_exactly_the_expected_online_features(pipeline: Settin
         for e in on_time:
             producer.send(e)
         producer.flush()
-    raw = KafkaProducer(**s.kafka.client_config(), acks="all")
+    raw = KafkaProducer(**s.kafka.client_options("kafka-python"), acks="all")
     for value in bad:
         raw.send(s.kafka.events_topic, key=b"user-a", value=value)
     raw.flush()

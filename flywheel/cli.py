@@ -424,7 +424,7 @@ def demo(split: datetime, history_limit: int | None, sessions: int | None, rate:
     import warnings
 
     from infra.airflow_api import AirflowApiError
-    from infra.loop import LoopError, LoopPlan, run_loop, summary_lines
+    from flywheel.demo import LoopError, LoopPlan, run_loop, summary_lines
 
     # The drill loads and logs a model in this process: keep TensorFlow's and MLflow's chatter out of the demo.
     for name, value in {"TF_CPP_MIN_LOG_LEVEL": "2", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",

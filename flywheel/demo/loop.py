@@ -1,0 +1,153 @@
+"""The loop's stages in order (see the package's docstring): history, the first champion, live traffic
+with the drills, the summary. Each stage that does not have its effect raises LoopError naming it."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import asdict
+
+from feature_repo.catalog import load_movielens, materialize
+from feature_repo.store import feature_store
+from flywheel.demo.drills import drills
+from flywheel.demo.plan import LoopError, LoopPlan, Say, Summary
+from flywheel.demo.probes import await_features, online_user, serving, wait_serving
+from flywheel.demo.summary import report
+from flywheel.demo.traffic import Traffic
+from infra.airflow_api import AirflowClient
+from infra.settings import Settings
+from models.registry import CHAMPION, alias_version, connect, list_versions
+from serving.outcomes import Period, percentiles
+from streaming.movielens import replay_events
+from streaming.produce import count_landed, produce
+from streaming.producer import EventProducer
+from streaming.topics import end_offsets, ensure_topics
+
+
+def run_loop(s: Settings, plan: LoopPlan, say: Say = print) -> Summary:
+    """The whole loop on the running stack; raises LoopError naming the stage that failed."""
+    started, summary = time.monotonic(), Summary()
+    server = f"http://{s.serving.host}:{s.serving.port}"
+    history_events(s, plan, summary, say)
+    airflow = AirflowClient(s)
+    champion = first_champion(s, plan, airflow, summary, say)
+    summary.first_served_s = wait_serving(server, champion, 300, say)
+    period = Period.now(s)
+    live(s, plan, server, airflow, summary, say)
+    report(s, period, summary)
+    summary.seconds = time.monotonic() - started
+    out = s.paths.data_dir / "demo"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(asdict(summary), indent=1, default=str))
+    return summary
+
+
+# --- 1. history ---------------------------------------------------------------------------------
+
+def history_events(s: Settings, plan: LoopPlan, summary: Summary, say: Say) -> None:
+    topic = s.kafka.events_topic
+    ensure_topics(s, [topic])
+    events = list(replay_events(s, plan.history_limit, int(plan.split.timestamp())))
+    store = feature_store(s)
+    last = events[-1].user_id
+    expected = (online_user(store, last)["user_impressions_total"] or 0) + sum(
+        e.user_id == last and e.event_type.value == "impression" for e in events)
+    start = end_offsets(s, topic)
+    t0 = time.monotonic()
+    with EventProducer(s, topic) as producer:
+        sent = produce(events, producer, desc="history")
+    landed = count_landed(s, topic, start, end_offsets(s, topic))
+    if landed != sent.by_type:
+        raise LoopError(f"Kafka topic {topic!r} holds {dict(landed)} of the history, the replay sent "
+                        f"{dict(sent.by_type)}")
+    summary.history_events = dict(landed)
+    say(f"history: {sent.total:,} events of the ratings before {plan.split:%Y-%m-%d} in Kafka "
+        f"({dict(sorted(landed.items()))}) in {sent.seconds:.1f}s")
+    say(f"catalog (batch features) in the offline store and online: {load_movielens(s)}; "
+        f"materialized {materialize(s)}")
+    row = await_features(store, events, expected, plan.feature_timeout_s)
+    say(f"Flink -> Feast caught up with the history {time.monotonic() - t0:.0f}s after the replay began. "
+        f"Online features of user {row['user_id']}:")
+    for name, value in row.items():
+        if isinstance(value, list) and len(value) > 5:  # sequences: the newest 5; rankings: the top 5
+            newest = name.startswith("seq_")
+            value = f"{value[-5:] if newest else value[:5]} ({'newest' if newest else 'top'} 5 of {len(value)})"
+        say(f"  {name:24} {value}")
+
+
+# --- 2. the first champion ------------------------------------------------------------------------
+
+def first_champion(s: Settings, plan: LoopPlan, airflow: AirflowClient, summary: Summary, say: Say) -> str:
+    conf = {"data_start": plan.history_from.isoformat(), "data_end": plan.split.isoformat()}
+    t0 = time.monotonic()
+    run_id = airflow.trigger("offline_training", conf)
+    say(f"offline_training: run {run_id} triggered through Airflow with {conf} "
+        f"({s.airflow.api_url}/dags/offline_training/runs/{run_id})")
+    state = airflow.wait("offline_training", run_id, plan.training_timeout_s)
+    if state != "success":
+        raise LoopError(f"offline_training run {run_id} {state}: {airflow.task_states('offline_training', run_id)}; "
+                        "see its task logs in the Airflow UI")
+    trained = airflow.xcom("offline_training", run_id, "train")
+    summary.offline_training_s = time.monotonic() - t0
+    champion = alias_version(connect(s), s.models.name, CHAMPION)
+    if champion is None:
+        raise LoopError(f"offline_training registered v{trained['version']} but {s.models.name} has no @champion")
+    summary.first_champion = champion
+    say(f"offline_training: v{trained['version']} registered in {summary.offline_training_s:.0f}s "
+        f"(test AUC {trained.get('test_auc', float('nan')):.4f}); @champion is v{champion}")
+    return champion
+
+
+# --- 3. live traffic and the drills -----------------------------------------------------------------
+
+def live(s: Settings, plan: LoopPlan, server: str, airflow: AirflowClient, summary: Summary, say: Say) -> None:
+    traffic = Traffic(s, plan, server)
+    say(f"live: {len(traffic.sessions):,} sessions after {plan.split:%Y-%m-%d} as ranking requests at "
+        f"{plan.rate:g}/s through {server}/rank; incremental_training every "
+        f"{s.airflow.incremental_training_minutes} min")
+    airflow.set_paused("incremental_training", False)
+    traffic.thread.start()
+    known = {r["version"] for r in list_versions(s)}
+    deadline, tail_until, last_note = time.monotonic() + plan.live_timeout_s, None, time.monotonic()
+    try:
+        while tail_until is None or time.monotonic() < tail_until:
+            if traffic.error is not None:
+                raise LoopError(f"the live traffic stopped: {type(traffic.error).__name__}: {traffic.error}")
+            if time.monotonic() > deadline:
+                raise LoopError(f"live phase over {plan.live_timeout_s:.0f}s: incremental versions promoted "
+                                f"{summary.incremental_promoted or 'none'}, rollback {summary.rollback or 'not done'}; "
+                                f"see `flywheel versions` and the incremental_training runs at {s.airflow.api_url}")
+            for row in list_versions(s):
+                if row["version"] not in known and row["gate"]:
+                    known.add(row["version"])
+                    say(f"  v{row['version']} registered ({row['kind']}, parent v{row['parent'] or '-'}, data "
+                        f"{row['data']}): gate {row['gate']}: {row['reason']}")
+                    if row["parent"] and row["gate"] == "promoted" and not row["drill"]:
+                        summary.incremental_promoted.append(row["version"])
+            champion = alias_version(connect(s), s.models.name, CHAMPION)
+            # The drills wait until live responses name the incremental champion (its AUC on served traffic).
+            if tail_until is None and champion in summary.incremental_promoted and \
+                    serving(server).get("champion") == champion and champion in traffic.served_versions():
+                say(f"  ranking server follows: serving v{champion} (trained incrementally from served traffic)")
+                drills(s, server, airflow, champion, summary, known, say)
+                tail_until = time.monotonic() + plan.tail_s
+            if time.monotonic() - last_note > 30:
+                last_note = time.monotonic()
+                ok = sum(r.status == 200 for r in traffic.results)
+                say(f"  live: {len(traffic.results):,} requests answered ({ok:,} ok), serving "
+                    f"{sorted(traffic.served_versions())}, {sum(traffic.events.values()):,} events sent")
+            time.sleep(2)
+    finally:
+        traffic.stop.set()
+        traffic.thread.join()
+    for run_id in airflow.active_runs("incremental_training"):  # it trains on this traffic: let it finish
+        say(f"  waiting for incremental_training run {run_id} to finish")
+        airflow.wait("incremental_training", run_id, 600)
+    summary.live_events = dict(traffic.events)
+    summary.feature_freshness_s = traffic.probes.seconds
+    summary.feature_probes_timed_out = traffic.probes.timed_out
+    summary.requests = len(traffic.results)
+    summary.statuses = {str(k): v for k, v in Counter(
+        r.status if r.status != 503 else f"503 {r.body.get('reason')}" for r in traffic.results).items()}
+    summary.latency_ms = percentiles([r.seconds for r in traffic.results if r.status == 200])

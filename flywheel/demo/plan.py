@@ -1,0 +1,50 @@
+"""What a run of the loop is asked to do (LoopPlan), what it found (Summary), and how it fails."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+Say = Callable[[str], None]
+
+
+class LoopError(RuntimeError):
+    """A stage of the loop did not have its effect; the message says which and where to look."""
+
+
+@dataclass(frozen=True)
+class LoopPlan:
+    split: datetime = datetime(1998, 3, 1, tzinfo=UTC)  # ratings before: history; from then on: live traffic
+    history_from: datetime = datetime(1997, 9, 1, tzinfo=UTC)  # offline training window start
+    history_limit: int | None = None  # replay at most this many history ratings (a shortened loop)
+    sessions: int | None = None  # the first N live sessions (None: all after `split`), replayed in a cycle
+    rate: float = 2.0  # live requests per second
+    tail_s: float = 30.0  # live traffic kept up after the rollback is served
+    feature_timeout_s: float = 900.0
+    training_timeout_s: float = 1800.0
+    live_timeout_s: float = 1800.0
+
+
+@dataclass
+class Summary:
+    history_events: dict[str, int] = field(default_factory=dict)
+    live_events: dict[str, int] = field(default_factory=dict)
+    dead_letters: int = 0
+    predictions_logged: int = 0
+    feature_freshness_s: list[float] = field(default_factory=list)
+    feature_probes_timed_out: int = 0  # not online within 60 s
+    first_champion: str = ""
+    offline_training_s: float = 0.0
+    first_served_s: float = 0.0  # offline_training run finished -> its champion served
+    statuses: dict[str, int] = field(default_factory=dict)
+    latency_ms: dict[str, float] = field(default_factory=dict)
+    requests: int = 0
+    versions: list[dict] = field(default_factory=list)  # registry rows, newest first
+    served: list[dict] = field(default_factory=list)  # per version on live traffic: requests, items, auc, ...
+    auc_over_time: list[dict] = field(default_factory=list)
+    model_freshness_s: dict[str, float] = field(default_factory=dict)  # newest event in its data -> served
+    incremental_promoted: list[str] = field(default_factory=list)
+    refused_drill: dict[str, str] = field(default_factory=dict)
+    rollback: dict[str, object] = field(default_factory=dict)
+    seconds: float = 0.0

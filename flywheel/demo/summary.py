@@ -1,0 +1,78 @@
+"""The loop's outcome: what was served and learned, gathered from the registry, the prediction log and
+Kafka (`report`), and printed (`summary_lines`)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from flywheel.demo.plan import Summary
+from infra.settings import Settings
+from models.registry import list_versions, version_tags
+from serving.outcomes import Period, auc_by_version, auc_over_time, percentiles, served_outcomes
+from streaming.topics import end_offsets
+
+
+def report(s: Settings, period: Period, summary: Summary) -> None:
+    outcomes = served_outcomes(s, period)
+    summary.predictions_logged = outcomes["request_id"].nunique() if len(outcomes) else 0
+    by_version = auc_by_version(outcomes)
+    summary.served = by_version.to_dict("records")
+    summary.auc_over_time = auc_over_time(outcomes, 30).to_dict("records")
+    summary.versions = list_versions(s)
+    for row in summary.served:
+        tags = version_tags(s, row["model_version"])
+        if tags.get("parent_version") and tags.get("eval_end") and "drill" not in tags:
+            newest = datetime.fromisoformat(tags["eval_end"]).timestamp()
+            summary.model_freshness_s[row["model_version"]] = row["first_served"] / 1000 - newest
+    try:
+        summary.dead_letters = sum(end_offsets(s, s.kafka.dlq_topic(s.kafka.events_topic)).values())
+    except LookupError:
+        summary.dead_letters = 0
+
+
+def summary_lines(s: Settings, summary: Summary) -> list[str]:
+    def events(counts: dict[str, int]) -> str:
+        return f"{sum(counts.values()):,} ({', '.join(f'{k} {v:,}' for k, v in sorted(counts.items()))})"
+
+    fresh = percentiles(summary.feature_freshness_s, (50, 99))
+    lines = [
+        "", "=== Flywheel: the loop, summary ===",
+        f"events into Kafka: history {events(summary.history_events)}; live {events(summary.live_events)}; "
+        f"dead-lettered {summary.dead_letters}",
+        f"live requests: {summary.requests:,} ({summary.statuses}); predictions logged and joined to clicks: "
+        f"{summary.predictions_logged:,} requests",
+        f"feature freshness (live events sent -> the user's running total online): p50 {fresh['p50'] / 1000:.2f}s, "
+        f"p99 {fresh['p99'] / 1000:.2f}s ({len(summary.feature_freshness_s)} probes; "
+        f"{summary.feature_probes_timed_out} not online within 60 s)",
+        "serving latency (client side, 200s): " + ", ".join(f"{q} {ms:.1f} ms" for q, ms in summary.latency_ms.items()),
+        f"offline_training (Airflow) -> first @champion v{summary.first_champion}: {summary.offline_training_s:.0f}s; "
+        f"served {summary.first_served_s:.1f}s after the run finished",
+        "model versions (newest first):"]
+    served = {row["model_version"]: row for row in summary.served}
+    for v in summary.versions:
+        kind = (f"drill: {v['drill']}" if v["drill"] else f"incremental from v{v['parent']}" if v["parent"]
+                else f"full ({v['kind']})")
+        lines.append(f"  v{v['version']:<3} {('@' + v['aliases']) if v['aliases'] else '':<12} {kind:<22} "
+                     f"gate {v['gate'] or '-'}: {v['reason'] or '-'}")
+        if v["rolled_back"]:
+            lines.append(f"       rolled back: {v['rolled_back']}")
+        if (row := served.get(v["version"])) is not None:
+            fresh_s = summary.model_freshness_s.get(v["version"])
+            lines.append(f"       served {row['requests']:,} requests / {row['items']:,} items, CTR {row['ctr']:.3f}, "
+                         f"AUC on the traffic it served {row['auc']:.4f}"
+                         + (f"; model freshness (newest event in its data -> served) {fresh_s:.0f}s"
+                            if fresh_s is not None else ""))
+    if summary.refused_drill:
+        d = summary.refused_drill
+        lines.append(f"bad-model drill: v{d['version']} (output inverted) {d['gate']} by the gate: {d['reason']}")
+    if summary.rollback:
+        r = summary.rollback
+        lines.append(f"rollback drill: model_rollback DAG v{r['from']} -> v{r['to']} in {r['dag_s']:.1f}s, served "
+                     f"{r['served_after_dag_s']:.1f}s later")
+    lines += [f"whole loop: {summary.seconds / 60:.1f} min",
+              f"Airflow UI: {s.airflow.api_url} (user {s.airflow.username}; its password: `flywheel status`)",
+              f"MLflow UI:  {s.mlflow.tracking_uri}/#/models/{s.models.name}",
+              f"Ranking API: http://{s.serving.host}:{s.serving.port}/docs",
+              f"Summary as JSON: {s.paths.data_dir / 'demo' / 'summary.json'}",
+              "The stack keeps running (incremental_training on its cadence); stop it with `make down`."]
+    return lines
