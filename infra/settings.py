@@ -272,7 +272,7 @@ class ServingSettings:
     canary_percent: float = 0.0
     shadow_percent: float = 0.0
     # Model following: aliases are polled this often; versions kept loaded and warm.
-    poll_interval_s: float = 5.0
+    poll_interval_s: float = 0.5  # one registry call per poll: the aliases of the model
     keep_warm: int = 3
     predictions_topic: str = "predictions"
 

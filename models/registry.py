@@ -86,6 +86,15 @@ def alias_version(client: MlflowClient, name: str, alias: str) -> str | None:
         return None
 
 
+def aliases(client: MlflowClient, name: str) -> dict[str, str]:
+    """Every alias of a registered model and the version it names, in one registry call ({} if the
+    model is not registered yet)."""
+    try:
+        return {alias: str(version) for alias, version in client.get_registered_model(name).aliases.items()}
+    except MlflowException:
+        return {}
+
+
 def load_version(s: Settings, version: str) -> CtrModel:
     """The in-memory model of a registered version (its export, as logged)."""
     connect(s)

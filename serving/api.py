@@ -6,10 +6,12 @@
     GET  /models   the versions serving each route, the warm ones, the refused ones and why
     GET  /metrics  Prometheus
 
-Errors, never a 500 for bad input: malformed JSON or a field of the wrong type or range -> 422 with
-FastAPI's `detail` list; more than `serving.max_candidates` candidates -> 413; unknown users, items or
+Errors, never a 500 for bad input: malformed JSON, a field of the wrong type or range (NaN and
+Infinity included), text that is not valid Unicode -> 422 with a `detail` list (type, loc, msg of each
+error); more than `serving.max_candidates` candidates -> 413; unknown users, items or
 categories -> 200, scored with the documented defaults and named in `defaulted_features`. Load ->
-503 with Retry-After and `reason` (`queue`, `tier`, `deadline`, `not_ready`).
+503 with Retry-After and `reason` (`queue`, `tier`, `deadline`, `not_ready`; `features` when the online
+store did not answer within the request's deadline).
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from infra.settings import Settings
 from serving import metrics
@@ -33,21 +36,34 @@ from serving.inference import Inference, NotReady, RankRequest, Shed
 log = logging.getLogger(__name__)
 
 
+def _utf8(text: str) -> str:
+    """JSON strings may carry lone UTF-16 surrogates, which no store key or log record can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("not valid Unicode text (a lone UTF-16 surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+
+
 class CandidateIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    item_id: str = Field(min_length=1, max_length=256)
-    category: str = Field("", max_length=256, description="The item's category; empty -> category features "
-                                                           "defaulted.")
+    item_id: Text = Field(min_length=1, max_length=256)
+    category: Text = Field("", max_length=256, description="The item's category; empty -> category features "
+                                                            "defaulted.")
 
 
 class RankIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    user_id: str = Field(min_length=1, max_length=256)
+    user_id: Text = Field(min_length=1, max_length=256)
     candidates: list[CandidateIn] = Field(min_length=1, description="Best-recalled first: under load, "
                                                                     "low-tier requests score a prefix.")
     tier: Literal["high", "normal", "low"] = Field("normal", description="Traffic value: compute allocation.")
-    deadline_ms: float | None = Field(None, gt=0, description="At most serving.default_deadline_ms.")
-    request_id: str | None = Field(None, min_length=1, max_length=128)
+    deadline_ms: float | None = Field(None, gt=0, allow_inf_nan=False, description="At most "
+                                                                                  "serving.default_deadline_ms.")
+    request_id: Text | None = Field(None, min_length=1, max_length=128)
 
 
 class RankOut(BaseModel):
@@ -66,6 +82,10 @@ class Refusal(BaseModel):
     detail: str
 
 
+def _printable(part: object) -> object:
+    return part.encode("utf-8", "backslashreplace").decode() if isinstance(part, str) else part
+
+
 def create_app(s: Settings, inference: Inference) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -77,6 +97,13 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
     app = FastAPI(title="Flywheel ranking API", version="1", lifespan=lifespan,
                   description="Ranks a user's candidate items with the model in the MLflow registry's "
                               "@champion (or @challenger for the canary's users).")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes the input, which may not be JSON (NaN) or UTF-8 (a lone surrogate):
+        # a 500 instead of the 422. Each error's type, location and message are enough to fix the request.
+        return JSONResponse({"detail": [{"type": e["type"], "loc": [_printable(part) for part in e["loc"]],
+                                         "msg": _printable(e["msg"])} for e in exc.errors()]}, status_code=422)
 
     def refuse(reason: str, detail: str, started: float) -> JSONResponse:
         metrics.REQUESTS.labels("-", "503").inc()

@@ -1,10 +1,9 @@
-"""Online features for one ranking request, from the `ranking_serving` feature service: one batched
-read per entity kind (the user's views with one row, the candidates' item views with one row per
-distinct item, the user x category view with one row per distinct category), of the features the
-model consumes, joined back to one row per candidate. Reading every view with one row per candidate
-decodes the user's features once per candidate: 3-4x slower here (docs/benchmark-notes.md). The rows
-become model inputs by the function that builds training sets (`models.dataset.to_examples`), so
-serving and training see the same features.
+"""Online features for one ranking request, from the `ranking_serving` feature service: one pipelined
+Redis round trip per entity kind (the user's hash, the candidates' distinct items not cached, the user
+x category hashes), of the features the model consumes, read straight from Feast's layout
+(feature_repo/online.py, proven equal to `get_online_features`) and joined back to one row per
+candidate. The rows become model inputs by the function that builds training sets
+(`models.dataset.to_examples`), so serving and training see the same features.
 
 Item features are cached in the process for `serving.item_features_ttl_ms` (1 s by default): hot
 items are read once per TTL, not once per request, at the cost of item counts up to that much older.
@@ -25,6 +24,7 @@ import numpy as np
 import pandas as pd
 from feast.errors import FeatureServiceNotFoundException
 
+from feature_repo.online import OnlineReader
 from feature_repo.store import feature_store
 from infra.settings import Settings
 from models.dataset import NUMERIC_FEATURES, SEQUENCE, to_examples
@@ -84,23 +84,25 @@ class SharedEntityCache:
 
 class OnlineFeatures:
     def __init__(self, s: Settings) -> None:
-        self.store = feature_store(s)
+        store = feature_store(s)  # the registry: which views and features the service serves
         try:
-            service = self.store.get_feature_service(SERVICE)
+            service = store.get_feature_service(SERVICE)
         except FeatureServiceNotFoundException:
             raise ValueError(f"feature service {SERVICE} is not registered: apply the feature repo first "
                              "(`flywheel up` does)") from None
         wanted = {*NUMERIC_FEATURES, *SEQUENCE}
-        self.reads: dict[tuple[str, ...], list[str]] = {}  # join keys -> feature refs read with them
+        self.reads: dict[tuple[str, ...], list[tuple[str, str]]] = {}  # join keys -> (view, feature) read
         for projection in service.feature_view_projections:
-            keys = tuple(self.store.get_feature_view(projection.name).join_keys)
-            refs = [f"{projection.name_to_use()}:{f.name}" for f in projection.features if f.name in wanted]
+            keys = tuple(store.get_feature_view(projection.name).join_keys)
+            refs = [(projection.name_to_use(), f.name) for f in projection.features if f.name in wanted]
             if refs:
                 self.reads.setdefault(keys, []).extend(refs)
-        served = {ref.split(":")[1] for refs in self.reads.values() for ref in refs}
+        served = {name for refs in self.reads.values() for _, name in refs}
         if wanted - served:
             raise ValueError(f"feature service {SERVICE} lacks {sorted(wanted - served)}")
-        self.names = {keys: [ref.split(":")[1] for ref in refs] for keys, refs in self.reads.items()}
+        self.names = {keys: [name for _, name in refs] for keys, refs in self.reads.items()}
+        # A stalled Redis fails a read after this long (the caller bounds it by the request's deadline too).
+        self.reader = OnlineReader(s, s.serving.default_deadline_ms / 1000)
         self.cache = SharedEntityCache(s.serving.item_features_ttl_ms / 1000, s.serving.item_features_cache_size)
 
     def fetch(self, user_id: str, candidates: list[Candidate], now_ms: int, sequence_length: int,
@@ -117,9 +119,7 @@ class OnlineFeatures:
             found = self.cache.get(keys, of_row) if shared else {}
             missing = [e for e in dict.fromkeys(of_row) if e not in found]
             if missing:
-                values = self.store.get_online_features(
-                    features=refs, entity_rows=[dict(zip(keys, e)) for e in missing]).to_dict()
-                read = {e: tuple(values[name][i] for name in names) for i, e in enumerate(missing)}
+                read = dict(zip(missing, self.reader.read(keys, missing, refs)))
                 if shared:
                     self.cache.put(keys, read)
                 found |= read

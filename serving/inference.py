@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import redis
 
 from infra.settings import Settings
 from models.dataset import NUMERIC_FEATURES
@@ -95,8 +96,8 @@ class Inference:
             self._run_batch, max_batch_rows=sv.max_batch_rows if sv.batching else 1,
             max_delay_s=sv.max_delay_ms / 1000, max_queue_rows=sv.max_inflight_rows, executors=sv.executors,
             name="rank")
-        # Feature reads are Python-heavy (Feast decodes every value): a few threads, so the event loop
-        # (admission, shedding) and the executors are not starved of the GIL by a crowd of readers.
+        # Feature reads wait on Redis and decode in Python: a few threads, so the event loop (admission,
+        # shedding) and the executors are not starved of the GIL by a crowd of readers.
         self._fetchers = ThreadPoolExecutor(sv.fetch_threads, thread_name_prefix="features")
         self.inflight_rows = 0  # admitted and not answered: fetching features, queued or scoring
         self._admit = threading.Lock()
@@ -136,9 +137,14 @@ class Inference:
     async def _rank(self, req: RankRequest, allocation: access.Allocation, sequence_length: int,
                     deadline: float) -> RankResult:
         scored = req.candidates[: allocation.max_candidates]
-        fetched = await asyncio.get_running_loop().run_in_executor(
+        reading = asyncio.get_running_loop().run_in_executor(
             self._fetchers, self.features.fetch, req.user_id, scored, int(time.time() * 1000), sequence_length,
             allocation.sequence_length)
+        try:  # a stalled online store must not hold the request past its deadline
+            fetched = await asyncio.wait_for(reading, max(0.0, deadline - time.monotonic()))
+        except (TimeoutError, redis.RedisError) as exc:
+            metrics.SHED.labels(req.tier, "features").inc()
+            raise Shed("features", f"online features not read within the deadline ({type(exc).__name__})") from None
         if fetched.defaulted:
             metrics.DEFAULTED.inc()
         if allocation.degraded:

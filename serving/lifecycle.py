@@ -25,7 +25,7 @@ from infra.settings import Settings
 from models.ctr import CtrModel, ModelSpec
 from models.dataset import NUMERIC_FEATURES
 from models.examples import Examples
-from models.registry import CHALLENGER, CHAMPION, alias_version, connect, load_version
+from models.registry import CHALLENGER, CHAMPION, aliases, connect, load_version
 from serving import metrics
 from serving.dense import DenseRunner
 
@@ -81,10 +81,11 @@ class ModelFollower:
     # --- following ------------------------------------------------------------------------------
 
     def poll_once(self) -> None:
-        """Read both aliases; load, warm and swap in any version that changed."""
+        """Read the aliases (one registry call); load, warm and swap in any version that changed."""
         client = connect(self.s)
+        named = aliases(client, self.s.models.name)
         for route in ROUTES:
-            version = alias_version(client, self.s.models.name, route)
+            version = named.get(route)
             current = self.served[route]
             if version == (current.version if current else None):
                 continue
