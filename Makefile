@@ -11,7 +11,7 @@ demo: setup  ## start the local stack and run the platform's main job on it
 	$(FLYWHEEL) demo
 
 test: setup  ## the whole test suite (starts the real services it needs)
-	.venv/bin/python -m pytest -ra
+	.venv/bin/python -m pytest -ra --durations=15
 
 test-fast: setup  ## tests that start no service
 	.venv/bin/python -m pytest -ra -m "not stack"
