@@ -38,9 +38,19 @@ def incremental_training():
     def train(params=None) -> dict:
         from airflow.sdk.exceptions import AirflowSkipException
 
+        from feature_repo.event_log import last_write
+        from models.registry import champion_watermark
+
+        s = task_settings(params)
+        # Most runs of a quiet stack find nothing new: decide that before importing TensorFlow, the
+        # bulk of a run's CPU. Events after the watermark reach the log after it too.
+        champion, written = champion_watermark(s), last_write(s)
+        if champion is not None and (written is None or written < champion[1]):
+            raise AirflowSkipException(f"nothing logged since @champion v{champion[0]}'s data watermark")
+
         from models.train import train_incremental
 
-        outcome = train_incremental(task_settings(params), promote=False, progress=False)
+        outcome = train_incremental(s, promote=False, progress=False)
         if outcome is None:
             raise AirflowSkipException("too few new labelled impressions since the champion's data watermark")
         return {"version": outcome.version, "window": str(outcome.window), **outcome.metrics}

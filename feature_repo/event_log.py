@@ -64,6 +64,13 @@ def read_event_log(s: Settings, start_ms: int | None = None, end_ms: int | None 
     return pa.concat_tables([pq.read_table(f, schema=SCHEMA) for f in files]) if files else SCHEMA.empty_table()
 
 
+def last_write(s: Settings) -> datetime | None:
+    """When the log last took a file (None: empty). A date directory's mtime moves with every file
+    renamed into it, so this reads one stat per day, not per file."""
+    days = [d.stat().st_mtime for d in event_log_dir(s).glob("date=*")]
+    return datetime.fromtimestamp(max(days), timezone.utc) if days else None
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     s = get_settings()

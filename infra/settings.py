@@ -256,7 +256,7 @@ class ServingSettings:
     # Admission: candidate rows in flight (fetching features, queued or scoring) are bounded; a request
     # that would pass the bound is refused at once with 503 + Retry-After. Size it by Little's law:
     # the rows/s the server sustains x the deadline (docs/benchmarks.md has this machine's figures).
-    max_inflight_rows: int = 2048
+    max_inflight_rows: int = 4096  # ~20,000 rows/s x the 200 ms deadline: 8 clients of mixed sizes fit
     retry_after_s: int = 1
     default_deadline_ms: float = 200.0  # a request may ask for less (never more)
     max_candidates: int = 1000  # larger lists are refused (413); at most max_inflight_rows

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 from tqdm import tqdm
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up banner is not ours to show
@@ -71,9 +72,15 @@ class CtrModel:
         """Rows of every id of the batch; sequence padding -> the default row, never counted. Only
         the newest `sequence_length` behaviors are used."""
         seq = ex.sequences[:, : self.spec.sequence_length]
-        real = seq != PAD
-        seq_rows = np.full(seq.shape, DEFAULT_ROW, np.int64)
-        seq_rows[real] = self.tables["item"].lookup(seq[real].tolist(), train)
+        if train:  # every occurrence counts toward admission
+            real = seq != PAD
+            seq_rows = np.full(seq.shape, DEFAULT_ROW, np.int64)
+            seq_rows[real] = self.tables["item"].lookup(seq[real].tolist(), train)
+        else:  # scoring: a user's sequence repeats on each of their candidate rows; each id looked up once
+            codes, distinct = pd.factorize(seq.ravel())
+            real = (distinct != PAD)[codes].reshape(seq.shape)
+            seq_rows = np.where(real, self.tables["item"].lookup(distinct.tolist())[codes].reshape(seq.shape),
+                                DEFAULT_ROW)
         return {"user": self.tables["user"].lookup(ex.user_ids.tolist(), train),
                 "item": self.tables["item"].lookup(ex.item_ids.tolist(), train),
                 "category": self.tables["category"].lookup(ex.categories.tolist(), train),

@@ -10,6 +10,7 @@ after that time are dropped for the same reason.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -86,29 +87,43 @@ def training_set(s: Settings, window: Window, sequence_length: int) -> tuple[Exa
         imps["event_time"].to_numpy()
 
 
-def to_examples(features: pd.DataFrame, times_ms: np.ndarray, labels: np.ndarray, sequence_length: int) -> Examples:
-    """Model inputs from feature rows (as `get_historical_features` or `get_online_features` return
-    them) for requests at `times_ms`. Serving uses the same function."""
-    numeric = np.zeros((len(features), len(NUMERIC_FEATURES)), np.float32)
+Columns = pd.DataFrame | Mapping[str, Sequence]
+
+
+def _numbers(column: pd.Series | Sequence) -> np.ndarray:
+    """float64; missing (None, NaN, pd.NA) -> 0."""
+    values = (column.to_numpy(np.float64, na_value=np.nan) if isinstance(column, pd.Series)
+              else np.array(column, np.float64))  # None -> NaN
+    return np.where(np.isnan(values), 0.0, values)
+
+
+def _strings(column: pd.Series | Sequence) -> np.ndarray:
+    return np.array(["" if v is None or v != v else str(v) for v in column], dtype=object)  # v != v: NaN
+
+
+def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, sequence_length: int) -> Examples:
+    """Model inputs from feature rows (a frame as `get_historical_features` returns it, or columns of
+    values as the online store holds them) for requests at `times_ms`. Serving uses the same function."""
+    n = len(labels)
+    numeric = np.zeros((n, len(NUMERIC_FEATURES)), np.float32)
     for j, name in enumerate(NUMERIC_FEATURES):
-        values = pd.to_numeric(features[name], errors="coerce").fillna(0.0).to_numpy(np.float64)
+        values = _numbers(features[name])
         numeric[:, j] = np.log1p(np.maximum(values, 0.0)) if name in COUNTS else (
             values / 100.0 if name == "user_age" else values)
-    sequences = np.full((len(features), sequence_length), PAD, dtype=object)
+    sequences = np.full((n, sequence_length), PAD, dtype=object)
     last: tuple = (None, None, None, [])  # serving: every row of a request holds the same sequence object
-    for n, (items, times) in enumerate(zip(features["seq_item_ids"], features["seq_event_times"])):
+    for r, (items, times) in enumerate(zip(features["seq_item_ids"], features["seq_event_times"])):
         if items is None or times is None or not len(items):
             continue
-        if items is last[0] and times is last[1] and times_ms[n] == last[2]:
+        if items is last[0] and times is last[1] and times_ms[r] == last[2]:
             before = last[3]
         else:
-            before = [i for i, t in zip(items, times) if t < times_ms[n]][::-1][:sequence_length]  # newest first
-            last = (items, times, times_ms[n], before)
-        sequences[n, : len(before)] = before
-    return Examples(user_ids=features["user_id"].astype(str).to_numpy(object),
-                    item_ids=features["item_id"].astype(str).to_numpy(object),
-                    categories=features["category"].fillna("").astype(str).to_numpy(object),
-                    sequences=sequences, numeric=numeric, labels=np.asarray(labels, np.float32))
+            before = [i for i, t in zip(items, times) if t < times_ms[r]][::-1][:sequence_length]  # newest first
+            last = (items, times, times_ms[r], before)
+        sequences[r, : len(before)] = before
+    return Examples(user_ids=_strings(features["user_id"]), item_ids=_strings(features["item_id"]),
+                    categories=_strings(features["category"]), sequences=sequences, numeric=numeric,
+                    labels=np.asarray(labels, np.float32))
 
 
 def chronological_split(ex: Examples, times_ms: np.ndarray, validation: float = 0.1, test: float = 0.1

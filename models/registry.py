@@ -105,6 +105,12 @@ def version_tags(s: Settings, version: str) -> dict[str, str]:
     return dict(connect(s).get_model_version(s.models.name, version).tags)
 
 
+def champion_watermark(s: Settings) -> tuple[str, datetime] | None:
+    """@champion's version and the end of the data it was trained on (None: no champion yet)."""
+    version = alias_version(connect(s), s.models.name, CHAMPION)
+    return None if version is None else (version, datetime.fromisoformat(version_tags(s, version)["data_end"]))
+
+
 @dataclass(frozen=True)
 class Decision:
     version: str

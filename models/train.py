@@ -26,7 +26,7 @@ from models.ctr import CtrModel, ModelSpec
 from models.dataset import NUMERIC_FEATURES, Window, chronological_split, training_set
 from models.examples import Examples
 from models.metrics import auc, evaluate
-from models.registry import CHAMPION, Decision, alias_version, connect, gate, load_version, log_model, version_tags
+from models.registry import Decision, champion_watermark, connect, gate, load_version, log_model, version_tags
 from models.sparse import SparseConfig
 
 log = logging.getLogger("flywheel.train")
@@ -100,11 +100,10 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
                       progress: bool = True) -> TrainOutcome | None:
     """Continue `@champion` on the events since its data watermark. Returns None (and trains nothing)
     when there are too few new examples."""
-    client = connect(s)
-    parent = alias_version(client, s.models.name, CHAMPION)
-    if parent is None:
+    champion = champion_watermark(s)
+    if champion is None:
         raise ValueError(f"{s.models.name} has no @champion to continue from: run full training first")
-    watermark = datetime.fromisoformat(version_tags(s, parent)["data_end"])
+    parent, watermark = champion
     window = Window(watermark, until or datetime.now(UTC))
     try:
         ex, times = training_set(s, window, s.streaming.sequence_length)

@@ -16,54 +16,41 @@ store did not answer within the request's deadline).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Annotated, Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from infra.settings import Settings
 from serving import metrics
-from serving.features import Candidate
 from serving.inference import Inference, NotReady, RankRequest, Shed
 
 log = logging.getLogger(__name__)
 
 
-def _utf8(text: str) -> str:
-    """JSON strings may carry lone UTF-16 surrogates, which no store key or log record can hold."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("not valid Unicode text (a lone UTF-16 surrogate)") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_utf8)]
-
-
 class CandidateIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    item_id: Text = Field(min_length=1, max_length=256)
-    category: Text = Field("", max_length=256, description="The item's category; empty -> category features "
+    item_id: str = Field(min_length=1, max_length=256)
+    category: str = Field("", max_length=256, description="The item's category; empty -> category features "
                                                             "defaulted.")
 
 
 class RankIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    user_id: Text = Field(min_length=1, max_length=256)
+    user_id: str = Field(min_length=1, max_length=256)
     candidates: list[CandidateIn] = Field(min_length=1, description="Best-recalled first: under load, "
                                                                     "low-tier requests score a prefix.")
     tier: Literal["high", "normal", "low"] = Field("normal", description="Traffic value: compute allocation.")
     deadline_ms: float | None = Field(None, gt=0, allow_inf_nan=False, description="At most "
                                                                                   "serving.default_deadline_ms.")
-    request_id: Text | None = Field(None, min_length=1, max_length=128)
+    request_id: str | None = Field(None, min_length=1, max_length=128)
 
 
 class RankOut(BaseModel):
@@ -98,12 +85,11 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
                   description="Ranks a user's candidate items with the model in the MLflow registry's "
                               "@champion (or @challenger for the canary's users).")
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI's own handler echoes the input, which may not be JSON (NaN) or UTF-8 (a lone surrogate):
-        # a 500 instead of the 422. Each error's type, location and message are enough to fix the request.
+    def invalid(errors: Sequence[Any]) -> JSONResponse:
+        # Unlike FastAPI's own handler, no echo of the input: it may not be JSON (NaN) or UTF-8 (a lone surrogate).
+        # Each error's type, location and message are enough to fix the request.
         return JSONResponse({"detail": [{"type": e["type"], "loc": [_printable(part) for part in e["loc"]],
-                                         "msg": _printable(e["msg"])} for e in exc.errors()]}, status_code=422)
+                                         "msg": _printable(e["msg"])} for e in errors]}, status_code=422)
 
     def refuse(reason: str, detail: str, started: float) -> JSONResponse:
         metrics.REQUESTS.labels("-", "503").inc()
@@ -111,15 +97,23 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         return JSONResponse({"reason": reason, "detail": detail}, status_code=503,
                             headers={"Retry-After": str(s.serving.retry_after_s)})
 
-    @app.post("/rank", response_model=RankOut, responses={413: {"model": Refusal}, 503: {"model": Refusal}})
-    async def rank(body: RankIn, request: Request):
+    # The body is parsed and validated in one pass by pydantic's JSON parser (not json.loads, then
+    # validation): a third of the request's CPU less, and text that is not valid Unicode (invalid UTF-8,
+    # a lone surrogate escape) is invalid JSON there, a 422.
+    @app.post("/rank", response_model=RankOut, responses={413: {"model": Refusal}, 503: {"model": Refusal}},
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": {"$ref": "#/components/schemas/RankIn"}}}}})
+    async def rank(request: Request):
         started = time.monotonic()
+        try:
+            body = RankIn.model_validate_json(await request.body())
+        except ValidationError as exc:
+            return invalid(exc.errors(include_input=False))
         if len(body.candidates) > s.serving.max_candidates:
             metrics.REQUESTS.labels("-", "413").inc()
             return JSONResponse({"reason": "too_many_candidates", "detail": f"{len(body.candidates)} candidates; "
                                  f"at most {s.serving.max_candidates} per request"}, status_code=413)
-        req = RankRequest(body.user_id, [Candidate(c.item_id, c.category) for c in body.candidates], body.tier,
-                          body.deadline_ms)
+        req = RankRequest(body.user_id, body.candidates, body.tier, body.deadline_ms)
         if body.request_id:
             req.request_id = body.request_id
         try:
@@ -162,6 +156,14 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         metrics.INFLIGHT_ROWS.set(inference.inflight_rows)
         return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:  # the body /rank parses itself, documented as if FastAPI did
+            schema = FastAPI.openapi(app)
+            body = RankIn.model_json_schema(ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(body.pop("$defs", {}), RankIn=body)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
@@ -177,6 +179,10 @@ def serve(s: Settings) -> None:
     apply(s)  # the feature definitions it reads (idempotent): the server also runs without the pipeline
     # Built before uvicorn starts, so an unreachable store or registry is one clear error.
     app = create_app(s, Inference(s))
+    # The imports (TensorFlow, MLflow, Feast) leave ~0.5 M long-lived objects: out of the collector's
+    # sight, a full collection no longer stalls every thread on the GIL for ~0.3 s (the p99 under load).
+    gc.collect()
+    gc.freeze()
     # Keep-alive longer than a load balancer's idle timeout (60 s is common), so the balancer, not the
     # server, closes idle connections: otherwise a request can race the server's close.
     uvicorn.run(app, host=s.serving.host, port=s.serving.port, log_level="warning", access_log=False,

@@ -148,12 +148,13 @@ def _pad(inputs: dict[str, np.ndarray], rows: int, length: int) -> dict[str, np.
     them) up to the shape."""
     out = {}
     for name, value in inputs.items():
-        value = value[:rows]
-        widths = [(0, rows - value.shape[0])] + [(0, 0)] * (value.ndim - 1)
-        if name in ("sequence", "sequence_mask"):
-            value = value[:, :length]
-            widths[1] = (0, length - value.shape[1])
-        out[name] = np.pad(value, widths) if any(w != (0, 0) for w in widths) else value
+        shape = (rows, length, *value.shape[2:]) if name in ("sequence", "sequence_mask") else (rows, *value.shape[1:])
+        value = value[tuple(slice(0, d) for d in shape)]
+        if value.shape != shape:
+            padded = np.zeros(shape, value.dtype)
+            padded[tuple(slice(0, d) for d in value.shape)] = value
+            value = padded
+        out[name] = value
     return out
 
 

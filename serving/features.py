@@ -18,10 +18,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
-import pandas as pd
 from feast.errors import FeatureServiceNotFoundException
 
 from feature_repo.online import OnlineReader
@@ -33,17 +34,21 @@ from models.examples import PAD, Examples
 SERVICE = "ranking_serving"
 
 
-@dataclass(frozen=True)
-class Candidate:
-    item_id: str
-    category: str = ""
+class Candidate(Protocol):
+    """A candidate as the API parsed it (no copy per candidate on the request path)."""
+
+    @property
+    def item_id(self) -> str: ...
+
+    @property
+    def category(self) -> str: ...
 
 
 @dataclass
 class Fetched:
     examples: Examples  # one row per candidate
     defaulted: list[str]  # features missing for at least one candidate
-    snapshot: dict[str, list]  # raw feature values as read, for the prediction log
+    snapshot: dict[str, Sequence]  # raw feature values as read, for the prediction log
 
 
 class SharedEntityCache:
@@ -105,13 +110,13 @@ class OnlineFeatures:
         self.reader = OnlineReader(s, s.serving.default_deadline_ms / 1000)
         self.cache = SharedEntityCache(s.serving.item_features_ttl_ms / 1000, s.serving.item_features_cache_size)
 
-    def fetch(self, user_id: str, candidates: list[Candidate], now_ms: int, sequence_length: int,
+    def fetch(self, user_id: str, candidates: Sequence[Candidate], now_ms: int, sequence_length: int,
               keep_behaviors: int | None = None) -> Fetched:
         """Inputs for scoring `candidates` for `user_id` at `now_ms`; sequences keep the newest
         `keep_behaviors` (compute allocation) of at most `sequence_length`."""
         rows = {"user_id": [user_id] * len(candidates), "item_id": [c.item_id for c in candidates],
                 "category": [c.category for c in candidates]}
-        columns: dict[str, list] = dict(rows)
+        columns: dict[str, Sequence] = dict(rows)
         for keys, refs in self.reads.items():
             names = self.names[keys]
             of_row = list(zip(*(rows[k] for k in keys)))  # the entity of each candidate row
@@ -123,13 +128,13 @@ class OnlineFeatures:
                 if shared:
                     self.cache.put(keys, read)
                 found |= read
-            for j, name in enumerate(names):
-                columns[name] = [found[e][j] for e in of_row]
-        frame = pd.DataFrame(columns)
+            by_row = [found[e] for e in of_row] or [(None,) * len(names)]
+            columns.update(zip(names, zip(*by_row)))  # one tuple of values per feature
         defaulted = sorted(name for name in (*NUMERIC_FEATURES, *SEQUENCE) if None in columns[name])
-        ex = to_examples(frame, np.full(len(frame), now_ms), np.zeros(len(frame)), sequence_length)
+        n = len(candidates)
+        ex = to_examples(columns, np.full(n, now_ms), np.zeros(n), sequence_length)
         if keep_behaviors is not None:
             ex.sequences[:, keep_behaviors:] = PAD
-        snapshot: dict[str, list] = {name: columns[name] for name in NUMERIC_FEATURES}  # None: missing
+        snapshot: dict[str, Sequence] = {name: columns[name] for name in NUMERIC_FEATURES}  # None: missing
         snapshot["sequence"] = [i for i in ex.sequences[0] if i != PAD]
         return Fetched(ex, defaulted, snapshot)

@@ -52,7 +52,7 @@ class NotReady(RuntimeError):
 @dataclass
 class RankRequest:
     user_id: str
-    candidates: list[Candidate]
+    candidates: Sequence[Candidate]
     tier: str = "normal"
     deadline_ms: float | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -159,7 +159,7 @@ class Inference:
         degraded = [what for what, on in (("sequence", allocation.sequence_length is not None),
                                           ("candidates", len(scored) < len(req.candidates))) if on]
         return RankResult(req.request_id, version, route,
-                          [float(x) for x in scores] + [None] * (len(req.candidates) - len(scored)),
+                          scores.tolist() + [None] * (len(req.candidates) - len(scored)),
                           fetched.defaulted, degraded)
 
     async def _score(self, job: _Job, tier: str, deadline: float) -> tuple[np.ndarray, str]:
@@ -197,11 +197,11 @@ class Inference:
 
         future.add_done_callback(logged)
 
-    def _log(self, req: RankRequest, candidates: list[Candidate], scores: np.ndarray, version: str, route: str,
+    def _log(self, req: RankRequest, candidates: Sequence[Candidate], scores: np.ndarray, version: str, route: str,
              snapshot: dict, shadow: bool) -> None:
         self.predictions.write(req.user_id, {
             "request_id": req.request_id, "user_id": req.user_id, "items": [c.item_id for c in candidates],
-            "categories": [c.category for c in candidates], "scores": [float(x) for x in scores],
+            "categories": [c.category for c in candidates], "scores": scores.tolist(),
             "model_name": self.s.models.name, "model_version": version, "route": route, "shadow": shadow,
             "tier": req.tier, "served_at": int(time.time() * 1000), "features": snapshot})
 

@@ -56,3 +56,21 @@ def test_an_invalid_event_cannot_be_encoded() -> None:
                   event_time=1)
     with pytest.raises(InvalidEvent, match="user_id must have"):
         event.encode(LIMIT)
+
+
+def test_the_event_log_says_when_it_last_took_a_file(tmp_path) -> None:
+    """Incremental training skips a quiet stack by this, before importing TensorFlow: it must move with
+    every batch written, whatever day the events are from."""
+    from datetime import datetime, timezone
+
+    from feature_repo.event_log import last_write, write_batch
+    from infra.settings import Settings, override
+    from streaming.consumer import Consumed
+
+    s = override(Settings(), "paths", data_dir=tmp_path)
+    assert last_write(s) is None
+    before = datetime.now(timezone.utc).replace(microsecond=0)
+    old = Event(event_id="e1", user_id="u", item_id="i", event_type=EventType.CLICK, request_id="r",
+                event_time=880_000_000_000)  # 1997: an old day's partition written now
+    write_batch(s, [Consumed(old, partition=0, offset=1)])
+    assert last_write(s) >= before
