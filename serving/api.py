@@ -97,9 +97,9 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         return JSONResponse({"reason": reason, "detail": detail}, status_code=503,
                             headers={"Retry-After": str(s.serving.retry_after_s)})
 
-    # The body is parsed and validated in one pass by pydantic's JSON parser (not json.loads, then
-    # validation): a third of the request's CPU less, and text that is not valid Unicode (invalid UTF-8,
-    # a lone surrogate escape) is invalid JSON there, a 422.
+    # The body is parsed and validated in one pass by pydantic's JSON parser (not json.loads, then a
+    # Python validator per string), and text that is not valid Unicode (invalid UTF-8, a lone surrogate
+    # escape) is invalid JSON there, a 422.
     @app.post("/rank", response_model=RankOut, responses={413: {"model": Refusal}, 503: {"model": Refusal}},
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                   "schema": {"$ref": "#/components/schemas/RankIn"}}}}})

@@ -148,7 +148,8 @@ def _pad(inputs: dict[str, np.ndarray], rows: int, length: int) -> dict[str, np.
     them) up to the shape."""
     out = {}
     for name, value in inputs.items():
-        shape = (rows, length, *value.shape[2:]) if name in ("sequence", "sequence_mask") else (rows, *value.shape[1:])
+        sequence = name in ("sequence", "sequence_mask")
+        shape = (rows, length, *value.shape[2:]) if sequence else (rows, *value.shape[1:])
         value = value[tuple(slice(0, d) for d in shape)]
         if value.shape != shape:
             padded = np.zeros(shape, value.dtype)
