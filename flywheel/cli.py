@@ -347,7 +347,7 @@ def rollback(why: str, target: str) -> None:
 @main.command()
 def serve() -> None:
     """Run the ranking server (settings [serving]) in the foreground until interrupted."""
-    from serving.api import serve as run
+    from serving.supervisor import serve as run
 
     _models_call(run, _settings())
 

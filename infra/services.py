@@ -285,7 +285,7 @@ def _serving(s: Settings) -> Service:
     which on a fresh stack is after the first training run."""
     url = f"http://{s.serving.host}:{s.serving.port}"
     return Service(name="ranking-server", group="serving", url=url, ports=((s.serving.host, s.serving.port),),
-                   command=lambda: [str(BIN_DIR / "python"), "-m", "serving.api"], env=_base_env,
+                   command=lambda: [str(BIN_DIR / "python"), "-m", "serving.supervisor"], env=_base_env,
                    check=lambda: _http_health(f"{url}/healthz", lambda r: Health(
                        r.status_code == 200, f"HTTP {r.status_code}")), phase=2)
 

@@ -238,9 +238,11 @@ class ServingSettings:
     # first request; executors run batches in parallel.
     max_batch_rows: int = 1024
     max_delay_ms: float = 2.0
-    # Half the cores: the other half reads features and serves HTTP (on 2 cores, 1 and 2 executors are
-    # within the noise of docs/benchmarks.md).
-    executors: int = max(1, (os.cpu_count() or 2) // 2)
+    # Serving processes: each binds the port (SO_REUSEPORT: the kernel spreads connections across them)
+    # and runs its own copy of everything below; one per core, as each is bound by one GIL, up to 4
+    # (~1 GB each).
+    workers: int = max(1, min(4, os.cpu_count() or 1))
+    executors: int = 1  # per worker: batches scored in parallel (XLA's own threads use the cores)
     fetch_threads: int = 2  # online feature reads in parallel
     # Item features are shared by every user's requests: kept this long in the process (0 = read every
     # request), at the cost of item counts up to this much older than the online store's.

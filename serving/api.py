@@ -1,10 +1,12 @@
-"""The ranking API (FastAPI; OpenAPI at /docs and /openapi.json).
+"""The ranking API (FastAPI; OpenAPI at /docs and /openapi.json), served by each worker process
+(serving/supervisor.py); a connection is answered by one of them.
 
     POST /rank     scores for a user's candidates, the version that scored them, defaulted features
-    GET  /healthz  the process is up
-    GET  /readyz   200 once a champion is loaded and every shape bucket compiled and warm, else 503
-    GET  /models   the versions serving each route, the warm ones, the refused ones and why
-    GET  /metrics  Prometheus
+    GET  /healthz  the worker is up
+    GET  /readyz   200 once every worker has a champion loaded and every shape bucket compiled and warm
+    GET  /models   the answering worker's versions serving each route, warm ones, refused ones and why;
+                   `workers`: each worker's readiness and versions serving
+    GET  /metrics  Prometheus, summed over the workers (serving/metrics.py)
 
 Errors, never a 500 for bad input: malformed JSON, a field of the wrong type or range (NaN and
 Infinity included), text that is not valid Unicode -> 422 with a `detail` list (type, loc, msg of each
@@ -18,19 +20,21 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from infra.settings import Settings
 from serving import metrics
 from serving.inference import Inference, NotReady, RankRequest, Shed
+from serving.supervisor import exit_with_parent, listening_socket
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +80,7 @@ def _printable(part: object) -> object:
 def create_app(s: Settings, inference: Inference) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.inference = inference
-        app.state.inference.start()
+        app.state.inference = inference  # started by run_worker
         yield
         app.state.inference.close()
 
@@ -135,8 +138,12 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
     @app.get("/readyz")
     async def readyz(request: Request):
         follower = request.app.state.inference.follower
-        if not follower.ready:
-            return JSONResponse({"ready": False, "detail": "no champion loaded and warmed yet"}, status_code=503)
+        # Every worker that takes connections must be able to score them (a worker that replaces one
+        # that died takes none until it can).
+        waiting = [pid for pid, w in metrics.workers().items() if w["listening"] and not w["ready"]]
+        if not follower.ready or waiting:
+            return JSONResponse({"ready": False, "detail": "no champion loaded and warmed yet in "
+                                 f"{len(waiting) or 1} worker(s)"}, status_code=503)
         return {"ready": True, "champion": follower.current("champion").version}
 
     @app.get("/models")
@@ -145,16 +152,15 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         # Snapshots first (one C-level copy each): the follower thread may change these meanwhile.
         served, warm = list(follower.served.items()), list(follower.warm.items())
         runners, refused = list(follower.runners.items()), dict(follower.refused)
-        return {"model_name": s.models.name, "serving": {route: (m.version if m else None) for route, m in served},
+        return {"model_name": s.models.name, "worker": os.getpid(),
+                "serving": {route: (m.version if m else None) for route, m in served},
                 "warm": [v for v, _ in warm], "loaded_by": {v: m.loaded_by for v, m in warm}, "refused": refused,
-                "compiled_shapes": {str(arch): sorted(r.compiled_shapes()) for arch, r in runners}}
+                "compiled_shapes": {str(arch): sorted(r.compiled_shapes()) for arch, r in runners},
+                "workers": metrics.workers()}
 
     @app.get("/metrics")
-    async def prometheus(request: Request) -> PlainTextResponse:
-        inference = request.app.state.inference
-        metrics.QUEUE_ROWS.set(inference.batcher.stats.queued_rows)
-        metrics.INFLIGHT_ROWS.set(inference.inflight_rows)
-        return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict:
         if app.openapi_schema is None:  # the body /rank parses itself, documented as if FastAPI did
@@ -167,29 +173,33 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
     return app
 
 
-def serve(s: Settings) -> None:
-    """Run the server in this process until interrupted (`flywheel serve`)."""
+def run_worker(s: Settings) -> None:
+    """One serving process (started by serving/supervisor.py): the app on the shared port until stopped."""
     import uvicorn
 
-    from feature_repo.store import apply
-    from streaming.topics import ensure_topics
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    ensure_topics(s, [s.serving.predictions_topic])
-    apply(s)  # the feature definitions it reads (idempotent): the server also runs without the pipeline
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    exit_with_parent()
     # Built before uvicorn starts, so an unreachable store or registry is one clear error.
-    app = create_app(s, Inference(s))
+    inference = Inference(s)
+    app = create_app(s, inference)
+    inference.start()  # follows the registry: loads and warms the champion in the background
+    if any(w["ready"] for w in metrics.workers().values()):
+        # The other workers serve (this one replaces a worker that died): it takes connections only once
+        # it can score them, so no client sees a 503 `not_ready` from it.
+        while not inference.follower.ready:
+            time.sleep(0.1)
     # The imports (TensorFlow, MLflow, Feast) leave ~0.5 M long-lived objects: out of the collector's
     # sight, a full collection no longer stalls every thread on the GIL for ~0.3 s (the p99 under load).
     gc.collect()
     gc.freeze()
     # Keep-alive longer than a load balancer's idle timeout (60 s is common), so the balancer, not the
     # server, closes idle connections: otherwise a request can race the server's close.
-    uvicorn.run(app, host=s.serving.host, port=s.serving.port, log_level="warning", access_log=False,
-                timeout_keep_alive=75)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=75)
+    metrics.WORKER_LISTENING.set(1)
+    uvicorn.Server(config).run(sockets=[listening_socket(s.serving.host, s.serving.port)])
 
 
-if __name__ == "__main__":  # the stack's `ranking-server` service
+if __name__ == "__main__":  # a worker of the ranking server
     from infra.settings import get_settings
 
-    serve(get_settings())
+    run_worker(get_settings())

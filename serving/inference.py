@@ -128,11 +128,13 @@ class Inference:
                 raise Shed("queue", f"{self.inflight_rows} candidate rows in flight; {rows} more would pass "
                                     f"{sv.max_inflight_rows}")
             self.inflight_rows += rows
+        metrics.INFLIGHT_ROWS.inc(rows)
         try:
             return await self._rank(req, allocation, champion.model.spec.sequence_length, deadline)
         finally:
             with self._admit:
                 self.inflight_rows -= rows
+            metrics.INFLIGHT_ROWS.dec(rows)
 
     async def _rank(self, req: RankRequest, allocation: access.Allocation, sequence_length: int,
                     deadline: float) -> RankResult:

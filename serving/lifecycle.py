@@ -20,6 +20,7 @@ from pathlib import Path
 import mlflow
 import numpy as np
 import tensorflow as tf
+from mlflow import MlflowClient
 
 from infra.settings import Settings
 from models.ctr import CtrModel, ModelSpec
@@ -68,6 +69,7 @@ class ModelFollower:
         self._refused_at: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._client: MlflowClient | None = None
 
     # --- what the executors read (one attribute read: a swap is atomic) -------------------------
 
@@ -82,7 +84,9 @@ class ModelFollower:
 
     def poll_once(self) -> None:
         """Read the aliases (one registry call); load, warm and swap in any version that changed."""
-        client = connect(self.s)
+        if self._client is None:  # connecting costs the registry a call: once, not every poll
+            self._client = connect(self.s)
+        client = self._client
         named = aliases(client, self.s.models.name)
         for route in ROUTES:
             version = named.get(route)
@@ -113,6 +117,7 @@ class ModelFollower:
             metrics.MODEL_SWAPS.labels(route).inc()
             metrics.SWAP_SECONDS.observe(time.monotonic() - started)
             metrics.set_version(route, version)
+            metrics.WORKER_READY.set(int(self.ready))
             log.info("@%s now v%s (%s, %.2fs)", route, version, model.loaded_by, time.monotonic() - started)
 
     def _obtain(self, client, version: str) -> ServedModel:

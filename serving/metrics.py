@@ -1,9 +1,17 @@
-"""The server's Prometheus metrics (`GET /metrics`). One process serves one model name, so the
-default registry holds them."""
+"""The server's Prometheus metrics (`GET /metrics`), summed over its worker processes.
+
+Every worker writes its values to files under PROMETHEUS_MULTIPROC_DIR (prometheus_client's
+multiprocess mode, set up by serving/supervisor.py); any worker's `/metrics` reads them all: counters
+and histograms summed, `flywheel_inflight_rows` summed over live workers, and the per-worker gauges
+(`flywheel_model_version`, `flywheel_worker_*`) with a `pid` label.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import os
+from collections import defaultdict
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 REQUESTS = Counter("flywheel_requests", "Ranking requests answered, by route and HTTP status.", ["route", "status"])
 LATENCY = Histogram("flywheel_request_seconds", "Ranking request latency in the server, by outcome: ok, or the "
@@ -14,15 +22,19 @@ BATCH_ROWS = Histogram("flywheel_batch_rows", "Candidate rows per executed batch
                        buckets=(1, 16, 32, 64, 128, 256, 512, 1024, 2048))
 BATCH_REQUESTS = Histogram("flywheel_batch_requests", "Requests merged into one executed batch.",
                            buckets=(1, 2, 4, 8, 16, 32, 64))
-QUEUE_ROWS = Gauge("flywheel_queue_rows", "Candidate rows queued for the executors (the batch queue's depth).")
-INFLIGHT_ROWS = Gauge("flywheel_inflight_rows", "Candidate rows admitted and not yet answered (admission).")
+INFLIGHT_ROWS = Gauge("flywheel_inflight_rows", "Candidate rows admitted and not yet answered (fetching features, "
+                      "queued or scoring).", multiprocess_mode="livesum")
 SHED = Counter("flywheel_shed", "Requests answered 503 without being scored, by tier and reason.",
                ["tier", "reason"])
 DEGRADED = Counter("flywheel_degraded", "Requests scored at reduced cost, by tier.", ["tier"])
 COMPILES = Counter("flywheel_compiles", "XLA compiles, by where they ran (warm, background, request_path).",
                    ["where"])
-MODEL_VERSION = Gauge("flywheel_model_version", "1 for the version serving each route, 0 for earlier ones.",
-                      ["route", "version"])
+MODEL_VERSION = Gauge("flywheel_model_version", "1 for the version serving each route, 0 for earlier ones, "
+                      "per worker.", ["route", "version"], multiprocess_mode="liveall")
+WORKER_READY = Gauge("flywheel_worker_ready", "1 once the worker has a champion loaded and warm.",
+                     multiprocess_mode="liveall")
+WORKER_LISTENING = Gauge("flywheel_worker_listening", "1 once the worker takes connections.",
+                         multiprocess_mode="liveall")
 MODEL_SWAPS = Counter("flywheel_model_swaps", "Versions swapped in, by route.", ["route"])
 SWAP_SECONDS = Histogram("flywheel_model_swap_seconds", "Alias change seen -> new version serving.",
                          buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60))
@@ -43,3 +55,30 @@ def set_version(route: str, version: str | None) -> None:
     if version is not None:
         MODEL_VERSION.labels(route, version).set(1)
         _versions[route] = version
+
+
+def exposition() -> bytes:
+    """The text format of every live worker's metrics (this process's alone outside multiprocess mode)."""
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        return generate_latest()
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return generate_latest(registry)
+
+
+def workers() -> dict[str, dict]:
+    """Each live worker by pid: `listening` (takes connections), `ready` (a champion warm) and the
+    version `serving` each route."""
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        return {}
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    out: dict[str, dict] = defaultdict(lambda: {"listening": False, "ready": False, "serving": {}})
+    for family in registry.collect():
+        for sample in family.samples:
+            pid = sample.labels.get("pid")
+            if sample.name in ("flywheel_worker_ready", "flywheel_worker_listening") and pid:
+                out[pid][sample.name.removeprefix("flywheel_worker_")] = sample.value == 1
+            elif sample.name == "flywheel_model_version" and pid and sample.value == 1:
+                out[pid]["serving"][sample.labels["route"]] = sample.labels["version"]
+    return dict(out)

@@ -1,0 +1,116 @@
+"""The ranking server as processes (`flywheel serve`, the stack's `ranking-server`).
+
+A supervisor starts `serving.workers` worker processes (`python -m serving.api`). Each binds the
+server's address with SO_REUSEPORT, so the kernel spreads new connections across them, and runs its own
+model follower, batcher, executors and prediction log: one GIL per core instead of one per host. Their
+metrics meet in files under the supervisor's directory (serving/metrics.py). A worker that exits is
+started again, after a back-off when it keeps failing; SIGTERM or SIGINT stops them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from prometheus_client import multiprocess
+
+from infra.settings import Settings
+
+log = logging.getLogger(__name__)
+MAX_BACKOFF_S = 30.0
+STABLE_S = 60.0  # a worker that ran this long had no start-up failure: its back-off starts over
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to the server's address that every worker can bind as well (SO_REUSEPORT)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def exit_with_parent() -> None:
+    """In a worker: be sent SIGTERM when the supervisor dies, even by SIGKILL (Linux)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the supervisor died before the call
+        sys.exit(1)
+
+
+class _Worker:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+        self.failures = 0
+        self.next_start = 0.0
+
+
+def _worker_env(metrics_dir: Path) -> dict[str, str]:
+    # Both names: prometheus_client reads the first, Feast (imported by the worker) the second.
+    return os.environ | {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "PROMETHEUS_MULTIPROCESS_DIR": str(metrics_dir)}
+
+
+def supervise(s: Settings) -> None:
+    """Run the workers until SIGTERM or SIGINT."""
+    metrics_dir = s.paths.run_dir / "ranking-server-metrics"
+    shutil.rmtree(metrics_dir, ignore_errors=True)  # a previous run's workers are gone
+    metrics_dir.mkdir(parents=True)
+    listening_socket(s.serving.host, s.serving.port).close()  # the port is taken by another program: fail now
+    env = _worker_env(metrics_dir)
+    workers = [_Worker(i) for i in range(s.serving.workers)]
+    stopping: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+    log.info("%d serving worker(s) on %s:%d", len(workers), s.serving.host, s.serving.port)
+    try:
+        while not stopping:
+            now = time.monotonic()
+            for w in workers:
+                if w.proc is not None and w.proc.poll() is not None:
+                    multiprocess.mark_process_dead(w.proc.pid, str(metrics_dir))
+                    w.failures = 1 if now - w.started >= STABLE_S else w.failures + 1
+                    w.next_start = now + min(MAX_BACKOFF_S, 2.0 ** (w.failures - 1))
+                    log.error("worker %d (pid %d) exited with code %s; starting it again in %.0f s", w.index,
+                              w.proc.pid, w.proc.returncode, w.next_start - now)
+                    w.proc = None
+                if w.proc is None and now >= w.next_start:
+                    w.proc, w.started = subprocess.Popen([sys.executable, "-m", "serving.api"], env=env), now
+                    log.info("worker %d: pid %d", w.index, w.proc.pid)
+            time.sleep(0.2)
+    finally:
+        running = [w.proc for w in workers if w.proc is not None and w.proc.poll() is None]
+        for proc in running:
+            proc.terminate()
+        for proc in running:
+            try:
+                proc.wait(s.stack.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def serve(s: Settings) -> None:
+    """Set up what the server reads and writes, then run its workers (`flywheel serve`)."""
+    from feature_repo.store import apply
+    from streaming.topics import ensure_topics
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    ensure_topics(s, [s.serving.predictions_topic])
+    apply(s)  # the feature definitions it reads (idempotent): the server also runs without the pipeline
+    supervise(s)
+
+
+if __name__ == "__main__":  # the stack's `ranking-server` service
+    from infra.settings import get_settings
+
+    serve(get_settings())
