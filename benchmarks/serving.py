@@ -9,7 +9,7 @@ Requests carry a mixed number of candidates (log-normal, median 100, 10-500) wit
      the sparse lookup;
   2. the server (the stack's ranking-server: HTTP, features, batching, prediction log): the highest open-loop
      rate whose p99 stays <= 50 ms, and its ratio to (1);
-  3. batching on vs off, buckets on vs off (p99 and compiles during traffic), executors 1 vs N, each a
+  3. batching on vs off, buckets on vs off (p99 and compiles during traffic), 1 worker vs N, each a
      server restarted with that one setting changed, under the same closed-loop load;
   4. scoring alone (batcher + lookup + XLA, no HTTP or features), batching on vs off, 16 threads;
   5. swap and rollback time under load.
@@ -283,10 +283,10 @@ def main() -> None:
 
         # The A/B rows measure capacity, not shedding: a generous deadline and admission bound.
         roomy = {"default_deadline_ms": 5000.0, "max_inflight_rows": 1 << 16}
-        executors = s.serving.executors
-        configs = {f"default (batching, buckets, {executors} executor(s), item cache)": {},
+        workers = s.serving.workers
+        configs = {f"default (batching, buckets, {workers} worker(s), item cache)": {},
                    "batching off": {"batching": False}, "buckets off": {"buckets": False},
-                   f"{2 * executors} executors": {"executors": 2 * executors},
+                   "1 worker": {"workers": 1},
                    "item feature cache off": {"item_features_ttl_ms": 0.0}}
         server = Server(s)
         try:

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
+import tensorflow as tf
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -179,6 +180,12 @@ def run_worker(s: Settings) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     exit_with_parent()
+    # The workers share the cores: TensorFlow's threads split them too (its pools spin while idle; on
+    # 2 cores and 2 workers, one thread each takes 28 % less CPU per dense call than the default, at
+    # the same latency: docs/benchmarks.md).
+    threads = max(1, (os.cpu_count() or 1) // s.serving.workers)
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
     # Built before uvicorn starts, so an unreachable store or registry is one clear error.
     inference = Inference(s)
     app = create_app(s, inference)
