@@ -345,6 +345,31 @@ def rollback(why: str, target: str) -> None:
 
 
 @main.command()
+@click.option("--user", "user_id", required=True, help="The user whose online features to show.")
+@click.option("--item", "item_id", default=None, help="Also this item's features.")
+@click.option("--category", default=None, help="Also the user x category features (the item's category).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: feature name -> value (missing = null).")
+def features(user_id: str, item_id: str | None, category: str | None, as_json: bool) -> None:
+    """The online features the ranking server reads for a user (and an item), as stored now."""
+    import json
+
+    import redis
+
+    from serving.features import OnlineFeatures
+
+    s = _settings()
+    try:
+        values = OnlineFeatures(s).entity_features(user_id, item_id, category)
+    except redis.RedisError as exc:
+        raise click.ClickException(f"Redis at {s.redis.url}: {exc}. Is the stack up (`flywheel status`)?") from None
+    if as_json:
+        click.echo(json.dumps(values))
+        return
+    for name, value in values.items():
+        click.echo(f"{name:28} {'-' if value is None else value}")
+
+
+@main.command()
 def serve() -> None:
     """Run the ranking server (settings [serving]) in the foreground until interrupted."""
     from serving.supervisor import serve as run

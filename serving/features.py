@@ -110,6 +110,17 @@ class OnlineFeatures:
         self.reader = OnlineReader(s, s.serving.default_deadline_ms / 1000)
         self.cache = SharedEntityCache(s.serving.item_features_ttl_ms / 1000, s.serving.item_features_cache_size)
 
+    def entity_features(self, user_id: str, item_id: str | None = None, category: str | None = None
+                        ) -> dict[str, object]:
+        """The raw values this server reads for a user (and an item, and the user x the item's category),
+        read now, bypassing the item cache; None where nothing is stored (`flywheel features`)."""
+        given = {"user_id": user_id, "item_id": item_id, "category": category}
+        out: dict[str, object] = {}
+        for keys, refs in self.reads.items():
+            if all(given[k] for k in keys):
+                out |= dict(zip(self.names[keys], self.reader.read(keys, [tuple(given[k] for k in keys)], refs)[0]))
+        return out
+
     def fetch(self, user_id: str, candidates: Sequence[Candidate], now_ms: int, sequence_length: int,
               keep_behaviors: int | None = None) -> Fetched:
         """Inputs for scoring `candidates` for `user_id` at `now_ms`; sequences keep the newest

@@ -1,9 +1,11 @@
 """The serving path's direct reader of Feast's Redis layout returns exactly what Feast's own
 `get_online_features` returns, for every feature type the views use, for present, partly written and
-unknown entities."""
+unknown entities; `flywheel features` shows what the server reads."""
 
 from __future__ import annotations
 
+import json
+import os
 from datetime import UTC, datetime
 
 import pandas as pd
@@ -12,8 +14,9 @@ import pytest
 from feature_repo.definitions import BATCH_VIEWS, GRAPH_VIEWS, TIMESTAMP_FIELD
 from feature_repo.online import OnlineReader, decode
 from feature_repo.store import apply
-from infra.settings import Settings
+from infra.settings import Settings, to_environ
 from streaming.features import STREAM_VIEWS
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.stack
 
@@ -60,3 +63,34 @@ def test_decoding_of_the_hand_parsed_scalars_matches_protobuf() -> None:
     assert decode(b"") is None and decode(None) is None
     assert decode(Value(string_list_val={"val": ["a", "b"]}).SerializeToString()) == ["a", "b"]
     assert decode(Value(string_val="é").SerializeToString()) == "é"
+
+
+def test_flywheel_features_shows_what_the_server_reads(redis_stack: Settings) -> None:
+    store = apply(redis_stack)
+    now = datetime.now(UTC)
+    user, item = {"user_id": "cli-user"}, {"item_id": "cli-item"}
+    store.write_to_online_store("user_total", pd.DataFrame([user | {
+        "user_impressions_total": 3, "user_clicks_total": 1, "user_ctr_total": 1 / 3, TIMESTAMP_FIELD: now}]))
+    store.write_to_online_store("user_sequence", pd.DataFrame([user | {
+        "seq_item_ids": ["i1", "i2"], "seq_event_types": ["impression", "click"],
+        "seq_event_times": [1, 2], TIMESTAMP_FIELD: now}]))
+    store.write_to_online_store("item_total", pd.DataFrame([item | {
+        "item_impressions_total": 9, "item_clicks_total": 0, "item_ctr_total": 0.0, TIMESTAMP_FIELD: now}]))
+    store.write_to_online_store("user_category", pd.DataFrame([user | {
+        "category": "Drama", "category_impressions": 2, "category_clicks": 2, "category_ctr": 1.0,
+        TIMESTAMP_FIELD: now}]))
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")} | to_environ(redis_stack)
+
+    done = run_cli(environ, "features", "--user", "cli-user", "--item", "cli-item", "--category", "Drama", "--json")
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    expected = store.get_online_features(features=store.get_feature_service("ranking_serving"),
+                                         entity_rows=[user | item | {"category": "Drama"}]).to_dict()
+    assert got == {name: expected[name][0] for name in got}
+    assert got["user_impressions_total"] == 3 and got["seq_item_ids"] == ["i1", "i2"]
+    assert got["category_clicks"] == 2 and got["item_impressions_total"] == 9
+    assert "user_clicks_5m" in got and got["user_clicks_5m"] is None  # a window without events: null
+    only_user = json.loads(run_cli(environ, "features", "--user", "cli-user", "--json").stdout)
+    assert only_user == {k: v for k, v in got.items() if not k.startswith(("item_", "category_"))}
+    text = run_cli(environ, "features", "--user", "cli-user").stdout
+    assert "user_impressions_total" in text and "user_clicks_5m" in text
