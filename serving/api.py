@@ -182,7 +182,7 @@ def run_worker(s: Settings) -> None:
     exit_with_parent()
     # The workers share the cores: TensorFlow's threads split them too (its pools spin while idle; on
     # 2 cores and 2 workers, one thread each takes 28 % less CPU per dense call than the default, at
-    # the same latency: docs/benchmarks.md).
+    # the same latency: docs/benchmark-notes.md, "Third round").
     threads = max(1, (os.cpu_count() or 1) // s.serving.workers)
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
