@@ -2,8 +2,10 @@
 
 Micro-batches: poll up to `max_records` or `max_wait_ms`, write each view's rows offline (one
 Parquet file per batch and partition, named by its first record, so a replayed batch rewrites the
-same file), then online (push), then commit the offsets. A crash between the write and the commit replays
-the batch: rows are snapshots keyed by entity and event time, so writing one twice changes nothing.
+same file), then online (Feast's Redis layout, written directly in one pipelined round trip per view,
+newer row wins: feature_repo/online.py), then commit the offsets. A crash between the write and the
+commit replays the batch: rows are snapshots keyed by entity and event time, so writing one twice
+changes nothing.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from dataclasses import dataclass
 
 import pandas as pd
 import pyarrow as pa
-from feast.data_source import PushMode
 from kafka import KafkaConsumer
 
 from feature_repo.definitions import TIMESTAMP_FIELD, offline_schema, view_dir
 from feature_repo.files import part_name, write_atomic
+from feature_repo.online import OnlineWriter
 from feature_repo.store import apply
 from infra.settings import Settings, get_settings
 from streaming.features import STREAM_VIEWS, StreamView
@@ -48,7 +50,8 @@ def rows_frame(view: StreamView, rows: list[dict]) -> pd.DataFrame:
 class FeatureIngestor:
     def __init__(self, s: Settings, max_records: int = 5000, max_wait_ms: int = 100):
         self.s, self.max_records, self.max_wait_ms = s, max_records, max_wait_ms
-        self.store = apply(s)
+        apply(s)  # the feature views Feast reads these rows through
+        self.writer = OnlineWriter(s)
         self.stats = IngestStats()
         self.consumer = KafkaConsumer(
             *VIEWS_BY_TOPIC, **s.kafka.client_options("kafka-python"), group_id=GROUP, enable_auto_commit=False,
@@ -58,30 +61,32 @@ class FeatureIngestor:
     def run_once(self) -> int:
         """One micro-batch; returns the number of rows written."""
         polled = self.consumer.poll(timeout_ms=self.max_wait_ms, max_records=self.max_records)
-        batches: list[tuple[StreamView, str, pd.DataFrame]] = []  # view, file name, rows
+        batches: list[tuple[StreamView, str, list[dict]]] = []  # view, file name, rows
         for tp, records in polled.items():
+            view = VIEWS_BY_TOPIC[tp.topic]
             rows = []
             for record in records:
                 try:
-                    rows.append(json.loads(record.value))
+                    row = json.loads(record.value)
                 except (TypeError, ValueError):  # tombstone (None) or not JSON: nothing to write
                     self.stats.skipped += 1
+                    continue
+                rows.append(view.finish(self.s, row) if view.finish else row)
             if rows:
-                view = VIEWS_BY_TOPIC[tp.topic]
                 name = part_name(tp.partition, records[0].offset, records[0].value or b"")
-                batches.append((view, name, rows_frame(view, rows)))
+                batches.append((view, name, rows))
         # Offline first: a row visible online is then always in the training data too.
-        by_view: dict[StreamView, list[pd.DataFrame]] = defaultdict(list)
-        for view, name, frame in batches:
-            table = pa.Table.from_pandas(frame, schema=offline_schema(view), preserve_index=False)
+        by_view: dict[StreamView, list[dict]] = defaultdict(list)
+        for view, name, rows in batches:
+            table = pa.Table.from_pandas(rows_frame(view, rows), schema=offline_schema(view), preserve_index=False)
             write_atomic(table, view_dir(self.s, view.name) / name)
-            by_view[view].append(frame)
-        for view, frames in by_view.items():
-            self.store.push(view.push_source, pd.concat(frames, ignore_index=True), to=PushMode.ONLINE)
+            by_view[view].extend(rows)
+        for view, rows in by_view.items():
+            self.writer.write(view.name, view.keys, view.columns, rows)
         if polled:
             self.consumer.commit()
             self.stats.batches += 1
-        written = sum(len(frame) for _, _, frame in batches)
+        written = sum(len(rows) for _, _, rows in batches)
         self.stats.rows += written
         return written
 

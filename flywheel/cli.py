@@ -234,19 +234,24 @@ def count(topic: str | None) -> None:
 @click.option("--topic", default=None, help="Source topic whose dead letters to show.")
 @click.option("--limit", type=int, default=20, show_default=True)
 def dlq(topic: str | None, limit: int) -> None:
-    """Show the last dead-lettered records of a topic with the reason each was refused."""
+    """Show the last dead-lettered records of a topic with the reason each was refused. A record
+    dead-lettered again (the stream job replaying after a restart) is shown once."""
     from streaming.consumer import read_dead_letter
     from streaming.topics import read_range
 
     s = _settings()
     dlq_topic = s.kafka.dlq_topic(topic or s.kafka.events_topic)
     end = _end_offsets(s, dlq_topic)
-    start = {p: max(0, o - limit) for p, o in end.items()}
-    letters = [read_dead_letter(r) for r in read_range(s, dlq_topic, start, end)]
-    click.echo(f"{dlq_topic}: {sum(end.values())} dead letters; last {len(letters[-limit:])}:")
-    for d in letters[-limit:]:
+    start = {p: max(0, o - 4 * limit) for p, o in end.items()}
+    letters = {}  # source (topic, partition, offset) -> letter; unnamed ones are all kept
+    for n, d in enumerate(read_dead_letter(r) for r in read_range(s, dlq_topic, start, end)):
+        letters.setdefault((d.topic, d.partition, d.offset) if d.offset >= 0 else n, d)
+    shown = list(letters.values())[-limit:]
+    click.echo(f"{dlq_topic}: {sum(end.values())} dead letters; last {len(shown)} distinct:")
+    for d in shown:
         value = (d.value or b"")[:80].decode(errors="replace")
-        click.echo(f"  {d.topic}[{d.partition}]@{d.offset}: {d.reason}  value={value!r}")
+        size = "" if d.original_size is None else f" ({d.original_size} bytes)"
+        click.echo(f"  {d.topic}[{d.partition}]@{d.offset}: {d.reason}{size}  value={value!r}")
 
 
 # --- the platform's main job -------------------------------------------------------------------

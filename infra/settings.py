@@ -181,14 +181,16 @@ class StreamingSettings:
     job_name: str = "flywheel-features"
     consumer_group: str = "flywheel-stream-job"
     parallelism: int = 1
-    watermark_delay_ms: int = 200  # events later than this behind the newest are left out of SQL aggregates
-    # 0 = a partition with no events holds the watermark back. With a timeout, a partition silent that
-    # long is skipped, and its events arriving later than the watermark leave the windows (late).
-    idle_partition_timeout_ms: int = 0
+    # 0: every event emits its views' updated rows, so the offline store holds a snapshot as of each
+    # event (exact point-in-time training features, also when a backlog is replayed at full speed).
+    # > 0: aggregates buffer input this long and emit one update per key (Flink's mini-batch): far fewer
+    # rows downstream, at the cost of this much freshness and of snapshots only per batch.
+    mini_batch_ms: int = 0
     checkpoint_interval_ms: int = 5000
     sequence_length: int = 50  # last-N behaviors kept per user
     interest_half_life_hours: float = 168.0  # decay of the long-term category interest
     interest_top_k: int = 10
+    interest_epoch_ms: int = 1_325_376_000_000  # 2012-01-01: weights are summed relative to it (streaming/features.py)
     ctr_prior: float = 0.05  # smoothed CTR = (clicks + w * prior) / (impressions + w)
     ctr_prior_weight: float = 10.0
 

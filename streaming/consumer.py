@@ -1,7 +1,7 @@
 """Consuming behavior events as a consumer group, with invalid records dead-lettered, never fatal.
 
-An invalid record is copied byte for byte (key, value, headers) to ``<topic>.dlq`` with headers
-``dlq.reason``, ``dlq.topic``, ``dlq.partition`` and ``dlq.offset``. Offsets are committed only by
+An invalid record is copied (key, headers, and its value cut to `kafka.max_event_bytes`) to ``<topic>.dlq``
+with the headers of streaming/events.py: reason, source topic, partition, offset and original size. Offsets are committed only by
 `commit()`, after the dead-letter writes are acknowledged, so nothing is lost on a crash
 (at-least-once delivery).
 """
@@ -15,9 +15,8 @@ from kafka import KafkaConsumer, KafkaProducer
 from kafka.consumer.fetcher import ConsumerRecord
 
 from infra.settings import Settings
-from streaming.events import Event, InvalidEvent, decode
-
-DLQ_REASON = "dlq.reason"
+from streaming.events import (
+    DLQ_OFFSET, DLQ_ORIGINAL_SIZE, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC, Event, InvalidEvent, decode)
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,8 @@ class DeadLetter:
     partition: int
     offset: int
     key: bytes | None
-    value: bytes | None
+    value: bytes | None  # at most `kafka.max_event_bytes` of the original
+    original_size: int | None  # bytes of the original value (None: a tombstone, or a letter without the header)
 
 
 class EventConsumer:
@@ -59,8 +59,7 @@ class EventConsumer:
             session_timeout_ms=s.kafka.session_timeout_ms, heartbeat_interval_ms=s.kafka.heartbeat_interval_ms,
         ) | client_overrides
         self._consumer = KafkaConsumer(self.topic, **s.kafka.client_options("kafka-python"), **options)
-        # Dead letters keep the whole original record, which may exceed the event size limit.
-        self._dlq = KafkaProducer(**s.kafka.client_options("kafka-python"), acks="all", max_request_size=4 * 1024 * 1024)
+        self._dlq = KafkaProducer(**s.kafka.client_options("kafka-python"), acks="all")
         self._dlq_pending: list = []
 
     def poll(self, timeout_ms: int = 1000, max_records: int = 1000) -> list[Consumed]:
@@ -79,12 +78,13 @@ class EventConsumer:
     def _dead_letter(self, record: ConsumerRecord, reason: str) -> None:
         headers = list(record.headers or []) + [
             (DLQ_REASON, reason.encode()),
-            ("dlq.topic", record.topic.encode()),
-            ("dlq.partition", str(record.partition).encode()),
-            ("dlq.offset", str(record.offset).encode()),
+            (DLQ_TOPIC, record.topic.encode()),
+            (DLQ_PARTITION, str(record.partition).encode()),
+            (DLQ_OFFSET, str(record.offset).encode()),
+            (DLQ_ORIGINAL_SIZE, str(len(record.value or b"")).encode()),
         ]
-        self._dlq_pending.append(self._dlq.send(self.dlq_topic, key=record.key, value=record.value,
-                                                headers=headers))
+        value = None if record.value is None else record.value[:self.max_bytes]
+        self._dlq_pending.append(self._dlq.send(self.dlq_topic, key=record.key, value=value, headers=headers))
         self.dead_lettered += 1
 
     def commit(self) -> None:
@@ -117,8 +117,9 @@ def read_dead_letter(record: ConsumerRecord) -> DeadLetter:
     headers = {k: v for k, v in record.headers or []}
     return DeadLetter(
         reason=headers.get(DLQ_REASON, b"").decode(errors="replace"),
-        topic=headers.get("dlq.topic", b"").decode(),
-        partition=int(headers.get("dlq.partition", b"-1")),
-        offset=int(headers.get("dlq.offset", b"-1")),
+        topic=headers.get(DLQ_TOPIC, b"").decode(),
+        partition=int(headers.get(DLQ_PARTITION) or b"-1"),
+        offset=int(headers.get(DLQ_OFFSET) or b"-1"),
         key=record.key, value=record.value,
+        original_size=int(headers[DLQ_ORIGINAL_SIZE]) if headers.get(DLQ_ORIGINAL_SIZE) else None,
     )

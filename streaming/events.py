@@ -28,6 +28,12 @@ MAX_EVENT_TIME_MS = 4_102_444_800_000
 
 ContextValue = str | int | float | bool
 
+# Headers of a dead letter (`<topic>.dlq`): why the record was refused, where it was read, and its size
+# before a dead letter cut it to `max_event_bytes`. Topic, partition and offset name a record once, so a
+# dead letter written again after a restart is recognised as the same.
+DLQ_REASON, DLQ_TOPIC, DLQ_PARTITION, DLQ_OFFSET = "dlq.reason", "dlq.topic", "dlq.partition", "dlq.offset"
+DLQ_ORIGINAL_SIZE = "dlq.original_size"
+
 
 class EventType(str, Enum):
     IMPRESSION = "impression"

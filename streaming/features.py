@@ -9,12 +9,16 @@ environments import it.
 
 Every row is a snapshot "as of" `event_time` of the event that produced it, so rewriting a row is
 idempotent and Feast's point-in-time joins see only what was known then. Queries read the job's
-`valid_events` view (parsed events with `is_impression` / `is_click` flags and the event-time
-attribute `rowtime`) and select the keys, `event_time`, then the columns in order.
+`valid_events` view (parsed events with `is_impression` / `is_click` flags and the processing-time
+attribute `proctime`) and select the keys, `event_time`, then the columns in order. No query waits for
+a watermark: every view is an updating aggregate or ordered by arrival, so a row is out within one
+mini-batch of its event on a quiet stream too.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,9 +40,13 @@ class StreamView:
     columns: tuple[tuple[str, str], ...]  # (feature name, SQL type)
     ttl: timedelta  # how long a row answers for its key: a window view's rows live as long as their window
     # True: an updating aggregate (GROUP BY, no watermark wait, late events included) upserted by key;
-    # False: one appended row per input, in event-time order.
+    # False: one appended row per input, in arrival order.
     upsert: bool
-    query: Callable[[Settings], str]  # the SELECT over `valid_events`: keys, event_time, columns
+    query: Callable[[Settings], str]  # the SELECT over `valid_events`: keys, event_time, then `emitted`
+    # What the query emits after the keys and event_time when it is not `columns`, and the function the
+    # ingestor applies to each emitted row (a dict) to give it `columns`.
+    emitted: tuple[tuple[str, str], ...] | None = None
+    finish: Callable[[Settings, dict], dict] | None = None
 
     @property
     def topic(self) -> str:
@@ -59,21 +67,37 @@ def _counts_columns(entity: str, suffix: str) -> tuple[tuple[str, str], ...]:
             (f"{entity}_ctr_{suffix}", DOUBLE))
 
 
-def window_view(entity: str, suffix: str, minutes: int) -> StreamView:
-    """Impressions, clicks and smoothed CTR of an entity in the event-time window ending at each event."""
+def window_view(entity: str, suffix: str, minutes: int, buckets: int) -> StreamView:
+    """Impressions, clicks and smoothed CTR of an entity in the sliding window of `buckets` time buckets
+    (`minutes` in all) that ends with the bucket of its newest event: an updating aggregate, so an event
+    counts as soon as its mini-batch is flushed, whether or not any other event follows.
+
+    Each event is added to the `buckets` windows that hold it (the window ending in its own bucket and
+    the next ones); a window's row is emitted once it ends in the bucket of its own newest event, so the
+    online row of an entity is always its newest window and older buckets leave it as the entity's
+    events move on. A late event is counted in every window it falls in (no watermark), and a window
+    older than the entity's newest is refused by the writer's newer-row-wins rule. The window spans
+    between `minutes` minus one bucket and `minutes`.
+    """
     key = f"{entity}_id"
+    bucket_ms = minutes * 60_000 // buckets
+    name = f"{entity}_{suffix}"
 
     def query(s: Settings) -> str:
+        ends = ", ".join(["bucket", *(f"bucket + {i}" for i in range(1, buckets))])
         return f"""
             SELECT {key}, event_time, imps, clicks, {_smoothed_ctr(s, 'clicks', 'imps')}
-            FROM (SELECT {key}, event_time,
-                    CAST(SUM(is_impression) OVER w AS BIGINT) AS imps, CAST(SUM(is_click) OVER w AS BIGINT) AS clicks
-                  FROM valid_events
-                  WINDOW w AS (PARTITION BY {key} ORDER BY rowtime
-                               RANGE BETWEEN INTERVAL '{minutes}' MINUTE PRECEDING AND CURRENT ROW))"""
+            FROM (SELECT /*+ STATE_TTL('{name}_spread' = '{2 * minutes} min') */
+                    {key}, window_end, MAX(bucket) AS newest, MAX(event_time) AS event_time,
+                    CAST(SUM(is_impression) AS BIGINT) AS imps, CAST(SUM(is_click) AS BIGINT) AS clicks
+                  FROM (SELECT {key}, event_time, is_impression, is_click, bucket, window_end
+                        FROM (SELECT *, event_time / {bucket_ms} AS bucket FROM valid_events)
+                        CROSS JOIN UNNEST(ARRAY[{ends}]) AS S(window_end)) AS {name}_spread
+                  GROUP BY {key}, window_end)
+            WHERE newest = window_end"""
 
-    return StreamView(f"{entity}_{suffix}", (key,), _counts_columns(entity, suffix), timedelta(minutes=minutes),
-                      upsert=False, query=query)
+    return StreamView(name, (key,), _counts_columns(entity, suffix), timedelta(minutes=minutes),
+                      upsert=True, query=query)
 
 
 def running_view(name: str, keys: tuple[str, ...], columns: tuple[tuple[str, str], ...],
@@ -91,24 +115,53 @@ def running_view(name: str, keys: tuple[str, ...], columns: tuple[tuple[str, str
 
 
 def _sequence(s: Settings) -> str:
+    # In arrival order (the order of the user's partition), so a row never waits for a watermark; the
+    # row's time is the newest event in it, so a late event's row is not dated before what it holds.
     n = s.streaming.sequence_length
     return f"""
-        SELECT user_id, event_time, ARRAY_AGG(item_id) OVER w, ARRAY_AGG(event_type) OVER w,
+        SELECT user_id, MAX(event_time) OVER w, ARRAY_AGG(item_id) OVER w, ARRAY_AGG(event_type) OVER w,
                ARRAY_AGG(event_time) OVER w
         FROM valid_events WHERE event_type <> 'impression'
-        WINDOW w AS (PARTITION BY user_id ORDER BY rowtime ROWS BETWEEN {n - 1} PRECEDING AND CURRENT ROW)"""
+        WINDOW w AS (PARTITION BY user_id ORDER BY proctime ROWS BETWEEN {n - 1} PRECEDING AND CURRENT ROW)"""
+
+
+# --- the decayed interest histogram ------------------------------------------------------------
+# Each action adds 1 to its category; a weight halves every half-life. Summing exp(rate * (t - epoch))
+# is order-free and needs no Python: the job keeps one such sum per user and category, and the
+# ingestor rescales them to the row's time (the user's newest action) and keeps the top k. A double
+# holds exp(x) for |x| < 709: with the default one-week half-life, events within 19.6 years of the
+# epoch (2012-01-01), i.e. 1992..2031; `streaming.interest_epoch_ms` moves it (a fresh job state).
+
+def _interest_rate(s: Settings) -> float:
+    return math.log(2) / (s.streaming.interest_half_life_hours * 3_600_000)
 
 
 def _interest(s: Settings) -> str:
-    # interest_histogram: the job's aggregate function (decayed weights per category, top k)
-    return """
-        SELECT user_id, event_time, interest.categories, interest.weights
-        FROM (SELECT user_id, MAX(event_time) AS event_time, interest_histogram(category, event_time) AS interest
-              FROM valid_events WHERE event_type <> 'impression' AND category IS NOT NULL GROUP BY user_id)"""
+    return f"""
+        SELECT user_id, MAX(event_time), JSON_ARRAYAGG(JSON_ARRAY(category, weight))
+        FROM (SELECT user_id, category, MAX(event_time) AS event_time,
+                     SUM(EXP({_interest_rate(s)!r} * (event_time - {s.streaming.interest_epoch_ms}))) AS weight
+              FROM valid_events WHERE event_type <> 'impression' AND category IS NOT NULL
+              GROUP BY user_id, category)
+        GROUP BY user_id"""
+
+
+def _interest_top(s: Settings, row: dict) -> dict:
+    """The job's scaled sums (a JSON array of [category, sum]) as the k heaviest categories, ties by name,
+    and their weights as of the row's time. A category's sum only grows: where an update left two, the
+    larger is the newer."""
+    scale = math.exp(-_interest_rate(s) * (row["event_time"] - s.streaming.interest_epoch_ms))
+    sums: dict[str, float] = {}
+    for category, weight in json.loads(row.pop("interest_sums")):
+        sums[category] = max(weight, sums.get(category, 0.0))
+    ranked = sorted(((c, w * scale) for c, w in sums.items()), key=lambda cw: (-cw[1], cw[0]))
+    top = ranked[:s.streaming.interest_top_k]
+    return row | {"interest_categories": [c for c, _ in top], "interest_weights": [w for _, w in top]}
 
 
 STREAM_VIEWS: tuple[StreamView, ...] = (
-    *(window_view(entity, suffix, minutes) for entity in ("user", "item") for suffix, minutes in (("5m", 5), ("1h", 60))),
+    *(window_view(entity, suffix, minutes, buckets) for entity in ("user", "item")
+      for suffix, minutes, buckets in (("5m", 5, 5), ("1h", 60, 12))),
     *(running_view(f"{entity}_total", (f"{entity}_id",), _counts_columns(entity, "total")) for entity in ("user", "item")),
     running_view("user_category", ("user_id", "category"), (
         ("category_impressions", BIGINT), ("category_clicks", BIGINT), ("category_ctr", DOUBLE)),
@@ -118,5 +171,5 @@ STREAM_VIEWS: tuple[StreamView, ...] = (
         LONG_TTL, upsert=False, query=_sequence),
     StreamView("user_interest", ("user_id",), (
         ("interest_categories", STRING_ARRAY), ("interest_weights", DOUBLE_ARRAY)), LONG_TTL, upsert=True,
-        query=_interest),
+        query=_interest, emitted=(("interest_sums", STRING),), finish=_interest_top),
 )

@@ -2,32 +2,33 @@
 
 Runs in the Flink environment (`.venv-flink`), in a local MiniCluster by default:
     .venv-flink/bin/python -m streaming.job        (or `flywheel up`, which manages it)
-On a cluster: `flink run -py streaming/job.py -pyfs streaming,infra` with the connector jars.
+On a cluster: `flink run -py streaming/job.py -pyfs streaming,infra` with the connector jars and the
+functions jar (`infra.flink_jars.udf_jar`).
 
-Flink SQL does the aggregation; Python only parses events (the one schema in streaming/events.py)
-and keeps the decayed interest histogram.
+No Python in the per-event path: records are parsed and checked once, in the JVM, by the schema's Java
+twin (streaming/java, the rules and reasons of streaming/events.py), and Flink SQL does the aggregation
+in mini-batches. Invalid records go to the dead-letter topic with their reason, source topic, partition
+and offset, and original size; an oversized one keeps only its first `kafka.max_event_bytes`.
 
-Late events: the sliding windows and the behavior sequence run on event time with a watermark of
-`streaming.watermark_delay_ms`; an event later than that is left out of them. Running totals,
-user x category counts and the interest histogram are updating aggregates that include it (and
-emit without waiting for the watermark). A late event is valid, so it is not dead-lettered, and it
-stays in the offline event log for training.
+Late events: nothing waits for a watermark. Windows, totals, category counts and the interest histogram
+are updating aggregates that include a late event in every window it belongs to; the behavior sequence
+is in arrival order. A late event is valid, so it is not dead-lettered, and it stays in the offline
+event log for training.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
-from pyflink.common import Row
-from pyflink.table import DataTypes, EnvironmentSettings, TableEnvironment
-from pyflink.table.udf import AggregateFunction, udaf, udtf
+from pyflink.common import Configuration
+from pyflink.datastream import StreamExecutionEnvironment
+from pyflink.table import Schema, StreamTableEnvironment
 
+from infra.flink_jars import udf_jar
 from infra.settings import Settings, get_settings
-from streaming.events import InvalidEvent, decode
-from streaming.features import STREAM_VIEWS, StreamView
-from streaming.interest import InterestHistogram
+from streaming.events import DLQ_OFFSET, DLQ_ORIGINAL_SIZE, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC
+from streaming.features import LONG_TTL, STREAM_VIEWS, StreamView
 
 log = logging.getLogger("flywheel.stream-job")
 
@@ -38,9 +39,9 @@ def latest_checkpoint(s: Settings) -> Path | None:
     return max(done, key=lambda p: p.stat().st_mtime) if done else None
 
 
-def table_environment(s: Settings) -> TableEnvironment:
-    env = TableEnvironment.create(EnvironmentSettings.in_streaming_mode())
-    jars = ";".join(f"file://{s.paths.flink_jars_dir / name}" for name, _ in s.flink.connector_jars)
+def table_environment(s: Settings) -> StreamTableEnvironment:
+    jars = ";".join(f"file://{jar}" for jar in
+                    [*(s.paths.flink_jars_dir / name for name, _ in s.flink.connector_jars), udf_jar(s)])
     tmp = s.paths.service_dir("flink") / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     options = {
@@ -49,81 +50,38 @@ def table_environment(s: Settings) -> TableEnvironment:
         "rest.address": s.flink.host_port[0],
         "rest.port": str(s.flink.host_port[1]),
         "pipeline.jars": jars,
-        "python.executable": sys.executable,
-        "python.execution-mode": "thread",  # ~20x faster than process mode for Python functions here
         "parallelism.default": str(s.streaming.parallelism),
         "io.tmp.dirs": str(tmp),
         "execution.checkpointing.interval": f"{s.streaming.checkpoint_interval_ms} ms",
         "execution.checkpointing.dir": f"file://{s.paths.checkpoints_dir}",
         "execution.checkpointing.externalized-checkpoint-retention": "RETAIN_ON_CANCELLATION",
         "execution.checkpointing.num-retained": "2",
-        # Upsert sinks get their key from GROUP BY; the Python aggregate hides it from the planner,
-        # whose materialization would otherwise keep every row of history in state.
+        # State lives as long as the longest feature (the all-history views); windows set their own
+        # (STATE_TTL hints in streaming/features.py).
+        "table.exec.state.ttl": f"{int(LONG_TTL.total_seconds() * 1000)} ms",
+        # Upsert sinks get their key from GROUP BY; the window views' key is the entity while their
+        # aggregate's is (entity, window end), and the writer keeps the newest row per key anyway:
+        # materializing would keep every row of history in state.
         "table.exec.sink.upsert-materialize": "NONE",
-        "restart-strategy.type": "fixed-delay",
-        "restart-strategy.fixed-delay.attempts": "2147483647",
-        "restart-strategy.fixed-delay.delay": "2 s",
+        # No record can fail the job (an invalid one is dead-lettered), so repeated failures mean a broken
+        # environment: stop after 10 in 10 minutes instead of replaying forever.
+        "restart-strategy.type": "failure-rate",
+        "restart-strategy.failure-rate.max-failures-per-interval": "10",
+        "restart-strategy.failure-rate.failure-rate-interval": "10 min",
+        "restart-strategy.failure-rate.delay": "2 s",
     }
-    if s.streaming.idle_partition_timeout_ms > 0:
-        options["table.exec.source.idle-timeout"] = f"{s.streaming.idle_partition_timeout_ms} ms"
+    if s.streaming.mini_batch_ms > 0:  # one update per key per batch, combined before the shuffle
+        options |= {"table.exec.mini-batch.enabled": "true",
+                    "table.exec.mini-batch.allow-latency": f"{s.streaming.mini_batch_ms} ms",
+                    "table.exec.mini-batch.size": "10000", "table.optimizer.agg-phase-strategy": "TWO_PHASE"}
     resume = latest_checkpoint(s)
     if resume is not None:
         options["execution.state-recovery.path"] = f"file://{resume}"
         log.info("resuming from checkpoint %s", resume)
-    config = env.get_config()
+    config = Configuration()
     for key, value in options.items():
-        config.set(key, value)
-    return env
-
-
-# --- Python where SQL cannot: parsing with the shared schema, and the decayed histogram ----------
-
-PARSED = [("reason", DataTypes.STRING()), ("event_id", DataTypes.STRING()), ("user_id", DataTypes.STRING()),
-          ("item_id", DataTypes.STRING()), ("event_type", DataTypes.STRING()), ("event_time", DataTypes.BIGINT()),
-          ("category", DataTypes.STRING())]
-
-
-def parse_udtf(max_bytes: int):
-    @udtf(result_types=[t for _, t in PARSED])
-    def parse_event(payload: bytes):
-        try:
-            e = decode(payload, max_bytes)
-        except InvalidEvent as exc:
-            yield exc.reason, None, None, None, None, None, None
-            return
-        category = e.context.get("category")
-        yield (None, e.event_id, e.user_id, e.item_id, e.event_type.value, e.event_time,
-               None if category in (None, "") else str(category))
-    return parse_event
-
-
-class InterestAggregate(AggregateFunction):
-    def __init__(self, half_life_ms: float, top_k: int):
-        self.half_life_ms, self.top_k = half_life_ms, top_k
-
-    def create_accumulator(self):
-        return Row({}, None)  # weights by category, as-of time (ms)
-
-    def _histogram(self, acc) -> InterestHistogram:
-        h = InterestHistogram(self.half_life_ms)
-        h.weights, h.as_of = dict(acc[0]), acc[1]
-        return h
-
-    def accumulate(self, acc, category: str, event_time: int):
-        h = self._histogram(acc)
-        h.add(category, event_time)
-        acc[0], acc[1] = h.weights, h.as_of
-
-    def get_value(self, acc):
-        return Row(*self._histogram(acc).top(self.top_k))
-
-    def get_accumulator_type(self):
-        return DataTypes.ROW([DataTypes.FIELD("weights", DataTypes.MAP(DataTypes.STRING(), DataTypes.DOUBLE())),
-                              DataTypes.FIELD("as_of", DataTypes.BIGINT())])
-
-    def get_result_type(self):
-        return DataTypes.ROW([DataTypes.FIELD("categories", DataTypes.ARRAY(DataTypes.STRING())),
-                              DataTypes.FIELD("weights", DataTypes.ARRAY(DataTypes.DOUBLE()))])
+        config.set_string(key, value)
+    return StreamTableEnvironment.create(StreamExecutionEnvironment.get_execution_environment(config))
 
 
 # --- tables ------------------------------------------------------------------------------------
@@ -140,7 +98,8 @@ def _sql_string(value: object) -> str:
 
 def sink_ddl(s: Settings, view: StreamView) -> str:
     columns = ", ".join(f"`{name}` {sql_type}" for name, sql_type in
-                        [*((k, "STRING") for k in view.keys), ("event_time", "BIGINT"), *view.columns])
+                        [*((k, "STRING") for k in view.keys), ("event_time", "BIGINT"),
+                         *(view.emitted or view.columns)])
     if view.upsert:
         keys = ", ".join(f"`{k}`" for k in view.keys)
         return (f"CREATE TABLE `{view.topic}` ({columns}, PRIMARY KEY ({keys}) NOT ENFORCED) WITH ("
@@ -151,17 +110,18 @@ def sink_ddl(s: Settings, view: StreamView) -> str:
             f"'value.fields-include' = 'ALL')")
 
 
-def create_tables(env: TableEnvironment, s: Settings) -> None:
-    topic, delay = s.kafka.events_topic, s.streaming.watermark_delay_ms / 1000
+PARSED = "reason, event_id, user_id, item_id, event_type, event_time, category"
+
+
+def create_tables(env: StreamTableEnvironment, s: Settings) -> None:
+    topic = s.kafka.events_topic
     env.execute_sql(f"""
         CREATE TABLE events_raw (
           kafka_key BYTES,
           payload BYTES,
-          -- A malformed record has no event time: the epoch keeps it from moving the watermark
-          -- (it is dead-lettered, never aggregated).
-          rowtime AS COALESCE(TO_TIMESTAMP_LTZ(
-              TRY_CAST(JSON_VALUE(CAST(payload AS STRING), '$.event_time') AS BIGINT), 3), TO_TIMESTAMP_LTZ(0, 3)),
-          WATERMARK FOR rowtime AS rowtime - INTERVAL '{delay}' SECOND
+          source_topic STRING METADATA FROM 'topic' VIRTUAL,
+          source_partition INT METADATA FROM 'partition' VIRTUAL,
+          source_offset BIGINT METADATA FROM 'offset' VIRTUAL
         ) WITH ('connector' = 'kafka', {_kafka(s, topic)},
           'properties.group.id' = '{s.streaming.consumer_group}', 'scan.startup.mode' = 'group-offsets',
           'properties.auto.offset.reset' = 'earliest',
@@ -174,15 +134,18 @@ def create_tables(env: TableEnvironment, s: Settings) -> None:
           'value.fields-include' = 'EXCEPT_KEY')""")
     for view in STREAM_VIEWS:
         env.execute_sql(sink_ddl(s, view))
-    names = ", ".join(name for name, _ in PARSED)
-    env.execute_sql(f"""
-        CREATE TEMPORARY VIEW parsed AS
-        SELECT kafka_key, payload, rowtime, {names}
-        FROM events_raw, LATERAL TABLE(parse_event(payload)) AS T({names})""")
+    # Parsed once for every query: through a DataStream, which the planner cannot see into (a view would
+    # be inlined into each query, and the parse repeated per view).
+    parsed = env.sql_query(f"""
+        SELECT kafka_key, payload, source_topic, source_partition, source_offset, {PARSED}
+        FROM events_raw, LATERAL TABLE(parse_event(payload, {s.kafka.max_event_bytes})) AS T({PARSED})""")
+    env.create_temporary_view("parsed", env.from_data_stream(
+        env.to_data_stream(parsed), Schema.new_builder().column_by_expression("proctime", "PROCTIME()").build()))
     env.execute_sql("""
         CREATE TEMPORARY VIEW valid_events AS
-        SELECT *, CASE WHEN event_type = 'impression' THEN 1 ELSE 0 END AS is_impression,
-                  CASE WHEN event_type = 'click' THEN 1 ELSE 0 END AS is_click
+        SELECT event_id, user_id, item_id, event_type, event_time, category, proctime,
+               CASE WHEN event_type = 'impression' THEN 1 ELSE 0 END AS is_impression,
+               CASE WHEN event_type = 'click' THEN 1 ELSE 0 END AS is_click
         FROM parsed WHERE reason IS NULL""")
 
 
@@ -190,16 +153,23 @@ def create_tables(env: TableEnvironment, s: Settings) -> None:
 
 def feature_queries(s: Settings) -> list[str]:
     """Every stream view's query into its topic, and invalid events into the dead-letter topic."""
-    return [*(f"INSERT INTO `{view.topic}` {view.query(s)}" for view in STREAM_VIEWS), """
+    def header(sql: str) -> str:
+        return f"CAST(COALESCE(CAST({sql} AS STRING), '') AS BYTES)"
+
+    return [*(f"INSERT INTO `{view.topic}` {view.query(s)}" for view in STREAM_VIEWS), f"""
         INSERT INTO events_dlq
-        SELECT kafka_key, payload, MAP['dlq.reason', CAST(reason AS BYTES)] FROM parsed WHERE reason IS NOT NULL"""]
+        SELECT kafka_key, truncate_bytes(payload, {s.kafka.max_event_bytes}),
+               MAP['{DLQ_REASON}', {header('reason')}, '{DLQ_TOPIC}', {header('source_topic')},
+                   '{DLQ_PARTITION}', {header('source_partition')}, '{DLQ_OFFSET}', {header('source_offset')},
+                   '{DLQ_ORIGINAL_SIZE}', {header('byte_length(payload)')}]
+        FROM parsed WHERE reason IS NOT NULL"""]
 
 
-def build(s: Settings) -> TableEnvironment:
+def build(s: Settings) -> StreamTableEnvironment:
     env = table_environment(s)
-    env.create_temporary_function("parse_event", parse_udtf(s.kafka.max_event_bytes))
-    env.create_temporary_function("interest_histogram", udaf(InterestAggregate(
-        s.streaming.interest_half_life_hours * 3_600_000, s.streaming.interest_top_k)))
+    env.create_java_temporary_function("parse_event", "flywheel.ParseEvent")
+    env.create_java_temporary_function("truncate_bytes", "flywheel.Truncate")
+    env.create_java_temporary_function("byte_length", "flywheel.ByteLength")
     create_tables(env, s)
     return env
 

@@ -10,11 +10,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from kafka.partitioner.default import murmur2
 
 from infra import stack
 from infra.settings import Settings, load_settings
-from streaming.events import Event, EventType
 
 REPO = Path(__file__).resolve().parent.parent
 FLYWHEEL = [sys.executable, "-m", "flywheel.cli"]
@@ -71,16 +69,3 @@ def wait_for(check: Callable, timeout_s: float = 90.0):
                 raise
             time.sleep(1)
 
-
-def sentinels(s: Settings, t: int) -> list[Event]:
-    """One impression per partition at time t, so every partition's watermark passes the events before."""
-    out, covered, i = [], set(), 0
-    while len(covered) < s.kafka.partitions:
-        user = f"sentinel-{i}"
-        partition = (murmur2(user.encode()) & 0x7FFFFFFF) % s.kafka.partitions
-        if partition not in covered:
-            covered.add(partition)
-            out.append(Event(event_id=f"sentinel-{t}-{i}", user_id=user, item_id="sentinel-item",
-                             event_type=EventType.IMPRESSION, request_id=f"sentinel-{t}-{i}", event_time=t))
-        i += 1
-    return out

@@ -32,7 +32,7 @@ from models.registry import CHAMPION, alias_version, connect, list_versions, ver
 from streaming.events import Event
 from streaming.producer import EventProducer
 from streaming.synthetic import SyntheticConfig, SyntheticGenerator
-from tests.conftest import REPO, run_cli, running_stack, sentinels, stack_environ, wait_for
+from tests.conftest import REPO, run_cli, running_stack, stack_environ, wait_for
 
 MINUTE = 60_000
 STEP_MS = 3_000  # event time between synthetic requests
@@ -98,8 +98,8 @@ class Platform:
     generator: SyntheticGenerator
 
     def produce(self, start_ms: int, requests: int) -> int:
-        """`requests` synthetic requests from start_ms, STEP_MS apart, then sentinels that move every
-        partition's watermark past them; waits until the event log and the online store have them all.
+        """`requests` synthetic requests from start_ms, STEP_MS apart; waits until the event log and the
+        online store have them all.
         Returns the first event time after the traffic."""
         times: list[int] = []
 
@@ -114,7 +114,7 @@ class Platform:
             events.append(e)
         end = start_ms + requests * STEP_MS
         with EventProducer(self.s) as producer:
-            for e in [*events, *sentinels(self.s, end + 10 * MINUTE)]:
+            for e in events:
                 producer.send(e)
         self.produced += events
         last = events[-1].user_id

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from feature_repo.definitions import BATCH_VIEWS, GRAPH_VIEWS, TIMESTAMP_FIELD
-from feature_repo.online import OnlineReader, decode
+from feature_repo.online import OnlineReader, OnlineWriter, decode
 from feature_repo.store import apply
 from infra.settings import Settings, to_environ
 from streaming.features import STREAM_VIEWS
@@ -51,6 +51,28 @@ def test_the_reader_equals_get_online_features_for_every_view_and_type(redis_sta
         for j, (_, name) in enumerate(refs):
             assert [row[j] for row in got] == expected[name], name
         assert all(value is None for value in got[3])  # an unknown entity: nothing stored
+
+
+def test_the_ingestors_writer_gives_get_online_features_what_it_wrote(redis_stack: Settings) -> None:
+    """The stream ingestor writes Feast's layout itself: Feast reads back every value of every stream view
+    and type; an older row never replaces a newer one, and a row as new as the stored one does."""
+    store = apply(redis_stack)
+    writer = OnlineWriter(redis_stack)
+    t = 1_700_000_000_123
+    for view in STREAM_VIEWS:
+        rows = [dict(zip(view.keys, (f"w{k}-{i}" for k in view.keys)), event_time=t)
+                | {name: SAMPLES[sql_type][(i + j) % 4] for j, (name, sql_type) in enumerate(view.columns)}
+                for i in range(4)]
+        assert writer.write(view.name, view.keys, view.columns, rows) == 4
+        older = [r | {"event_time": t - 1, **{name: SAMPLES[c][1] for name, c in view.columns}} for r in rows[:2]]
+        assert writer.write(view.name, view.keys, view.columns, older) == 0
+        same_time = rows[3] | {name: SAMPLES[c][2] for name, c in view.columns}
+        assert writer.write(view.name, view.keys, view.columns, [same_time]) == 1
+        expected_rows = [*rows[:3], same_time]
+        got = store.get_online_features(features=[f"{view.name}:{name}" for name, _ in view.columns],
+                                        entity_rows=[{k: r[k] for k in view.keys} for r in expected_rows]).to_dict()
+        for name, _ in view.columns:
+            assert got[name] == [r[name] for r in expected_rows], (view.name, name)
 
 
 def test_decoding_of_the_hand_parsed_scalars_matches_protobuf() -> None:

@@ -23,10 +23,10 @@ from infra.settings import Settings
 from models.dataset import NUMERIC_FEATURES, Window, labelled_impressions, training_set
 from models.examples import PAD
 from streaming.consumer import read_dead_letter
-from streaming.events import Event, EventType
+from streaming.events import Event, EventType, InvalidEvent, decode
 from streaming.producer import EventProducer
 from streaming.topics import end_offsets, read_range
-from tests.conftest import running_stack, sentinels, wait_for
+from tests.conftest import running_stack, wait_for
 
 pytestmark = pytest.mark.stack
 
@@ -41,8 +41,8 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
 
 
 class Timeline:
-    """Event-time spans for the tests of one pipeline, each after the last: the watermark only moves
-    forward, so a test whose events were older than an earlier test's would see them all as late."""
+    """Event-time spans for the tests of one pipeline, each after the last, so that one test's events
+    never fall in another's windows."""
 
     def __init__(self) -> None:
         self.next = int(time.time() * 1000) - 60 * MINUTE
@@ -63,8 +63,15 @@ def event(n: int, user: str, item: str, kind: EventType, t: int, category: str |
                  event_time=t, context=context)
 
 
-def expected_counts(events: list[Event], key: str, value: str, at: int, window_ms: float) -> tuple[int, int]:
-    rows = [e for e in events if getattr(e, key) == value and at - window_ms <= e.event_time <= at]
+WINDOW_BUCKETS = {5 * MINUTE: 5, 60 * MINUTE: 12}  # streaming/features.py: the views' time buckets
+
+
+def expected_counts(events: list[Event], key: str, value: str, at: int, window_ms: int) -> tuple[int, int]:
+    """Impressions and clicks of `value` in the window of time buckets ending with the bucket of `at`,
+    counting the events up to `at`."""
+    bucket_ms = window_ms // WINDOW_BUCKETS[window_ms]
+    first = (at // bucket_ms - WINDOW_BUCKETS[window_ms] + 1) * bucket_ms
+    rows = [e for e in events if getattr(e, key) == value and first <= e.event_time <= at]
     return sum(e.event_type is IMP for e in rows), sum(e.event_type is CLICK for e in rows)
 
 
@@ -91,29 +98,27 @@ def test_known_events_give_exactly_the_expected_online_features(pipeline: Settin
         event(11, ua, "i2", IMP, t0 + 22 * MINUTE, "c2"), event(12, ua, "i2", CLICK, t0 + 22 * MINUTE + 4, "c2"),
     ]
     last = t0 + 22 * MINUTE + 4
-    late = event(13, ua, "i9", CLICK, t0 + 5 * MINUTE, "c2")  # behind the watermark once sent
+    late = event(13, ua, "i9", CLICK, t0 + 5 * MINUTE, "c2")  # sent after everything else
+    huge = json.dumps(on_time[0].to_dict() | {"context": {"category": "c1", "note": "x" * (1 << 20)}}).encode()
+    huge = huge[:(1 << 20) - 3] + b'"}}'  # a 1 MiB record: valid JSON, over the size limit
     bad = [b"{broken", json.dumps({"event_id": "x"}).encode(),
-           json.dumps(on_time[0].to_dict() | {"event_type": "hover"}).encode()]
+           json.dumps(on_time[0].to_dict() | {"event_type": "hover"}).encode(),
+           json.dumps(on_time[0].to_dict() | {"user_id": 42}).encode(), huge,
+           json.dumps(on_time[0].to_dict() | {"event_time": 1.5e12, "context": {"x": None}}).encode()]
 
     with EventProducer(s) as producer:
         for e in on_time:
             producer.send(e)
         producer.flush()
-    raw = KafkaProducer(**s.kafka.client_options("kafka-python"), acks="all")
+    raw = KafkaProducer(**s.kafka.client_options("kafka-python"), acks="all", max_request_size=2 << 20)
     for value in bad:
         raw.send(s.kafka.events_topic, key=b"user-a", value=value)
     raw.flush()
     with EventProducer(s) as producer:
-        for e in sentinels(s, last + MINUTE):
-            producer.send(e)
-        producer.flush()
-        # once user-a's last event is in its window row, the watermark has passed every test event
         wait_for(lambda: _assert_online(s, ua, impressions_5m=3))
         producer.send(late)
-        for e in sentinels(s, last + 2 * MINUTE):
-            producer.send(e)
 
-    # Windows and sequences: on-time events only, as of each user's last on-time event.
+    # Windows as of each user's newest event; the late click counts in the windows it falls in.
     def user_features(user: str, at: int, category: str) -> dict:
         return online(s, ["user_5m:user_impressions_5m", "user_5m:user_clicks_5m", "user_5m:user_ctr_5m",
                           "user_1h:user_impressions_1h", "user_1h:user_clicks_1h",
@@ -129,15 +134,14 @@ def test_known_events_give_exactly_the_expected_online_features(pipeline: Settin
         imps_5m, clicks_5m = expected_counts(on_time, "user_id", ua, last, 5 * MINUTE)
         assert (got["user_impressions_5m"], got["user_clicks_5m"]) == (imps_5m, clicks_5m) == (3, 3)
         assert got["user_ctr_5m"] == pytest.approx(smoothed(s, 3, 3))
-        imps_1h, clicks_1h = expected_counts(on_time, "user_id", ua, last, 60 * MINUTE)
-        assert (got["user_impressions_1h"], got["user_clicks_1h"]) == (imps_1h, clicks_1h) == (5, 4)
-        # running totals and category counts are updating aggregates: the late click is included
+        imps_1h, clicks_1h = expected_counts([*on_time, late], "user_id", ua, last, 60 * MINUTE)
+        assert (got["user_impressions_1h"], got["user_clicks_1h"]) == (imps_1h, clicks_1h) == (5, 5)
         assert (got["user_impressions_total"], got["user_clicks_total"]) == (5, 5)
         assert (got["category_impressions"], got["category_clicks"]) == (2, 2)
-        # last 3 behaviors (sequence_length=3), oldest first; the late click is not among them
-        assert got["seq_item_ids"] == ["i3", "i1", "i2"]
+        # last 3 behaviors (sequence_length=3) in arrival order, oldest first: the late click is newest
+        assert got["seq_item_ids"] == ["i1", "i2", "i9"]
         assert got["seq_event_types"] == ["click", "click", "click"]
-        assert got["seq_event_times"] == [t0 + 20 * MINUTE + 3, t0 + 21 * MINUTE + 2, t0 + 22 * MINUTE + 4]
+        assert got["seq_event_times"] == [t0 + 21 * MINUTE + 2, t0 + 22 * MINUTE + 4, t0 + 5 * MINUTE]
 
     wait_for(check_user_a)
     # interest: decayed category histogram of all actions (late one included), as of the newest
@@ -156,17 +160,27 @@ def test_known_events_give_exactly_the_expected_online_features(pipeline: Settin
     item = wait_for(lambda: _item_i1(s, on_time, t0))
     assert item["item_impressions_total"] == 3
 
-    # bad records: dead-lettered with reasons, and the job kept going
+    # bad records: dead-lettered with the reasons of streaming/events.py and where they came from, an
+    # oversized one cut to the size limit; the job kept going
     dlq = s.kafka.dlq_topic(s.kafka.events_topic)
     letters = wait_for(lambda: _dead_letters(s, dlq, len(bad)))
-    assert [d.value for d in letters] == bad
-    assert any("malformed JSON" in d.reason for d in letters)
-    assert any("missing field" in d.reason for d in letters)
-    assert any("unknown event_type 'hover'" in d.reason for d in letters)
+    assert [d.value for d in letters] == [b[:s.kafka.max_event_bytes] for b in bad]
+    assert [d.original_size for d in letters] == [len(b) for b in bad]
+    reasons = [_python_reason(s, b) for b in bad]
+    assert letters[0].reason.startswith("malformed JSON: ") and reasons[0].startswith("malformed JSON: ")
+    assert [d.reason for d in letters[1:]] == reasons[1:]
+    assert letters[4].reason == f"oversized: {1 << 20} bytes (limit {s.kafka.max_event_bytes})"
+    assert {d.topic for d in letters} == {s.kafka.events_topic} and all(d.offset >= 0 for d in letters)
 
     # the offline event log holds every valid event once
-    logged = wait_for(lambda: _logged(s, len(on_time) + 1 + 2 * len(sentinels(s, 0))))
+    logged = wait_for(lambda: _logged(s, len(on_time) + 1))
     assert {f"e{i}" for i in range(1, 14)} <= set(logged)
+
+
+def _python_reason(s: Settings, payload: bytes) -> str:
+    with pytest.raises(InvalidEvent) as refused:
+        decode(payload, s.kafka.max_event_bytes)
+    return refused.value.reason
 
 
 def _assert_online(s: Settings, user: str, impressions_5m: int) -> None:
@@ -203,7 +217,7 @@ def test_training_features_are_point_in_time_correct(pipeline: Settings, timelin
     events = [event(100 + i, user, f"i{i}", kind, t0 + i * MINUTE + (kind is CLICK))
               for i in range(6) for kind in ((IMP, CLICK) if i % 2 == 0 else (IMP,))]
     with EventProducer(s) as producer:
-        for e in [*events, *sentinels(s, t0 + 10 * MINUTE)]:
+        for e in events:
             producer.send(e)
     last = max(e.event_time for e in events)
     wait_for(lambda: _assert_online(s, user, impressions_5m=expected_counts(events, "user_id", user, last,
@@ -236,7 +250,7 @@ def test_a_restarted_job_and_ingestor_lose_nothing_and_count_nothing_twice(pipel
     before = [event(200 + i, user, f"i{i % 3}", IMP if i % 3 else CLICK, t0 + i * 1000) for i in range(30)]
     after = [event(300 + i, user, f"i{i % 3}", IMP if i % 3 else CLICK, t0 + (30 + i) * 1000) for i in range(30)]
     with EventProducer(s) as producer:
-        for e in [*before, *sentinels(s, t0 + 31_000)]:
+        for e in before:
             producer.send(e)
     wait_for(lambda: _assert_online(s, user, impressions_5m=sum(e.event_type is IMP for e in before)))
     time.sleep(2 * s.streaming.checkpoint_interval_ms / 1000)  # a checkpoint holds `before`
@@ -245,7 +259,7 @@ def test_a_restarted_job_and_ingestor_lose_nothing_and_count_nothing_twice(pipel
     for svc in pipeline_services:
         assert process.stop(stack.pidfile(s, svc), timeout_s=30)
     with EventProducer(s) as producer:  # produced while the job and the ingestor are down
-        for e in [*after, *sentinels(s, t0 + 2 * MINUTE)]:
+        for e in after:
             producer.send(e)
     assert sorted(stack.up(s)) == sorted(svc.name for svc in pipeline_services)
 
@@ -282,7 +296,7 @@ def test_training_set_labels_impressions_and_joins_features_from_just_before(pip
               with_request(event(305, user, "i3", IMP, t0 + 2 * MINUTE), "q3"),
               with_request(event(306, user, "i3", CLICK, t0 + 2 * MINUTE + 1), "q3")]
     with EventProducer(s) as producer:
-        for e in [*events, *sentinels(s, t0 + 10 * MINUTE)]:
+        for e in events:
             producer.send(e)
     window = Window(datetime.fromtimestamp(t0 / 1000, UTC), datetime.fromtimestamp((t0 + 3 * MINUTE) / 1000, UTC))
 
@@ -301,3 +315,22 @@ def test_training_set_labels_impressions_and_joins_features_from_just_before(pip
     np.testing.assert_allclose(impressions_5m, np.log1p([0, 1, 2, 3]), rtol=1e-6)  # nor own impression
     # The behavior sequence (clicks and purchases) before each impression, newest first.
     assert ex.sequences.tolist() == [[PAD] * 3, ["i1", PAD, PAD], ["i2", "i1", PAD], ["i2", "i1", PAD]]
+
+
+def test_window_counts_arrive_on_a_quiet_stream(pipeline: Settings, timeline: Timeline) -> None:
+    """No event follows the user's: its window counts are online anyway (nothing waits for a watermark)."""
+    s = pipeline
+    time.sleep(3)  # whatever the earlier tests sent is through: the stream is quiet
+    t0 = max(timeline.take(MINUTE), int(time.time() * 1000))
+    user = "user-quiet"
+    events = [event(400 + i, user, f"i{i}", IMP, t0 + i) for i in range(5)]
+    events += [event(410 + i, user, f"i{i}", CLICK, t0 + 10 + i) for i in range(2)]
+    with EventProducer(s) as producer:
+        for e in events:
+            producer.send(e)
+
+    def counts() -> None:
+        got = online(s, ["user_5m:user_impressions_5m", "user_5m:user_clicks_5m",
+                         "user_1h:user_impressions_1h"], {"user_id": user})
+        assert (got["user_impressions_5m"], got["user_clicks_5m"], got["user_impressions_1h"]) == (5, 2, 5)
+    wait_for(counts, timeout_s=30)

@@ -25,9 +25,8 @@ def online_user(store, user: str) -> dict:
 def await_features(store, events: list, expected: int, timeout: float) -> dict:
     """Wait until the stream job and the ingestor have caught up with the history: the running total
     of its last user is `expected` (what was online before plus that user's impressions in it). Returns
-    the online features of one of the most active users whose behavior sequence is online (the newest
-    events' windows and sequences wait for the watermark, which the partition with the oldest last
-    event holds back)."""
+    the online features of one of the most active users whose behavior sequence is online (the other
+    views' topics can be a little behind `user_total`)."""
     impressions = Counter(e.user_id for e in events if e.event_type.value == "impression")
     last, deadline = events[-1].user_id, time.monotonic() + timeout
     while (got := online_user(store, last)["user_impressions_total"] or 0) < expected:

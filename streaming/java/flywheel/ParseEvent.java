@@ -1,0 +1,170 @@
+package flywheel;
+
+import java.util.List;
+import java.util.Map;
+import java.util.Set;
+import java.util.TreeSet;
+
+import org.apache.flink.shaded.jackson2.com.fasterxml.jackson.core.json.JsonReadFeature;
+import org.apache.flink.shaded.jackson2.com.fasterxml.jackson.databind.JsonNode;
+import org.apache.flink.shaded.jackson2.com.fasterxml.jackson.databind.ObjectMapper;
+import org.apache.flink.shaded.jackson2.com.fasterxml.jackson.databind.json.JsonMapper;
+import org.apache.flink.table.annotation.DataTypeHint;
+import org.apache.flink.table.annotation.FunctionHint;
+import org.apache.flink.table.functions.TableFunction;
+import org.apache.flink.types.Row;
+
+/**
+ * The behavior-event schema of streaming/events.py, checked in the JVM: one parse per record, the same
+ * rules in the same order and the same reasons, so the stream job and the Python clients agree on what is
+ * valid. Emits one row per record: (reason, event_id, user_id, item_id, event_type, event_time, category);
+ * reason is null for a valid event, and the other fields are null for an invalid one.
+ * tests/test_stream_features.py compares its reasons with streaming.events.decode on a corpus of junk.
+ */
+@FunctionHint(output = @DataTypeHint(
+        "ROW<reason STRING, event_id STRING, user_id STRING, item_id STRING, event_type STRING,"
+        + " event_time BIGINT, category STRING>"))
+public class ParseEvent extends TableFunction<Row> {
+    // Kept in step with streaming/events.py.
+    static final int SCHEMA_VERSION = 1;
+    static final int MAX_ID_CHARS = 128;
+    static final int MAX_CONTEXT_KEYS = 32;
+    static final long MIN_EVENT_TIME_MS = 0L;
+    static final long MAX_EVENT_TIME_MS = 4_102_444_800_000L;
+    static final String[] STRING_FIELDS = {"event_id", "user_id", "item_id", "request_id"};
+    static final List<String> EVENT_TYPES = List.of("impression", "click", "add_to_cart", "purchase");
+    static final Set<String> FIELDS = new TreeSet<>(List.of(
+            "schema_version", "event_type", "event_time", "context", "event_id", "user_id", "item_id", "request_id"));
+
+    // Python's json module accepts NaN and Infinity; so does this parser.
+    private static final ObjectMapper JSON = JsonMapper.builder()
+            .enable(JsonReadFeature.ALLOW_NON_NUMERIC_NUMBERS).build();
+
+    public void eval(byte[] payload, Integer maxBytes) {
+        String reason;
+        try {
+            collect(parse(payload, maxBytes));
+            return;
+        } catch (Invalid e) {
+            reason = e.getMessage();
+        }
+        collect(Row.of(reason, null, null, null, null, null, null));
+    }
+
+    static final class Invalid extends Exception {
+        Invalid(String reason) {
+            super(reason, null, false, false);
+        }
+    }
+
+    static Row parse(byte[] payload, int maxBytes) throws Invalid {
+        if (payload == null) {
+            throw new Invalid("empty record (null value)");
+        }
+        if (payload.length > maxBytes) {
+            throw new Invalid("oversized: " + payload.length + " bytes (limit " + maxBytes + ")");
+        }
+        JsonNode record;
+        try {
+            record = JSON.readTree(payload);
+        } catch (Exception e) {
+            throw new Invalid("malformed JSON: " + e.getMessage().split("\n")[0]);
+        }
+        if (record == null || record.isMissingNode()) {
+            throw new Invalid("malformed JSON: no value");
+        }
+        if (!record.isObject()) {
+            throw new Invalid("not a JSON object: got " + typeName(record));
+        }
+        Set<String> keys = new TreeSet<>();
+        record.fieldNames().forEachRemaining(keys::add);
+        if (!keys.equals(FIELDS)) {
+            Set<String> missing = new TreeSet<>(FIELDS);
+            missing.removeAll(keys);
+            if (!missing.isEmpty()) {
+                throw new Invalid("missing field(s): " + String.join(", ", missing));
+            }
+            keys.removeAll(FIELDS);
+            throw new Invalid("unexpected field(s): " + String.join(", ", keys));
+        }
+        JsonNode version = record.get("schema_version");
+        if (!isInt(version)) {
+            throw new Invalid("wrong type: schema_version must be an integer, got " + typeName(version));
+        }
+        if (!version.canConvertToLong() || version.asLong() != SCHEMA_VERSION) {
+            throw new Invalid("unsupported schema_version " + version.asText() + " (this consumer reads "
+                    + SCHEMA_VERSION + ")");
+        }
+        String[] strings = new String[STRING_FIELDS.length];
+        for (int i = 0; i < STRING_FIELDS.length; i++) {
+            JsonNode value = record.get(STRING_FIELDS[i]);
+            if (!value.isTextual()) {
+                throw new Invalid("wrong type: " + STRING_FIELDS[i] + " must be a string, got " + typeName(value));
+            }
+            String text = value.textValue();
+            int chars = text.codePointCount(0, text.length());
+            if (chars == 0 || chars > MAX_ID_CHARS) {
+                throw new Invalid("bad value: " + STRING_FIELDS[i] + " must have 1.." + MAX_ID_CHARS + " characters");
+            }
+            strings[i] = text;
+        }
+        JsonNode type = record.get("event_type");
+        if (!type.isTextual() || !EVENT_TYPES.contains(type.textValue())) {
+            throw new Invalid("unknown event_type " + repr(type) + " (known: " + String.join(", ", EVENT_TYPES) + ")");
+        }
+        JsonNode time = record.get("event_time");
+        if (!isInt(time)) {
+            throw new Invalid("wrong type: event_time must be integer milliseconds, got " + typeName(time));
+        }
+        if (!time.canConvertToLong() || time.asLong() < MIN_EVENT_TIME_MS || time.asLong() > MAX_EVENT_TIME_MS) {
+            throw new Invalid("bad value: event_time " + time.asText()
+                    + " is not milliseconds between 1970 and 2100");
+        }
+        JsonNode context = record.get("context");
+        if (!context.isObject()) {
+            throw new Invalid("wrong type: context must be an object, got " + typeName(context));
+        }
+        if (context.size() > MAX_CONTEXT_KEYS) {
+            throw new Invalid("bad value: context has " + context.size() + " keys (at most " + MAX_CONTEXT_KEYS + ")");
+        }
+        for (Map.Entry<String, JsonNode> entry : context.properties()) {
+            JsonNode value = entry.getValue();
+            if (!(value.isTextual() || value.isNumber() || value.isBoolean())) {
+                throw new Invalid("wrong type: context[" + pyString(entry.getKey())
+                        + "] must be a string, number or boolean, got " + typeName(value));
+            }
+        }
+        JsonNode category = context.get("category");
+        String categoryText = category == null || (category.isTextual() && category.textValue().isEmpty())
+                ? null : category.isBoolean() ? (category.booleanValue() ? "True" : "False") : category.asText();
+        return Row.of(null, strings[0], strings[1], strings[2], type.textValue(), time.asLong(), categoryText);
+    }
+
+    /** Python's `type(x) is int`: an integral JSON number (not a float like 1.0, not a boolean). */
+    private static boolean isInt(JsonNode node) {
+        return node.isIntegralNumber();
+    }
+
+    /** The name Python gives the type of the decoded value. */
+    static String typeName(JsonNode node) {
+        if (node.isObject()) return "dict";
+        if (node.isArray()) return "list";
+        if (node.isTextual()) return "str";
+        if (node.isBoolean()) return "bool";
+        if (node.isNull()) return "NoneType";
+        if (node.isIntegralNumber()) return "int";
+        return "float";
+    }
+
+    /** Python's repr() of a decoded scalar, as the reasons of streaming/events.py quote it. */
+    static String repr(JsonNode node) {
+        if (node.isTextual()) return pyString(node.textValue());
+        if (node.isBoolean()) return node.booleanValue() ? "True" : "False";
+        if (node.isNull()) return "None";
+        return node.toString();
+    }
+
+    private static String pyString(String text) {
+        return text.contains("'") && !text.contains("\"") ? "\"" + text + "\"" : "'" + text.replace("'", "\\'") + "'";
+    }
+}
