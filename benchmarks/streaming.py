@@ -94,7 +94,7 @@ class Profiler(threading.Thread):
             for v in vertices:
                 metrics = httpx.get(f"{url}/jobs/{jid}/vertices/{v['id']}/subtasks/metrics",
                                     params={"get": "busyTimeMsPerSecond,backPressuredTimeMsPerSecond"}).json()
-                values = {m["id"]: m.get("avg", 0.0) for m in metrics}
+                values = {m["id"]: float(m.get("avg", 0.0)) for m in metrics}  # "NaN" for an idle chain
                 name = re.sub(r"\[\d+\]", "", v["name"]).split(" -> ")
                 label = next((n for n in name if n.startswith("features.")), name[0]).split(":")[0][:60]
                 self.busy[label].append((values.get("busyTimeMsPerSecond", 0.0),
@@ -113,6 +113,7 @@ class Profiler(threading.Thread):
 
 
 def _mean(values: list[float]) -> float:
+    values = [v for v in values if not math.isnan(v)]
     return sum(values) / len(values) if values else 0.0
 
 
