@@ -18,12 +18,12 @@ import struct
 from collections.abc import Sequence
 
 import redis
-from feast.type_map import python_values_to_proto_values
-from feast.value_type import ValueType
-from google.protobuf.timestamp_pb2 import Timestamp
 from feast.infra.online_stores.helpers import _mmh3, _redis_key
 from feast.protos.feast.types.EntityKey_pb2 import EntityKey
 from feast.protos.feast.types.Value_pb2 import Value
+from feast.type_map import python_values_to_proto_values
+from feast.value_type import ValueType
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from feature_repo.store import PROJECT
 from infra.settings import Settings

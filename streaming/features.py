@@ -11,8 +11,8 @@ Every row is a snapshot "as of" `event_time` of the event that produced it, so r
 idempotent and Feast's point-in-time joins see only what was known then. Queries read the job's
 `valid_events` view (parsed events with `is_impression` / `is_click` flags and the processing-time
 attribute `proctime`) and select the keys, `event_time`, then the columns in order. No query waits for
-a watermark: every view is an updating aggregate or ordered by arrival, so a row is out within one
-mini-batch of its event on a quiet stream too.
+a watermark: every view is an updating aggregate or ordered by arrival, so a row is out as soon as
+the job has its event (or within one mini-batch), on a quiet stream too.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _counts_columns(entity: str, suffix: str) -> tuple[tuple[str, str], ...]:
 def window_view(entity: str, suffix: str, minutes: int, buckets: int) -> StreamView:
     """Impressions, clicks and smoothed CTR of an entity in the sliding window of `buckets` time buckets
     (`minutes` in all) that ends with the bucket of its newest event: an updating aggregate, so an event
-    counts as soon as its mini-batch is flushed, whether or not any other event follows.
+    counts as soon as the job has it (or its mini-batch is flushed), whether or not any event follows.
 
     Each event is added to the `buckets` windows that hold it (the window ending in its own bucket and
     the next ones); a window's row is emitted once it ends in the bucket of its own newest event, so the

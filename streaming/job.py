@@ -7,7 +7,7 @@ functions jar (`infra.flink_jars.udf_jar`).
 
 No Python in the per-event path: records are parsed and checked once, in the JVM, by the schema's Java
 twin (streaming/java, the rules and reasons of streaming/events.py), and Flink SQL does the aggregation
-in mini-batches. Invalid records go to the dead-letter topic with their reason, source topic, partition
+(a row per event by default, one per key per mini-batch with `streaming.mini_batch_ms`). Invalid records go to the dead-letter topic with their reason, source topic, partition
 and offset, and original size; an oversized one keeps only its first `kafka.max_event_bytes`.
 
 Late events: nothing waits for a watermark. Windows, totals, category counts and the interest histogram
