@@ -1,17 +1,20 @@
 """Producing and consuming behavior events through a real broker."""
 
 import json
+import os
+import time
 import uuid
 from collections import defaultdict
 
 import pytest
 from kafka import KafkaProducer
 
-from infra.settings import Settings
+from infra.settings import Settings, to_environ
 from streaming.consumer import EventConsumer, read_dead_letter
 from streaming.events import Event, EventType, InvalidEvent
 from streaming.producer import EventProducer
 from streaming.topics import end_offsets, ensure_topics, read_range
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.stack
 
@@ -117,3 +120,23 @@ def test_the_producer_refuses_an_invalid_event(broker: Settings, topic: str) -> 
             producer.send(bad)
         assert producer.sent == 0
     assert sum(end_offsets(broker, topic).values()) == 0
+
+
+def test_flywheel_dlq_shows_a_record_dead_lettered_twice_once(broker: Settings, topic: str) -> None:
+    """The stream job may write a dead letter again when it replays after a restart: `flywheel dlq`
+    recognises the copy by its source topic, partition and offset."""
+    raw = KafkaProducer(**broker.kafka.client_options("kafka-python"), acks="all")
+    raw.send(topic, key=b"u0", value=b"{junk").get(timeout=30)
+    raw.send(topic, key=b"u0", value=b"{more junk").get(timeout=30)
+    raw.close()
+    for group in ("g-dlq-once", "g-dlq-again"):  # the second: the same records dead-lettered again
+        with EventConsumer(broker, group, topic) as consumer:
+            deadline = time.monotonic() + 60
+            while consumer.dead_lettered < 2 and time.monotonic() < deadline:
+                consumer.poll(timeout_ms=1000)
+            consumer.commit()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")} | to_environ(broker)
+    shown = run_cli(environ, "dlq", "--topic", topic)
+    assert shown.returncode == 0, shown.stderr
+    assert f"{broker.kafka.dlq_topic(topic)}: 4 dead letters; last 2 distinct:" in shown.stdout
+    assert shown.stdout.count(f"{topic}[") == 2 and "malformed JSON" in shown.stdout
