@@ -1,9 +1,9 @@
 """Consuming behavior events as a consumer group, with invalid records dead-lettered, never fatal.
 
-An invalid record is copied (key, headers, and its value cut to `kafka.max_event_bytes`) to ``<topic>.dlq``
-with the headers of streaming/events.py: reason, source topic, partition, offset and original size. Offsets are committed only by
-`commit()`, after the dead-letter writes are acknowledged, so nothing is lost on a crash
-(at-least-once delivery).
+An invalid record is copied (key, headers, and its value cut to `kafka.max_event_bytes`) to
+``<topic>.dlq`` with the headers of streaming/events.py: reason, source topic, partition, offset and
+original size. Offsets are committed only by `commit()`, after the dead-letter writes are acknowledged,
+so nothing is lost on a crash (at-least-once delivery).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class DeadLetter:
     offset: int
     key: bytes | None
     value: bytes | None  # at most `kafka.max_event_bytes` of the original
-    original_size: int | None  # bytes of the original value (None: a tombstone, or a letter without the header)
+    original_size: int | None  # bytes of the original value; None for a tombstone or a letter without it
 
 
 class EventConsumer:
@@ -81,7 +81,7 @@ class EventConsumer:
             (DLQ_TOPIC, record.topic.encode()),
             (DLQ_PARTITION, str(record.partition).encode()),
             (DLQ_OFFSET, str(record.offset).encode()),
-            (DLQ_ORIGINAL_SIZE, str(len(record.value or b"")).encode()),
+            (DLQ_ORIGINAL_SIZE, b"" if record.value is None else str(len(record.value)).encode()),
         ]
         value = None if record.value is None else record.value[:self.max_bytes]
         self._dlq_pending.append(self._dlq.send(self.dlq_topic, key=record.key, value=value, headers=headers))

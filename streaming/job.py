@@ -110,8 +110,8 @@ def sink_ddl(s: Settings, view: StreamView) -> str:
         return (f"CREATE TABLE `{view.topic}` ({columns}, PRIMARY KEY ({keys}) NOT ENFORCED) WITH ("
                 f"'connector' = 'upsert-kafka', {_kafka(s, view.topic)}, {SINK_PRODUCER}, 'key.format' = 'json', "
                 f"'value.format' = 'json', 'value.fields-include' = 'ALL')")
-    return (f"CREATE TABLE `{view.topic}` ({columns}) WITH ('connector' = 'kafka', {_kafka(s, view.topic)}, {SINK_PRODUCER}, "
-            f"'format' = 'json', 'key.format' = 'raw', 'key.fields' = '{view.keys[0]}', "
+    return (f"CREATE TABLE `{view.topic}` ({columns}) WITH ('connector' = 'kafka', {_kafka(s, view.topic)}, "
+            f"{SINK_PRODUCER}, 'format' = 'json', 'key.format' = 'raw', 'key.fields' = '{view.keys[0]}', "
             f"'value.fields-include' = 'ALL')")
 
 
@@ -140,9 +140,10 @@ def create_tables(env: StreamTableEnvironment, s: Settings) -> None:
     for view in STREAM_VIEWS:
         env.execute_sql(sink_ddl(s, view))
     # Parsed once for every query: through a DataStream, which the planner cannot see into (a view would
-    # be inlined into each query, and the parse repeated per view).
+    # be inlined into each query, and the parse repeated per view). Only a dead letter carries its payload on.
     parsed = env.sql_query(f"""
-        SELECT kafka_key, payload, source_topic, source_partition, source_offset, {PARSED}
+        SELECT kafka_key, CASE WHEN reason IS NULL THEN CAST(NULL AS BYTES) ELSE payload END AS payload,
+               source_topic, source_partition, source_offset, {PARSED}
         FROM events_raw, LATERAL TABLE(parse_event(payload, {s.kafka.max_event_bytes})) AS T({PARSED})""")
     env.create_temporary_view("parsed", env.from_data_stream(
         env.to_data_stream(parsed), Schema.new_builder().column_by_expression("proctime", "PROCTIME()").build()))
