@@ -108,9 +108,11 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                   "schema": {"$ref": "#/components/schemas/RankIn"}}}}})
     async def rank(request: Request):
-        started = time.monotonic()
+        raw = await request.body()
+        started = time.monotonic()  # the latency histogram's zero: the whole request is in (its body
+        # arrives at the client's pace)
         try:
-            body = RankIn.model_validate_json(await request.body())
+            body = RankIn.model_validate_json(raw)
         except ValidationError as exc:
             return invalid(exc.errors(include_input=False))
         if len(body.candidates) > s.serving.max_candidates:

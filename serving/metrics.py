@@ -14,8 +14,9 @@ from collections import defaultdict
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 REQUESTS = Counter("flywheel_requests", "Ranking requests answered, by route and HTTP status.", ["route", "status"])
-LATENCY = Histogram("flywheel_request_seconds", "Ranking request latency in the server, by outcome: ok, or the "
-                    "reason it was shed (queue, tier, deadline, not_ready).", ["outcome"],
+LATENCY = Histogram("flywheel_request_seconds", "Ranking request latency in the server (from the complete "
+                    "request to the answer), by outcome: ok, or the reason it was shed (queue, tier, deadline, "
+                    "not_ready).", ["outcome"],
                     buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0,
                              1.5, 2.5, 5.0))
 BATCH_ROWS = Histogram("flywheel_batch_rows", "Candidate rows per executed batch.",
