@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import redis
 from feast.infra.online_stores.helpers import _mmh3, _redis_key
 from feast.protos.feast.types.EntityKey_pb2 import EntityKey
-from feast.protos.feast.types.Value_pb2 import Value
-from feast.type_map import python_values_to_proto_values
-from feast.value_type import ValueType
+from feast.protos.feast.types.Value_pb2 import DoubleList, Int64List, StringList, Value
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from feature_repo.store import PROJECT
@@ -95,37 +94,56 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], unpack(ARGV, 3))
 return 1
 """
 
-VALUE_TYPES = {"BIGINT": ValueType.INT64, "DOUBLE": ValueType.DOUBLE, "STRING": ValueType.STRING,
-               "ARRAY<STRING>": ValueType.STRING_LIST, "ARRAY<BIGINT>": ValueType.INT64_LIST,
-               "ARRAY<DOUBLE>": ValueType.DOUBLE_LIST}
+def _value(make: Callable[[Any], Value]) -> Callable[[Any], bytes]:
+    """A serialized `feast.types.Value` of one SQL type; null as Feast writes it (an empty Value)."""
+    return lambda v: b"" if v is None else make(v).SerializeToString()
+
+
+# What Feast's python_values_to_proto_values writes for each column type, built directly (it checks and
+# converts value by value): tests/test_online_reader.py reads them back.
+ENCODERS: dict[str, Callable[[Any], bytes]] = {
+    "BIGINT": _value(lambda v: Value(int64_val=v)),
+    "DOUBLE": _value(lambda v: Value(double_val=v)),
+    "STRING": _value(lambda v: Value(string_val=v)),
+    "ARRAY<STRING>": _value(lambda v: Value(string_list_val=StringList(val=v))),
+    "ARRAY<BIGINT>": _value(lambda v: Value(int64_list_val=Int64List(val=v))),
+    "ARRAY<DOUBLE>": _value(lambda v: Value(double_list_val=DoubleList(val=v))),
+}
 
 
 class OnlineWriter:
     """Writes rows of one feature view into Feast's layout, exactly as `FeatureStore.push` would
     (tests/test_online_reader.py reads them back with `get_online_features`), in one pipelined round
-    trip per batch."""
+    trip per batch: per entity, only the batch's newest row, checked against the stored one in Redis."""
 
     def __init__(self, s: Settings) -> None:
         self.client = redis.Redis.from_url(s.redis.url, password=s.redis.password or None)
-        self._write = self.client.register_script(_WRITE_IF_NEWER)
+        self._sha = self.client.script_load(_WRITE_IF_NEWER)
 
     def write(self, view: str, join_keys: tuple[str, ...], columns: Sequence[tuple[str, str]],
               rows: Sequence[dict]) -> int:
         """Write `rows` (dicts holding the join keys, `event_time` in ms and the columns, as (name, SQL
-        type) pairs); returns how many were newer than what was stored."""
-        if not rows:
+        type) pairs); returns how many entities got a newer row than what was stored."""
+        newest: dict[tuple[str, ...], dict] = {}  # a later row as new as an earlier one replaces it
+        for row in rows:
+            entity = tuple(str(row[k]) for k in join_keys)
+            kept = newest.get(entity)
+            if kept is None or int(row["event_time"]) >= int(kept["event_time"]):
+                newest[entity] = row
+        if not newest:
             return 0
-        encoded = [[v.SerializeToString() for v in python_values_to_proto_values(
-                    [r.get(name) for r in rows], VALUE_TYPES[sql_type])] for name, sql_type in columns]
-        fields = [field(view, name) for name, _ in columns]
+        encoders = [(field(view, name), ENCODERS[sql_type], name) for name, sql_type in columns]
         ts_field, ms_field = f"_ts:{view}".encode(), f"_ms:{view}".encode()
         with self.client.pipeline(transaction=False) as pipe:
-            for i, row in enumerate(rows):
+            for entity, row in newest.items():
                 ms = int(row["event_time"])
                 ts = Timestamp(seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000).SerializeToString()
                 args = [ms_field, ms, ts_field, ts]
-                for f, values in zip(fields, encoded):
-                    args += (f, values[i])
-                self._write(keys=[entity_key(join_keys, tuple(str(row[k]) for k in join_keys))], args=args,
-                            client=pipe)
-            return sum(pipe.execute())
+                for f, encode, name in encoders:
+                    args += (f, encode(row.get(name)))
+                pipe.evalsha(self._sha, 1, entity_key(join_keys, entity), *args)
+            try:
+                return sum(pipe.execute())
+            except redis.exceptions.NoScriptError:  # Redis restarted since: load it again, write again
+                self._sha = self.client.script_load(_WRITE_IF_NEWER)
+                return self.write(view, join_keys, columns, rows)

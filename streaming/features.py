@@ -58,8 +58,9 @@ class StreamView:
 
 
 def _smoothed_ctr(s: Settings, clicks: str, impressions: str) -> str:
+    # DOUBLE literals (`E0`): a plain 0.5 is a DECIMAL in Flink SQL, and the sum then runs in BigDecimal
     weight = s.streaming.ctr_prior_weight
-    return f"({clicks} + {weight * s.streaming.ctr_prior}) / ({impressions} + {weight})"
+    return f"({clicks} + {weight * s.streaming.ctr_prior!r}E0) / ({impressions} + {float(weight)!r}E0)"
 
 
 def _counts_columns(entity: str, suffix: str) -> tuple[tuple[str, str], ...]:
@@ -67,51 +68,61 @@ def _counts_columns(entity: str, suffix: str) -> tuple[tuple[str, str], ...]:
             (f"{entity}_ctr_{suffix}", DOUBLE))
 
 
-def window_view(entity: str, suffix: str, minutes: int, buckets: int) -> StreamView:
-    """Impressions, clicks and smoothed CTR of an entity in the sliding window of `buckets` time buckets
-    (`minutes` in all) that ends with the bucket of its newest event: an updating aggregate, so an event
-    counts as soon as the job has it (or its mini-batch is flushed), whether or not any event follows.
+# (suffix, minutes, time buckets) of the sliding windows of each entity with counts
+WINDOWS = (("5m", 5, 5), ("1h", 60, 12))
 
-    Each event is added to the `buckets` windows that hold it (the window ending in its own bucket and
-    the next ones); a window's row is emitted once it ends in the bucket of its own newest event, so the
-    online row of an entity is always its newest window and older buckets leave it as the entity's
-    events move on. A late event is counted in every window it falls in (no watermark), and a window
-    older than the entity's newest is refused by the writer's newer-row-wins rule. The window spans
-    between `minutes` minus one bucket and `minutes`.
+
+def _entity_counts(entity: str) -> str:
+    """One aggregate per entity for its running totals and all its windows: every view of the entity
+    selects from this same text, and the planner runs it once (sub-plan reuse), so an event is shuffled
+    and looked up in state once per entity, not once per view.
+
+    A window is `window_counts` (streaming/java/flywheel/WindowCounts.java): a ring of per-bucket counts
+    per entity, `buckets` time buckets of `minutes` in all, ending with the bucket of the entity's
+    newest event. An event adds to its bucket and a newer bucket pushes the oldest out, so the window
+    spans between `minutes` minus one bucket and `minutes`, and older buckets leave it as the entity's
+    events move on. A late event counts if its bucket is still in the window (nothing waits for a
+    watermark); an older one changes no window.
     """
     key = f"{entity}_id"
-    bucket_ms = minutes * 60_000 // buckets
-    name = f"{entity}_{suffix}"
+    windows = "".join(f", window_counts(event_time, is_impression, is_click, {minutes * 60_000 // buckets}, "
+                      f"{buckets}) AS w_{suffix}" for suffix, minutes, buckets in WINDOWS)
+    return (f"SELECT {key}, MAX(event_time) AS event_time, CAST(SUM(is_impression) AS BIGINT) AS imps, "
+            f"CAST(SUM(is_click) AS BIGINT) AS clicks{windows} FROM valid_events GROUP BY {key}")
+
+
+def window_view(entity: str, suffix: str, minutes: int) -> StreamView:
+    """Impressions, clicks and smoothed CTR of an entity in its sliding window `suffix` of WINDOWS, as
+    of its newest event: an updating aggregate, so an event counts as soon as the job has it (or its
+    mini-batch is flushed), whether or not any event follows."""
+    key, w = f"{entity}_id", f"C.w_{suffix}"
 
     def query(s: Settings) -> str:
-        ends = ", ".join(["bucket", *(f"bucket + {i}" for i in range(1, buckets))])
         return f"""
-            SELECT {key}, event_time, imps, clicks, {_smoothed_ctr(s, 'clicks', 'imps')}
-            FROM (SELECT /*+ STATE_TTL('{name}_spread' = '{2 * minutes} min') */
-                    {key}, window_end, MAX(bucket) AS newest, MAX(event_time) AS event_time,
-                    CAST(SUM(is_impression) AS BIGINT) AS imps, CAST(SUM(is_click) AS BIGINT) AS clicks
-                  FROM (SELECT {key}, event_time, is_impression, is_click, bucket, window_end
-                        FROM (SELECT *, event_time / {bucket_ms} AS bucket FROM valid_events)
-                        CROSS JOIN UNNEST(ARRAY[{ends}]) AS S(window_end)) AS {name}_spread
-                  GROUP BY {key}, window_end)
-            WHERE newest = window_end"""
+            SELECT {key}, event_time, {w}.impressions, {w}.clicks, {_smoothed_ctr(s, f'{w}.clicks', f'{w}.impressions')}
+            FROM ({_entity_counts(entity)}) AS C"""
 
-    return StreamView(name, (key,), _counts_columns(entity, suffix), timedelta(minutes=minutes),
+    return StreamView(f"{entity}_{suffix}", (key,), _counts_columns(entity, suffix), timedelta(minutes=minutes),
                       upsert=True, query=query)
 
 
-def running_view(name: str, keys: tuple[str, ...], columns: tuple[tuple[str, str], ...],
-                 where: str = "TRUE") -> StreamView:
-    """Impressions, clicks and smoothed CTR over all history: an updating aggregate, upserted by key."""
-    key_list = ", ".join(keys)
+def total_view(entity: str) -> StreamView:
+    """Impressions, clicks and smoothed CTR of an entity over all history, upserted by key."""
+    key = f"{entity}_id"
 
     def query(s: Settings) -> str:
         return f"""
-            SELECT {key_list}, MAX(event_time), CAST(SUM(is_impression) AS BIGINT), CAST(SUM(is_click) AS BIGINT),
-                   {_smoothed_ctr(s, 'SUM(is_click)', 'SUM(is_impression)')}
-            FROM valid_events WHERE {where} GROUP BY {key_list}"""
+            SELECT {key}, event_time, imps, clicks, {_smoothed_ctr(s, 'clicks', 'imps')}
+            FROM ({_entity_counts(entity)}) AS C"""
 
-    return StreamView(name, keys, columns, LONG_TTL, upsert=True, query=query)
+    return StreamView(f"{entity}_total", (key,), _counts_columns(entity, "total"), LONG_TTL, upsert=True, query=query)
+
+
+def _user_category(s: Settings) -> str:
+    return f"""
+        SELECT user_id, category, MAX(event_time), CAST(SUM(is_impression) AS BIGINT),
+               CAST(SUM(is_click) AS BIGINT), {_smoothed_ctr(s, 'SUM(is_click)', 'SUM(is_impression)')}
+        FROM valid_events WHERE category IS NOT NULL GROUP BY user_id, category"""
 
 
 def _sequence(s: Settings) -> str:
@@ -160,12 +171,11 @@ def _interest_top(s: Settings, row: dict) -> dict:
 
 
 STREAM_VIEWS: tuple[StreamView, ...] = (
-    *(window_view(entity, suffix, minutes, buckets) for entity in ("user", "item")
-      for suffix, minutes, buckets in (("5m", 5, 5), ("1h", 60, 12))),
-    *(running_view(f"{entity}_total", (f"{entity}_id",), _counts_columns(entity, "total")) for entity in ("user", "item")),
-    running_view("user_category", ("user_id", "category"), (
+    *(window_view(entity, suffix, minutes) for entity in ("user", "item") for suffix, minutes, _ in WINDOWS),
+    *(total_view(entity) for entity in ("user", "item")),
+    StreamView("user_category", ("user_id", "category"), (
         ("category_impressions", BIGINT), ("category_clicks", BIGINT), ("category_ctr", DOUBLE)),
-        where="category IS NOT NULL"),
+        LONG_TTL, upsert=True, query=_user_category),
     StreamView("user_sequence", ("user_id",), (
         ("seq_item_ids", STRING_ARRAY), ("seq_event_types", STRING_ARRAY), ("seq_event_times", BIGINT_ARRAY)),
         LONG_TTL, upsert=False, query=_sequence),

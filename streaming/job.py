@@ -176,6 +176,7 @@ def build(s: Settings) -> StreamTableEnvironment:
     env.create_java_temporary_function("parse_event", "flywheel.ParseEvent")
     env.create_java_temporary_function("truncate_bytes", "flywheel.Truncate")
     env.create_java_temporary_function("byte_length", "flywheel.ByteLength")
+    env.create_java_temporary_function("window_counts", "flywheel.WindowCounts")
     create_tables(env, s)
     return env
 

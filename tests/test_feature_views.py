@@ -28,7 +28,7 @@ def test_a_new_declaration_is_all_the_store_needs() -> None:
                       timedelta(minutes=30), upsert=True, query=lambda _: "SELECT ...")
     fv = stream_feature_view(s, view)
     assert (fv.name, fv.ttl, fv.entities) == ("session_depth", timedelta(minutes=30), ["user"])
-    assert window_view("item", "10m", 10, 5).ttl == timedelta(minutes=10)  # not parsed from the name
+    assert window_view("item", "1h", 60).ttl == timedelta(hours=1)  # not parsed from the name
 
 
 def test_the_model_takes_every_scalar_stream_column_scaled_by_its_type() -> None:
