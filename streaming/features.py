@@ -10,7 +10,8 @@ environments import it.
 Every row is a snapshot "as of" `event_time` of the event that produced it, so rewriting a row is
 idempotent and Feast's point-in-time joins see only what was known then. Queries read the job's
 `valid_events` view (parsed events with `is_impression` / `is_click` flags and the processing-time
-attribute `proctime`) and select the keys, `event_time`, then the columns in order. No query waits for
+attribute `proctime`) or an entity's `{entity}_counts` (entity_counts) and select the keys, `event_time`,
+then the columns in order. No query waits for
 a watermark: every view is an updating aggregate or ordered by arrival, so a row is out as soon as
 the job has its event (or within one mini-batch), on a quiet stream too.
 """
@@ -72,10 +73,10 @@ def _counts_columns(entity: str, suffix: str) -> tuple[tuple[str, str], ...]:
 WINDOWS = (("5m", 5, 5), ("1h", 60, 12))
 
 
-def _entity_counts(entity: str) -> str:
-    """One aggregate per entity for its running totals and all its windows: every view of the entity
-    selects from this same text, and the planner runs it once (sub-plan reuse), so an event is shuffled
-    and looked up in state once per entity, not once per view.
+def entity_counts(entity: str) -> str:
+    """One aggregate per entity for its running totals and all its windows, over `valid_events`: the job
+    runs it once as the view `{entity}_counts` that the entity's views select from, so an event is
+    shuffled and looked up in state once per entity, not once per view.
 
     A window is `window_counts` (streaming/java/flywheel/WindowCounts.java): a ring of per-bucket counts
     per entity, `buckets` time buckets of `minutes` in all, ending with the bucket of the entity's
@@ -100,7 +101,7 @@ def window_view(entity: str, suffix: str, minutes: int) -> StreamView:
     def query(s: Settings) -> str:
         return f"""
             SELECT {key}, event_time, {w}.impressions, {w}.clicks, {_smoothed_ctr(s, f'{w}.clicks', f'{w}.impressions')}
-            FROM ({_entity_counts(entity)}) AS C"""
+            FROM {entity}_counts AS C"""
 
     return StreamView(f"{entity}_{suffix}", (key,), _counts_columns(entity, suffix), timedelta(minutes=minutes),
                       upsert=True, query=query)
@@ -113,7 +114,7 @@ def total_view(entity: str) -> StreamView:
     def query(s: Settings) -> str:
         return f"""
             SELECT {key}, event_time, imps, clicks, {_smoothed_ctr(s, 'clicks', 'imps')}
-            FROM ({_entity_counts(entity)}) AS C"""
+            FROM {entity}_counts"""
 
     return StreamView(f"{entity}_total", (key,), _counts_columns(entity, "total"), LONG_TTL, upsert=True, query=query)
 
@@ -170,9 +171,11 @@ def _interest_top(s: Settings, row: dict) -> dict:
     return row | {"interest_categories": [c for c, _ in top], "interest_weights": [w for _, w in top]}
 
 
+COUNTED_ENTITIES = ("user", "item")  # each with an `{entity}_counts` aggregate, totals and WINDOWS
+
 STREAM_VIEWS: tuple[StreamView, ...] = (
-    *(window_view(entity, suffix, minutes) for entity in ("user", "item") for suffix, minutes, _ in WINDOWS),
-    *(total_view(entity) for entity in ("user", "item")),
+    *(window_view(entity, suffix, minutes) for entity in COUNTED_ENTITIES for suffix, minutes, _ in WINDOWS),
+    *(total_view(entity) for entity in COUNTED_ENTITIES),
     StreamView("user_category", ("user_id", "category"), (
         ("category_impressions", BIGINT), ("category_clicks", BIGINT), ("category_ctr", DOUBLE)),
         LONG_TTL, upsert=True, query=_user_category),

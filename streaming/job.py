@@ -23,12 +23,12 @@ from pathlib import Path
 
 from pyflink.common import Configuration
 from pyflink.datastream import StreamExecutionEnvironment
-from pyflink.table import Schema, StreamTableEnvironment
+from pyflink.table import ChangelogMode, Schema, StreamTableEnvironment
 
 from infra.flink_jars import udf_jar
 from infra.settings import Settings, get_settings
 from streaming.events import DLQ_OFFSET, DLQ_ORIGINAL_SIZE, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC
-from streaming.features import STREAM_VIEWS, StreamView
+from streaming.features import COUNTED_ENTITIES, STREAM_VIEWS, StreamView, entity_counts
 
 log = logging.getLogger("flywheel.stream-job")
 
@@ -153,6 +153,12 @@ def create_tables(env: StreamTableEnvironment, s: Settings) -> None:
                CASE WHEN event_type = 'impression' THEN 1 ELSE 0 END AS is_impression,
                CASE WHEN event_type = 'click' THEN 1 ELSE 0 END AS is_click
         FROM parsed WHERE reason IS NULL""")
+    # Each entity's counts once for all its views, through a changelog stream for the same reason as the
+    # parse: the planner would otherwise prune each view's copy of the aggregate to its own columns and
+    # run one aggregate (one shuffle, one state lookup per event) per view.
+    for entity in COUNTED_ENTITIES:
+        counts = env.to_changelog_stream(env.sql_query(entity_counts(entity)), changelog_mode=ChangelogMode.upsert())
+        env.create_temporary_view(f"{entity}_counts", env.from_changelog_stream(counts))
 
 
 # --- the feature queries -----------------------------------------------------------------------
