@@ -25,11 +25,11 @@ from feature_repo.files import part_name, write_atomic
 from feature_repo.online import OnlineWriter
 from feature_repo.store import apply
 from infra.settings import Settings, get_settings
-from streaming.features import STREAM_VIEWS, StreamView
+from streaming.features import StreamView, topics
 
 log = logging.getLogger("flywheel.feast-ingestor")
 GROUP = "flywheel-feast-ingestor"
-VIEWS_BY_TOPIC = {v.topic: v for v in STREAM_VIEWS}
+VIEWS_BY_TOPIC = topics()  # a topic shared by views carries all their columns in each row
 
 
 @dataclass
@@ -73,17 +73,17 @@ class FeatureIngestor:
             by_partition[record.topic(), record.partition()].append(record)
         batches: list[tuple[StreamView, str, list[dict]]] = []  # view, file name, rows
         for (topic, partition), records in by_partition.items():
-            view = VIEWS_BY_TOPIC[topic]
-            rows = []
+            decoded = []
             for record in records:
                 try:
-                    row = json.loads(record.value())
+                    decoded.append(json.loads(record.value()))
                 except (TypeError, ValueError):  # tombstone (None) or not JSON: nothing to write
                     self.stats.skipped += 1
-                    continue
-                rows.append(view.finish(self.s, row) if view.finish else row)
-            if rows:
-                batches.append((view, part_name(partition, records[0].offset(), records[0].value() or b""), rows))
+            if decoded:
+                name = part_name(partition, records[0].offset(), records[0].value() or b"")
+                for view in VIEWS_BY_TOPIC[topic]:
+                    rows = [view.finish(self.s, row) for row in decoded] if view.finish else decoded
+                    batches.append((view, name, rows))
         # Offline first: a row visible online is then always in the training data too.
         by_view: dict[StreamView, list[dict]] = defaultdict(list)
         for view, name, rows in batches:

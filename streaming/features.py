@@ -10,8 +10,8 @@ environments import it.
 Every row is a snapshot "as of" `event_time` of the event that produced it, so rewriting a row is
 idempotent and Feast's point-in-time joins see only what was known then. Queries read the job's
 `valid_events` view (parsed events with `is_impression` / `is_click` flags and the processing-time
-attribute `proctime`) or an entity's `{entity}_counts` (entity_counts) and select the keys, `event_time`,
-then the columns in order. No query waits for
+attribute `proctime`) and select the keys, `event_time`, then the columns in order (of every view
+sharing the topic, in declaration order). No query waits for
 a watermark: every view is an updating aggregate or ordered by arrival, so a row is out as soon as
 the job has its event (or within one mini-batch), on a quiet stream too.
 """
@@ -48,10 +48,14 @@ class StreamView:
     # ingestor applies to each emitted row (a dict) to give it `columns`.
     emitted: tuple[tuple[str, str], ...] | None = None
     finish: Callable[[Settings, dict], dict] | None = None
+    # Views computed by one aggregate share its topic (`features.{shared_topic}`): they have the same
+    # keys and query, which emits all of their columns; the job runs it once, one row per update for
+    # all of them, and the ingestor writes each view's columns from that row.
+    shared_topic: str | None = None
 
     @property
     def topic(self) -> str:
-        return TOPIC_PREFIX + self.name
+        return TOPIC_PREFIX + (self.shared_topic or self.name)
 
     @property
     def push_source(self) -> str:
@@ -73,10 +77,10 @@ def _counts_columns(entity: str, suffix: str) -> tuple[tuple[str, str], ...]:
 WINDOWS = (("5m", 5, 5), ("1h", 60, 12))
 
 
-def entity_counts(entity: str) -> str:
-    """One aggregate per entity for its running totals and all its windows, over `valid_events`: the job
-    runs it once as the view `{entity}_counts` that the entity's views select from, so an event is
-    shuffled and looked up in state once per entity, not once per view.
+def _entity_counts(entity: str) -> Callable[[Settings], str]:
+    """One aggregate per entity for all its windows and its running totals (the views' declaration
+    order), into the entity's shared topic `{entity}_counts`: one shuffle, one state lookup and one Kafka
+    row per event for all of them.
 
     A window is `window_counts` (streaming/java/flywheel/WindowCounts.java): a ring of per-bucket counts
     per entity, `buckets` time buckets of `minutes` in all, ending with the bucket of the entity's
@@ -86,37 +90,35 @@ def entity_counts(entity: str) -> str:
     watermark); an older one changes no window.
     """
     key = f"{entity}_id"
-    windows = "".join(f", window_counts(event_time, is_impression, is_click, {minutes * 60_000 // buckets}, "
-                      f"{buckets}) AS w_{suffix}" for suffix, minutes, buckets in WINDOWS)
-    return (f"SELECT {key}, MAX(event_time) AS event_time, CAST(SUM(is_impression) AS BIGINT) AS imps, "
-            f"CAST(SUM(is_click) AS BIGINT) AS clicks{windows} FROM valid_events GROUP BY {key}")
+
+    def query(s: Settings) -> str:
+        windows = "".join(
+            f"W.w_{suffix}.impressions, W.w_{suffix}.clicks, "
+            f"{_smoothed_ctr(s, f'W.w_{suffix}.clicks', f'W.w_{suffix}.impressions')}, " for suffix, _, _ in WINDOWS)
+        ring = "".join(f", window_counts(event_time, is_impression, is_click, {minutes * 60_000 // buckets}, "
+                       f"{buckets}) AS w_{suffix}" for suffix, minutes, buckets in WINDOWS)
+        return f"""
+            SELECT {key}, event_time, {windows}imps, clicks, {_smoothed_ctr(s, 'clicks', 'imps')}
+            FROM (SELECT {key}, MAX(event_time) AS event_time, CAST(SUM(is_impression) AS BIGINT) AS imps,
+                         CAST(SUM(is_click) AS BIGINT) AS clicks{ring}
+                  FROM valid_events GROUP BY {key}) AS W"""
+
+    return query
 
 
 def window_view(entity: str, suffix: str, minutes: int) -> StreamView:
     """Impressions, clicks and smoothed CTR of an entity in its sliding window `suffix` of WINDOWS, as
     of its newest event: an updating aggregate, so an event counts as soon as the job has it (or its
     mini-batch is flushed), whether or not any event follows."""
-    key, w = f"{entity}_id", f"C.w_{suffix}"
-
-    def query(s: Settings) -> str:
-        return f"""
-            SELECT {key}, event_time, {w}.impressions, {w}.clicks, {_smoothed_ctr(s, f'{w}.clicks', f'{w}.impressions')}
-            FROM {entity}_counts AS C"""
-
-    return StreamView(f"{entity}_{suffix}", (key,), _counts_columns(entity, suffix), timedelta(minutes=minutes),
-                      upsert=True, query=query)
+    return StreamView(f"{entity}_{suffix}", (f"{entity}_id",), _counts_columns(entity, suffix),
+                      timedelta(minutes=minutes), upsert=True, query=_entity_counts(entity),
+                      shared_topic=f"{entity}_counts")
 
 
 def total_view(entity: str) -> StreamView:
     """Impressions, clicks and smoothed CTR of an entity over all history, upserted by key."""
-    key = f"{entity}_id"
-
-    def query(s: Settings) -> str:
-        return f"""
-            SELECT {key}, event_time, imps, clicks, {_smoothed_ctr(s, 'clicks', 'imps')}
-            FROM {entity}_counts"""
-
-    return StreamView(f"{entity}_total", (key,), _counts_columns(entity, "total"), LONG_TTL, upsert=True, query=query)
+    return StreamView(f"{entity}_total", (f"{entity}_id",), _counts_columns(entity, "total"), LONG_TTL,
+                      upsert=True, query=_entity_counts(entity), shared_topic=f"{entity}_counts")
 
 
 def _user_category(s: Settings) -> str:
@@ -171,11 +173,9 @@ def _interest_top(s: Settings, row: dict) -> dict:
     return row | {"interest_categories": [c for c, _ in top], "interest_weights": [w for _, w in top]}
 
 
-COUNTED_ENTITIES = ("user", "item")  # each with an `{entity}_counts` aggregate, totals and WINDOWS
-
 STREAM_VIEWS: tuple[StreamView, ...] = (
-    *(window_view(entity, suffix, minutes) for entity in COUNTED_ENTITIES for suffix, minutes, _ in WINDOWS),
-    *(total_view(entity) for entity in COUNTED_ENTITIES),
+    *(window_view(entity, suffix, minutes) for entity in ("user", "item") for suffix, minutes, _ in WINDOWS),
+    *(total_view(entity) for entity in ("user", "item")),
     StreamView("user_category", ("user_id", "category"), (
         ("category_impressions", BIGINT), ("category_clicks", BIGINT), ("category_ctr", DOUBLE)),
         LONG_TTL, upsert=True, query=_user_category),
@@ -186,3 +186,11 @@ STREAM_VIEWS: tuple[StreamView, ...] = (
         ("interest_categories", STRING_ARRAY), ("interest_weights", DOUBLE_ARRAY)), LONG_TTL, upsert=True,
         query=_interest, emitted=(("interest_sums", STRING),), finish=_interest_top),
 )
+
+
+def topics() -> dict[str, tuple[StreamView, ...]]:
+    """Each feature-update topic and the views written to it, in declaration order."""
+    grouped: dict[str, tuple[StreamView, ...]] = {}
+    for view in STREAM_VIEWS:
+        grouped[view.topic] = (*grouped.get(view.topic, ()), view)
+    return grouped

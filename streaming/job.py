@@ -23,12 +23,12 @@ from pathlib import Path
 
 from pyflink.common import Configuration
 from pyflink.datastream import StreamExecutionEnvironment
-from pyflink.table import ChangelogMode, Schema, StreamTableEnvironment
+from pyflink.table import Schema, StreamTableEnvironment
 
 from infra.flink_jars import udf_jar
 from infra.settings import Settings, get_settings
 from streaming.events import DLQ_OFFSET, DLQ_ORIGINAL_SIZE, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC
-from streaming.features import COUNTED_ENTITIES, STREAM_VIEWS, StreamView, entity_counts
+from streaming.features import StreamView, topics
 
 log = logging.getLogger("flywheel.stream-job")
 
@@ -101,17 +101,19 @@ def _sql_string(value: object) -> str:
 SINK_PRODUCER = "'properties.linger.ms' = '20', 'properties.batch.size' = '262144'"
 
 
-def sink_ddl(s: Settings, view: StreamView) -> str:
+def sink_ddl(s: Settings, topic: str, views: tuple[StreamView, ...]) -> str:
+    """The sink table of `topic`, written by the query of `views` (one view, or views sharing it)."""
+    first = views[0]
     columns = ", ".join(f"`{name}` {sql_type}" for name, sql_type in
-                        [*((k, "STRING") for k in view.keys), ("event_time", "BIGINT"),
-                         *(view.emitted or view.columns)])
-    if view.upsert:
-        keys = ", ".join(f"`{k}`" for k in view.keys)
-        return (f"CREATE TABLE `{view.topic}` ({columns}, PRIMARY KEY ({keys}) NOT ENFORCED) WITH ("
-                f"'connector' = 'upsert-kafka', {_kafka(s, view.topic)}, {SINK_PRODUCER}, 'key.format' = 'json', "
+                        [*((k, "STRING") for k in first.keys), ("event_time", "BIGINT"),
+                         *(c for view in views for c in (view.emitted or view.columns))])
+    if first.upsert:
+        keys = ", ".join(f"`{k}`" for k in first.keys)
+        return (f"CREATE TABLE `{topic}` ({columns}, PRIMARY KEY ({keys}) NOT ENFORCED) WITH ("
+                f"'connector' = 'upsert-kafka', {_kafka(s, topic)}, {SINK_PRODUCER}, 'key.format' = 'json', "
                 f"'value.format' = 'json', 'value.fields-include' = 'ALL')")
-    return (f"CREATE TABLE `{view.topic}` ({columns}) WITH ('connector' = 'kafka', {_kafka(s, view.topic)}, "
-            f"{SINK_PRODUCER}, 'format' = 'json', 'key.format' = 'raw', 'key.fields' = '{view.keys[0]}', "
+    return (f"CREATE TABLE `{topic}` ({columns}) WITH ('connector' = 'kafka', {_kafka(s, topic)}, "
+            f"{SINK_PRODUCER}, 'format' = 'json', 'key.format' = 'raw', 'key.fields' = '{first.keys[0]}', "
             f"'value.fields-include' = 'ALL')")
 
 
@@ -137,8 +139,8 @@ def create_tables(env: StreamTableEnvironment, s: Settings) -> None:
         WITH ('connector' = 'kafka', {_kafka(s, s.kafka.dlq_topic(topic))},
           'key.format' = 'raw', 'key.fields' = 'kafka_key', 'value.format' = 'raw',
           'value.fields-include' = 'EXCEPT_KEY')""")
-    for view in STREAM_VIEWS:
-        env.execute_sql(sink_ddl(s, view))
+    for topic, views in topics().items():
+        env.execute_sql(sink_ddl(s, topic, views))
     # Parsed once for every query: through a DataStream, which the planner cannot see into (a view would
     # be inlined into each query, and the parse repeated per view). Only a dead letter carries its payload on.
     parsed = env.sql_query(f"""
@@ -153,12 +155,6 @@ def create_tables(env: StreamTableEnvironment, s: Settings) -> None:
                CASE WHEN event_type = 'impression' THEN 1 ELSE 0 END AS is_impression,
                CASE WHEN event_type = 'click' THEN 1 ELSE 0 END AS is_click
         FROM parsed WHERE reason IS NULL""")
-    # Each entity's counts once for all its views, through a changelog stream for the same reason as the
-    # parse: the planner would otherwise prune each view's copy of the aggregate to its own columns and
-    # run one aggregate (one shuffle, one state lookup per event) per view.
-    for entity in COUNTED_ENTITIES:
-        counts = env.to_changelog_stream(env.sql_query(entity_counts(entity)), changelog_mode=ChangelogMode.upsert())
-        env.create_temporary_view(f"{entity}_counts", env.from_changelog_stream(counts))
 
 
 # --- the feature queries -----------------------------------------------------------------------
@@ -168,7 +164,7 @@ def feature_queries(s: Settings) -> list[str]:
     def header(sql: str) -> str:
         return f"CAST(COALESCE(CAST({sql} AS STRING), '') AS BYTES)"
 
-    return [*(f"INSERT INTO `{view.topic}` {view.query(s)}" for view in STREAM_VIEWS), f"""
+    return [*(f"INSERT INTO `{topic}` {views[0].query(s)}" for topic, views in topics().items()), f"""
         INSERT INTO events_dlq
         SELECT kafka_key, truncate_bytes(payload, {s.kafka.max_event_bytes}),
                MAP['{DLQ_REASON}', {header('reason')}, '{DLQ_TOPIC}', {header('source_topic')},
@@ -195,7 +191,7 @@ def main() -> None:
     for query in feature_queries(s):
         statements.add_insert_sql(query)
     result = statements.execute()
-    log.info("job %s submitted; topics: %s", s.streaming.job_name, ", ".join(v.topic for v in STREAM_VIEWS))
+    log.info("job %s submitted; topics: %s", s.streaming.job_name, ", ".join(topics()))
     result.wait()
 
 

@@ -17,7 +17,7 @@ from kafka.errors import TopicAlreadyExistsError
 from kafka.consumer.fetcher import ConsumerRecord
 
 from infra.settings import Settings, get_settings
-from streaming.features import STREAM_VIEWS
+from streaming.features import topics
 
 
 def ensure_topics(s: Settings, topics: list[str], partitions: int | None = None) -> set[str]:
@@ -120,7 +120,7 @@ def prepare_pipeline(s: Settings) -> None:
     of the topic that is gone, and resuming from them would wait for offsets the new topic never
     reaches. They are removed, so the job starts from the new topic's beginning.
     """
-    created = ensure_topics(s, [s.kafka.events_topic, *(v.topic for v in STREAM_VIEWS)])
+    created = ensure_topics(s, [s.kafka.events_topic, *topics()])
     if s.kafka.events_topic in created and s.paths.checkpoints_dir.exists():
         shutil.rmtree(s.paths.checkpoints_dir)
 

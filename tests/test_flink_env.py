@@ -50,14 +50,14 @@ def test_the_planner_accepts_every_stream_view_query_into_its_declared_sink(tmp_
     s = load_settings({"FLYWHEEL_PATHS_DATA_DIR": str(tmp_path)})
     script = """
 from infra.settings import get_settings
-from streaming.features import STREAM_VIEWS
+from streaming.features import topics
 from streaming.job import build, feature_queries
 s = get_settings()
 statements = build(s).create_statement_set()
 for query in feature_queries(s):
     statements.add_insert_sql(query)
 plan = statements.explain()
-print("SINKS", *sorted(v.topic for v in STREAM_VIEWS if f"default_database.{v.topic}]" in plan))
+print("SINKS", *sorted(topic for topic in topics() if f"default_database.{topic}]" in plan))
 """
     out = subprocess.run([str(s.paths.flink_python), "-c", script], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parent.parent,
@@ -66,4 +66,4 @@ print("SINKS", *sorted(v.topic for v in STREAM_VIEWS if f"default_database.{v.to
     assert sinks is not None, out.stderr[-3000:]
     from streaming.features import STREAM_VIEWS
 
-    assert sinks == sorted(v.topic for v in STREAM_VIEWS)
+    assert sinks == sorted({v.topic for v in STREAM_VIEWS})
