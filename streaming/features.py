@@ -188,9 +188,13 @@ STREAM_VIEWS: tuple[StreamView, ...] = (
 )
 
 
-def topics() -> dict[str, tuple[StreamView, ...]]:
+def topics(views: tuple[StreamView, ...] = STREAM_VIEWS) -> dict[str, tuple[StreamView, ...]]:
     """Each feature-update topic and the views written to it, in declaration order."""
     grouped: dict[str, tuple[StreamView, ...]] = {}
-    for view in STREAM_VIEWS:
+    for view in views:
         grouped[view.topic] = (*grouped.get(view.topic, ()), view)
+    for topic, sharing in grouped.items():  # one row per key carries them all
+        if len({(v.keys, v.upsert) for v in sharing}) > 1 or any(v.finish for v in sharing[1:]):
+            raise ValueError(f"views sharing {topic} must have the same keys and kind, and no finish but "
+                             f"the first's: {[v.name for v in sharing]}")
     return grouped

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
+
 from feature_repo.definitions import definitions, stream_feature_view
 from infra.settings import load_settings
 from models.dataset import COUNTS, NUMERIC_FEATURES, RATES
-from streaming.features import BIGINT, DOUBLE, STREAM_VIEWS, StreamView, window_view
+from streaming.features import BIGINT, DOUBLE, STREAM_VIEWS, StreamView, topics, total_view, window_view
 
 
 def test_every_stream_view_is_a_feast_view_with_its_declared_ttl_schema_and_push_source() -> None:
@@ -36,3 +38,13 @@ def test_the_model_takes_every_scalar_stream_column_scaled_by_its_type() -> None
     assert set(COUNTS) == {n for n, t in scalars.items() if t == BIGINT}
     assert set(RATES) == {n for n, t in scalars.items() if t == DOUBLE}
     assert set(NUMERIC_FEATURES) == set(scalars) | {"user_age"}
+
+
+def test_an_entitys_windows_and_total_share_one_topic_and_sharing_views_must_agree() -> None:
+    shared = topics()
+    assert [v.name for v in shared["features.user_counts"]] == ["user_5m", "user_1h", "user_total"]
+    assert [v.name for v in shared["features.user_sequence"]] == ["user_sequence"]
+    odd = StreamView("user_odd", ("user_id", "category"), (("odd", BIGINT),), timedelta(hours=1), upsert=True,
+                     query=lambda _: "SELECT ...", shared_topic="user_counts")
+    with pytest.raises(ValueError, match="features.user_counts"):
+        topics((window_view("user", "5m", 5), total_view("user"), odd))
