@@ -106,10 +106,11 @@ def _entity_counts(entity: str) -> Callable[[Settings], str]:
     return query
 
 
-def window_view(entity: str, suffix: str, minutes: int) -> StreamView:
+def window_view(entity: str, suffix: str) -> StreamView:
     """Impressions, clicks and smoothed CTR of an entity in its sliding window `suffix` of WINDOWS, as
     of its newest event: an updating aggregate, so an event counts as soon as the job has it (or its
-    mini-batch is flushed), whether or not any event follows."""
+    mini-batch is flushed), whether or not any event follows. Its rows live as long as the window."""
+    minutes = next(m for name, m, _ in WINDOWS if name == suffix)
     return StreamView(f"{entity}_{suffix}", (f"{entity}_id",), _counts_columns(entity, suffix),
                       timedelta(minutes=minutes), upsert=True, query=_entity_counts(entity),
                       shared_topic=f"{entity}_counts")
@@ -174,7 +175,7 @@ def _interest_top(s: Settings, row: dict) -> dict:
 
 
 STREAM_VIEWS: tuple[StreamView, ...] = (
-    *(window_view(entity, suffix, minutes) for entity in ("user", "item") for suffix, minutes, _ in WINDOWS),
+    *(window_view(entity, suffix) for entity in ("user", "item") for suffix, _, _ in WINDOWS),
     *(total_view(entity) for entity in ("user", "item")),
     StreamView("user_category", ("user_id", "category"), (
         ("category_impressions", BIGINT), ("category_clicks", BIGINT), ("category_ctr", DOUBLE)),

@@ -30,7 +30,7 @@ def test_a_new_declaration_is_all_the_store_needs() -> None:
                       timedelta(minutes=30), upsert=True, query=lambda _: "SELECT ...")
     fv = stream_feature_view(s, view)
     assert (fv.name, fv.ttl, fv.entities) == ("session_depth", timedelta(minutes=30), ["user"])
-    assert window_view("item", "1h", 60).ttl == timedelta(hours=1)  # not parsed from the name
+    assert window_view("item", "1h").ttl == timedelta(hours=1)  # the window's length, not parsed from the name
 
 
 def test_the_model_takes_every_scalar_stream_column_scaled_by_its_type() -> None:
@@ -47,4 +47,4 @@ def test_an_entitys_windows_and_total_share_one_topic_and_sharing_views_must_agr
     odd = StreamView("user_odd", ("user_id", "category"), (("odd", BIGINT),), timedelta(hours=1), upsert=True,
                      query=lambda _: "SELECT ...", shared_topic="user_counts")
     with pytest.raises(ValueError, match="features.user_counts"):
-        topics((window_view("user", "5m", 5), total_view("user"), odd))
+        topics((window_view("user", "5m"), total_view("user"), odd))
