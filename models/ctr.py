@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 from tqdm import tqdm
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up banner is not ours to show
@@ -72,15 +71,9 @@ class CtrModel:
         """Rows of every id of the batch; sequence padding -> the default row, never counted. Only
         the newest `sequence_length` behaviors are used."""
         seq = ex.sequences[:, : self.spec.sequence_length]
-        if train:  # every occurrence counts toward admission
-            real = seq != PAD
-            seq_rows = np.full(seq.shape, DEFAULT_ROW, np.int64)
-            seq_rows[real] = self.tables["item"].lookup(seq[real].tolist(), train)
-        else:  # scoring: a user's sequence repeats on each of their candidate rows; each id looked up once
-            codes, distinct = pd.factorize(seq.ravel())
-            real = (distinct != PAD)[codes].reshape(seq.shape)
-            seq_rows = np.where(real, self.tables["item"].lookup(distinct.tolist())[codes].reshape(seq.shape),
-                                DEFAULT_ROW)
+        real = seq != PAD
+        seq_rows = np.full(seq.shape, DEFAULT_ROW, np.int64)
+        seq_rows[real] = self.tables["item"].lookup(seq[real].tolist(), train)  # training: each occurrence counts
         return {"user": self.tables["user"].lookup(ex.user_ids.tolist(), train),
                 "item": self.tables["item"].lookup(ex.item_ids.tolist(), train),
                 "category": self.tables["category"].lookup(ex.categories.tolist(), train),
@@ -102,12 +95,26 @@ class CtrModel:
                 "numeric": ex.numeric.astype(np.float32).reshape(len(ex), -1)}
 
     def scoring_inputs(self, ex: Examples) -> dict[str, np.ndarray]:
-        """The dense network's inputs for scoring `ex`, with the sequence cut to the longest real one
-        of the batch (padding past it changes no score: the attention masks it out). Serving pads
-        these to a compiled shape bucket."""
-        rows = self._lookup(ex, train=False)
-        longest = max(1, int(rows["sequence_mask"].sum(axis=1).max(initial=0)))
-        return self._input_arrays(rows, ex, longest)
+        """The dense network's inputs for scoring `ex`, each behavior sequence once: consecutive rows
+        with the same sequence (a request's candidates) share one, `owner` [B] naming each row's
+        (`sequence` [U, L, D], `sequence_mask` [U, L]). L is the longest real sequence of the batch
+        (padding past it changes no score: the attention masks it out). Serving pads these to a
+        compiled shape bucket."""
+        seq = ex.sequences[:, : self.spec.sequence_length]
+        starts = np.ones(len(ex), bool)
+        starts[1:] = (seq[1:] != seq[:-1]).any(axis=1)
+        distinct = seq[starts]  # [U, L]
+        real = distinct != PAD
+        longest = max(1, int(real.sum(axis=1).max(initial=0)))
+        distinct, real = distinct[:, :longest], real[:, :longest]
+        seq_rows = np.full(distinct.shape, DEFAULT_ROW, np.int64)
+        seq_rows[real] = self.tables["item"].lookup(distinct[real].tolist())
+        return {"user": self.tables["user"].gather(self.tables["user"].lookup(ex.user_ids.tolist())),
+                "item": self.tables["item"].gather(self.tables["item"].lookup(ex.item_ids.tolist())),
+                "category": self.tables["category"].gather(self.tables["category"].lookup(ex.categories.tolist())),
+                "sequence": self.tables["item"].gather(seq_rows), "sequence_mask": real.astype(np.float32),
+                "owner": (np.cumsum(starts) - 1).astype(np.int32),
+                "numeric": ex.numeric.astype(np.float32).reshape(len(ex), -1)}
 
     def dense_weights(self) -> list[np.ndarray]:
         """The dense network's weights in `network.trainable_variables` order (`stateless_call`'s)."""

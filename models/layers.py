@@ -19,6 +19,11 @@ class MLP(keras.layers.Layer):
         self.dense = [keras.layers.Dense(u, activation="relu" if i < len(units) - 1 else None)
                       for i, u in enumerate(units)]
 
+    def build(self, input_shape) -> None:
+        for layer in self.dense:
+            layer.build(input_shape)
+            input_shape = (*input_shape[:-1], layer.units)
+
     def call(self, x):
         for layer in self.dense:
             x = layer(x)
@@ -31,10 +36,15 @@ class MLP(keras.layers.Layer):
 class TargetAttention(keras.layers.Layer):
     """DIN-style attention: weighs the user's past behaviors by their relevance to the candidate.
 
-    Inputs: query [B, D] (the candidate item), keys [B, L, D] (the behavior sequence), mask [B, L]
-    (1.0 for a real behavior, 0.0 for padding). Output [B, D]: the relevance-weighted sum of the
-    keys; zeros for a user without behaviors. The relevance of each behavior is an MLP over
-    [query, key, query - key, query * key]; the weights are a softmax over the real behaviors.
+    Inputs: query [B, D] (the candidate item), keys [U, L, D] (behavior sequences), mask [U, L] (1.0 for
+    a real behavior, 0.0 for padding), owner [B] int (row b attends to sequence owner[b]; None: U = B
+    and each row has its own). Output [B, D]: the relevance-weighted sum of the row's keys; zeros for a
+    user without behaviors. The relevance of each behavior is an MLP over [query, key, query - key,
+    query * key]; the weights are a softmax over the real behaviors.
+
+    The MLP's first layer is computed split by term (W [q, k, q-k, q*k] = (Wq + Wd) q + (Wk - Wd) k +
+    Wp (q*k)): the key term once per sequence, the query term once per row, only the product per
+    (row, behavior). Serving passes each request's sequence once (owner), not once per candidate.
     """
 
     def __init__(self, hidden: list[int] | None = None, **kwargs) -> None:
@@ -42,9 +52,22 @@ class TargetAttention(keras.layers.Layer):
         self.hidden = hidden or [32]
         self.score = MLP([*self.hidden, 1])
 
-    def call(self, query, keys, mask):
-        q = ops.broadcast_to(ops.expand_dims(query, 1), ops.shape(keys))  # [B, L, D]
-        scores = ops.squeeze(self.score(ops.concatenate([q, keys, q - keys, q * keys], axis=-1)), -1)  # [B, L]
+    def build(self, query_shape, keys_shape=None, mask_shape=None) -> None:
+        self.score.build((None, None, 4 * query_shape[-1]))
+
+    def call(self, query, keys, mask, owner=None):
+        d, first = query.shape[-1], self.score.dense[0]
+        w = first.kernel
+        w_query, w_key, w_diff, w_prod = w[:d], w[d:2 * d], w[2 * d:3 * d], w[3 * d:]
+        key_term = ops.matmul(keys, w_key - w_diff)  # [U, L, H]
+        if owner is not None:
+            keys, key_term, mask = (ops.take(t, owner, axis=0) for t in (keys, key_term, mask))  # -> [B, ...]
+        q = ops.expand_dims(query, 1)  # [B, 1, D]
+        hidden = first.activation(ops.matmul(q, w_query + w_diff) + key_term + ops.matmul(q * keys, w_prod)
+                                  + first.bias)  # [B, L, H]
+        for layer in self.score.dense[1:]:
+            hidden = layer(hidden)
+        scores = ops.squeeze(hidden, -1)  # [B, L]
         scores = ops.where(mask > 0, scores, ops.full_like(scores, -1e9))
         weights = ops.softmax(scores, axis=-1) * mask  # all-padding rows -> all zeros
         return ops.einsum("bl,bld->bd", weights, keys)

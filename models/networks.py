@@ -4,6 +4,8 @@ Both take the same inputs (a dict of tensors), so one training loop serves both:
   user, item, category  [B, D]     embeddings gathered from the sparse tables
   sequence              [B, L, D]  embeddings of the user's last L behaviors (item table)
   sequence_mask         [B, L]     1.0 for a real behavior, 0.0 for padding
+  owner (optional)      [B] int    serving: row b's behaviors are sequence[owner[b]], which is then
+                                   [U, L, D] with its mask [U, L] (one per request, not per candidate)
   numeric               [B, F]     real-time and profile features, already scaled
 and return click logits [B].
 """
@@ -27,7 +29,7 @@ class Ranker(keras.Model):
         self.head = MLP([*self.hidden, 1])
 
     def call(self, inputs):
-        interest = self.attention(inputs["item"], inputs["sequence"], inputs["sequence_mask"])
+        interest = self.attention(inputs["item"], inputs["sequence"], inputs["sequence_mask"], inputs.get("owner"))
         x = ops.concatenate([inputs["user"], inputs["item"], inputs["category"], interest,
                              inputs["user"] * inputs["item"], inputs["numeric"]], axis=-1)
         return ops.squeeze(self.head(x), -1)

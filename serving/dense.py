@@ -5,8 +5,9 @@ variables, so one compiled function per (architecture, shape) serves every versi
 architecture: loading, swapping or rolling back a version compiles nothing.
 
 Shapes: a batch of R rows whose longest behavior sequence is L is padded up to the smallest row
-bucket >= R and sequence bucket >= L; every bucket is compiled and run once by `warm` before the
-server reports ready. A shape beyond the largest buckets runs at once on the uncompiled (eager) path
+bucket >= R and sequence bucket >= L, and its distinct sequences (one per request: `owner` maps rows
+to them) up to `groups` (or R if fewer); a batch with more distinct sequences runs in parts of
+`groups`. Every bucket is compiled and run once by `warm` before the server reports ready. A shape beyond the largest buckets runs at once on the uncompiled (eager) path
 while one background thread compiles it; the compiled function takes over when done. With buckets
 off, every new exact shape is compiled on the request path (what a naive server does: the baseline).
 """
@@ -43,10 +44,10 @@ class DenseRunner:
     """Scores padded inputs with any version's weights for one model architecture."""
 
     def __init__(self, template: CtrModel, row_buckets: Sequence[int], sequence_buckets: Sequence[int],
-                 buckets: bool = True, on_compile: Callable[[str], None] | None = None) -> None:
+                 buckets: bool = True, on_compile: Callable[[str], None] | None = None, groups: int = 16) -> None:
         self.network = template.network  # only its structure is used; weights come with each call
         self.row_buckets, self.sequence_buckets = sorted(row_buckets), sorted(sequence_buckets)
-        self.buckets = buckets
+        self.buckets, self.groups = buckets, groups
         self.stats = CompileStats()
         self._on_compile = on_compile or (lambda where: None)
         self._compiled: dict[Shape, Callable] = {}
@@ -78,7 +79,8 @@ class DenseRunner:
 
     def warm(self, weights: list[tf.Tensor], example: dict[str, np.ndarray]) -> None:
         """Compile (first time) and run every bucket with `weights`; raises if any score is not finite.
-        `example` is one row of inputs, repeated to fill each shape."""
+        `example` holds rows of inputs (`CtrModel.scoring_inputs`); each shape scores those that fit it,
+        zero-padded."""
         for shape in (self.bucket_shapes() if self.buckets else []):
             fn = self._compiled.get(shape)
             if fn is None:
@@ -86,15 +88,25 @@ class DenseRunner:
                 self._publish(shape, fn)
                 self.stats.warm += 1
                 self._on_compile("warm")
-            scores = fn(weights, _tensors(_pad(example, *shape)))
+            groups = min(self.groups, shape[0])
+            fit = min(shape[0], int(np.searchsorted(example["owner"], groups)))
+            scores = fn(weights, _tensors(_pad(_part(example, 0, fit, 0), *shape, groups)))
             if not np.all(np.isfinite(scores.numpy())):
                 raise ValueError(f"non-finite scores on shape {shape}")
 
     def run(self, weights: list[tf.Tensor], inputs: dict[str, np.ndarray]) -> np.ndarray:
-        """Scores [rows] of `inputs` (rows x longest sequence, as `CtrModel.scoring_inputs` gives)."""
-        rows, length = inputs["sequence_mask"].shape
+        """Scores [rows] of `inputs` (as `CtrModel.scoring_inputs` gives: `owner` non-decreasing)."""
+        owner = inputs["owner"]
+        if len(owner) and owner[-1] >= self.groups:  # too many sequences for one run: parts of `groups`
+            cuts = np.searchsorted(owner, np.arange(self.groups, owner[-1] + 1, self.groups))
+            return np.concatenate([self._run(weights, _part(inputs, a, b, int(owner[a])))
+                                   for a, b in zip([0, *cuts], [*cuts, len(owner)])])
+        return self._run(weights, inputs)
+
+    def _run(self, weights: list[tf.Tensor], inputs: dict[str, np.ndarray]) -> np.ndarray:
+        rows, length = len(inputs["owner"]), inputs["sequence_mask"].shape[1]
         shape, in_bucket = self.shape_for(rows, length)
-        padded = _tensors(_pad(inputs, *shape))
+        padded = _tensors(_pad(inputs, *shape, min(self.groups, shape[0])))
         fn = self._compiled.get(shape)
         if fn is None and not self.buckets:
             fn = self._new_function()
@@ -143,13 +155,22 @@ class DenseRunner:
         self._compiler.shutdown(wait=True, cancel_futures=True)
 
 
-def _pad(inputs: dict[str, np.ndarray], rows: int, length: int) -> dict[str, np.ndarray]:
-    """Zero rows (they score and are cut off) and zero-mask sequence slots (the attention ignores
-    them) up to the shape."""
+_SEQUENCE_INPUTS = ("sequence", "sequence_mask")  # [U, L, ...]: one per distinct sequence, not per row
+
+
+def _part(inputs: dict[str, np.ndarray], a: int, b: int, first_sequence: int) -> dict[str, np.ndarray]:
+    """Rows a..b of `inputs`, with only their sequences (from `first_sequence` on)."""
+    owner = inputs["owner"][a:b] - first_sequence
+    return {name: value[first_sequence:first_sequence + int(owner[-1]) + 1] if name in _SEQUENCE_INPUTS
+            else owner if name == "owner" else value[a:b] for name, value in inputs.items()}
+
+
+def _pad(inputs: dict[str, np.ndarray], rows: int, length: int, groups: int) -> dict[str, np.ndarray]:
+    """Zero rows (they score and are cut off; their owner is sequence 0), zero sequences and zero-mask
+    sequence slots (the attention ignores them) up to the shape."""
     out = {}
     for name, value in inputs.items():
-        sequence = name in ("sequence", "sequence_mask")
-        shape = (rows, length, *value.shape[2:]) if sequence else (rows, *value.shape[1:])
+        shape = (groups, length, *value.shape[2:]) if name in _SEQUENCE_INPUTS else (rows, *value.shape[1:])
         value = value[tuple(slice(0, d) for d in shape)]
         if value.shape != shape:
             padded = np.zeros(shape, value.dtype)
@@ -160,4 +181,4 @@ def _pad(inputs: dict[str, np.ndarray], rows: int, length: int) -> dict[str, np.
 
 
 def _tensors(inputs: dict[str, np.ndarray]) -> dict[str, tf.Tensor]:
-    return {name: tf.constant(value, tf.float32) for name, value in inputs.items()}
+    return {name: tf.constant(value, tf.int32 if name == "owner" else tf.float32) for name, value in inputs.items()}

@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from models.ctr import CtrModel
+from models.examples import concat
 from serving.dense import DenseRunner
 from tests.ctr_data import SPEC, synthetic
 
@@ -30,6 +31,25 @@ def test_padded_buckets_score_like_the_model_and_compile_only_at_warm_up() -> No
         np.testing.assert_allclose(runner.run(_weights(model), model.scoring_inputs(part)), model.predict(part),
                                    rtol=1e-5, atol=1e-6)
     assert runner.stats.warm == 4 and runner.stats.background == 0 and runner.stats.uncompiled_runs == 0
+
+
+def test_requests_pass_their_sequence_once_and_score_like_the_model_in_parts_of_groups() -> None:
+    model = CtrModel(SPEC)
+    model.fit(synthetic(2000, seed=7), progress=False)
+    ex = synthetic(1000, seed=8)
+    seen = {tuple(seq): n for n, seq in enumerate(ex.sequences)}  # the last row of each distinct sequence
+    ex = ex.take(np.array(sorted(seen.values())[-40:]))
+    # 40 requests of 1-3 candidates each; every candidate row of a request carries the user's sequence
+    requests = [ex.take(np.full(1 + r % 3, r)) for r in range(40)]
+    for r, request in enumerate(requests):
+        request.item_ids = np.array([f"i{(r * 7 + j) % 200}" for j in range(len(request))], object)
+    batch = concat(requests)
+    inputs = model.scoring_inputs(batch)
+    assert len(inputs["sequence"]) == 40 and len(inputs["owner"]) == len(batch) == 79
+    runner = DenseRunner(model, row_buckets=(16, 128), sequence_buckets=(10,), groups=8)
+    runner.warm(_weights(model), model.scoring_inputs(ex.take(slice(0, 20))))
+    np.testing.assert_allclose(runner.run(_weights(model), inputs), model.predict(batch), rtol=1e-5, atol=1e-6)
+    assert runner.stats.uncompiled_runs == 0  # 40 sequences > 8: five runs of <= 8 sequences, all compiled
 
 
 def test_one_compiled_function_serves_every_version() -> None:
@@ -70,6 +90,6 @@ def test_without_buckets_each_new_shape_compiles_on_the_request_path() -> None:
     shapes = set()
     for n in (3, 5, 3, 30):
         inputs = model.scoring_inputs(ex.take(slice(0, n)))
-        shapes.add(inputs["sequence_mask"].shape)
+        shapes.add((len(inputs["owner"]), inputs["sequence_mask"].shape[1]))
         runner.run(_weights(model), inputs)
     assert runner.stats.request_path == len(shapes) == len(runner.compiled_shapes()) >= 3
