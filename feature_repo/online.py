@@ -76,12 +76,19 @@ class OnlineReader:
              refs: list[tuple[str, str]]) -> list[tuple]:
         """For each entity (its join-key values in `join_keys` order), the values of `refs`
         ((view, feature) pairs) in order; None where nothing is stored."""
-        fields = [field(view, feature) for view, feature in refs]
+        return self.read_all([(join_keys, entities, refs)])[0]
+
+    def read_all(self, reads: Sequence[tuple[tuple[str, ...], list[tuple[str, ...]], list[tuple[str, str]]]]
+                 ) -> list[list[tuple]]:
+        """`read` of several entity kinds, in one round trip: one list of rows per (join_keys, entities,
+        refs) of `reads`."""
         with self.client.pipeline(transaction=False) as pipe:
-            for e in entities:
-                pipe.hmget(entity_key(join_keys, e), fields)
-            rows = pipe.execute()
-        return [tuple(map(decode, row)) for row in rows]
+            for join_keys, entities, refs in reads:
+                fields = [field(view, feature) for view, feature in refs]
+                for e in entities:
+                    pipe.hmget(entity_key(join_keys, e), fields)
+            rows = iter(pipe.execute())
+        return [[tuple(map(decode, next(rows))) for _ in entities] for _, entities, _ in reads]
 
 
 # Newer row wins, and a row as new as the stored one replaces it (a late event updates an aggregate

@@ -111,16 +111,19 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
         numeric[:, j] = np.log1p(np.maximum(values, 0.0)) if name in COUNTS else (
             values / 100.0 if name == "user_age" else values)
     sequences = np.full((n, sequence_length), PAD, dtype=object)
-    last: tuple = (None, None, None, [])  # serving: every row of a request holds the same sequence object
+    runs: list[list] = []  # [first row, end row, behaviors]: consecutive rows with the same sequence
+    last: tuple = (None, None, None)  # serving: every row of a request holds the same sequence object
     for r, (items, times) in enumerate(zip(features["seq_item_ids"], features["seq_event_times"])):
         if items is None or times is None or not len(items):
             continue
-        if items is last[0] and times is last[1] and times_ms[r] == last[2]:
-            before = last[3]
+        if items is last[0] and times is last[1] and times_ms[r] == last[2] and runs[-1][1] == r:
+            runs[-1][1] = r + 1
         else:
             before = [i for i, t in zip(items, times) if t < times_ms[r]][::-1][:sequence_length]  # newest first
-            last = (items, times, times_ms[r], before)
-        sequences[r, : len(before)] = before
+            last = (items, times, times_ms[r])
+            runs.append([r, r + 1, before])
+    for first, end, before in runs:
+        sequences[first:end, : len(before)] = before
     return Examples(user_ids=_strings(features["user_id"]), item_ids=_strings(features["item_id"]),
                     categories=_strings(features["category"]), sequences=sequences, numeric=numeric,
                     labels=np.asarray(labels, np.float32))

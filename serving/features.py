@@ -1,6 +1,6 @@
 """Online features for one ranking request, from the `ranking_serving` feature service: one pipelined
-Redis round trip per entity kind (the user's hash, the candidates' distinct items not cached, the user
-x category hashes), of the features the model consumes, read straight from Feast's layout
+Redis round trip for all entity kinds (the user's hash, the candidates' distinct items not cached, the
+user x category hashes), of the features the model consumes, read straight from Feast's layout
 (feature_repo/online.py, proven equal to `get_online_features`) and joined back to one row per
 candidate. The rows become model inputs by the function that builds training sets
 (`models.dataset.to_examples`), so serving and training see the same features.
@@ -110,6 +110,11 @@ class OnlineFeatures:
         self.reader = OnlineReader(s, s.serving.default_deadline_ms / 1000)
         self.cache = SharedEntityCache(s.serving.item_features_ttl_ms / 1000, s.serving.item_features_cache_size)
 
+    @staticmethod
+    def _shared(keys: tuple[str, ...]) -> bool:
+        """An item's features are the same for every user: cached."""
+        return "user_id" not in keys
+
     def entity_features(self, user_id: str, item_id: str | None = None, category: str | None = None
                         ) -> dict[str, object]:
         """The raw values this server reads for a user (and an item, and the user x the item's category),
@@ -128,17 +133,19 @@ class OnlineFeatures:
         rows = {"user_id": [user_id] * len(candidates), "item_id": [c.item_id for c in candidates],
                 "category": [c.category for c in candidates]}
         columns: dict[str, Sequence] = dict(rows)
+        plan = []  # per entity kind: its keys, refs, the entity of each candidate row, found, missing
         for keys, refs in self.reads.items():
-            names = self.names[keys]
-            of_row = list(zip(*(rows[k] for k in keys)))  # the entity of each candidate row
-            shared = "user_id" not in keys  # an item's features are the same for every user: cached
-            found = self.cache.get(keys, of_row) if shared else {}
-            missing = [e for e in dict.fromkeys(of_row) if e not in found]
+            of_row = list(zip(*(rows[k] for k in keys)))
+            found = self.cache.get(keys, of_row) if self._shared(keys) else {}
+            plan.append((keys, refs, of_row, found, [e for e in dict.fromkeys(of_row) if e not in found]))
+        read = iter(self.reader.read_all([(keys, missing, refs) for keys, refs, _, _, missing in plan if missing]))
+        for keys, refs, of_row, found, missing in plan:
             if missing:
-                read = dict(zip(missing, self.reader.read(keys, missing, refs)))
-                if shared:
-                    self.cache.put(keys, read)
-                found |= read
+                values = dict(zip(missing, next(read)))
+                if self._shared(keys):
+                    self.cache.put(keys, values)
+                found |= values
+            names = self.names[keys]
             by_row = [found[e] for e in of_row] or [(None,) * len(names)]
             columns.update(zip(names, zip(*by_row)))  # one tuple of values per feature
         defaulted = sorted(name for name in (*NUMERIC_FEATURES, *SEQUENCE) if None in columns[name])

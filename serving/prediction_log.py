@@ -3,7 +3,8 @@ joined to the impressions they follow and to the features and version that score
 
 Asynchronous: the request path only enqueues. A record Kafka does not take (broker down past the
 message timeout, local queue full) is counted in `flywheel_prediction_log_errors`, never fails the
-request.
+request. Compressed (lz4): a record holds every candidate's features (~46 KB of JSON for 145
+candidates), which the broker took ~11 % of a core to store uncompressed under the serving check's load.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class PredictionLog:
     def __init__(self, s: Settings) -> None:
         self.topic = s.serving.predictions_topic
         self._producer = confluent_kafka.Producer(
-            s.kafka.client_options("librdkafka") | PRODUCER_OPTIONS | {"queue.buffering.max.messages": 100_000})
+            s.kafka.client_options("librdkafka") | PRODUCER_OPTIONS | {"queue.buffering.max.messages": 100_000,
+                                                                  "compression.type": "lz4", "linger.ms": 50})
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="prediction-log", daemon=True)
         self._poller.start()
