@@ -9,7 +9,9 @@ from task_settings import task_settings  # dags/ is on sys.path
 
 
 def gate_if_asked(trained) -> None:
-    """promotion_asked (skips the rest when the `promote` param is false) >> gate(trained version)."""
+    """trained >> promotion_asked (skips the rest when the `promote` param is false) >> gate(trained version).
+    After the training task: a run that skips training (a quiet stack, every few minutes) then starts no
+    second task process (each costs seconds of CPU, taken from serving on the same host)."""
 
     @task.short_circuit
     def promotion_asked(params=None) -> bool:
@@ -23,4 +25,4 @@ def gate_if_asked(trained) -> None:
 
         return asdict(gate_version(task_settings(params), trained["version"]))
 
-    promotion_asked() >> gate(trained)
+    trained >> promotion_asked() >> gate(trained)
