@@ -7,9 +7,10 @@ architecture: loading, swapping or rolling back a version compiles nothing.
 Shapes: a batch of R rows whose longest behavior sequence is L is padded up to the smallest row
 bucket >= R and sequence bucket >= L, and its distinct sequences (one per request: `owner` maps rows
 to them) up to `groups` (or R if fewer); a batch with more distinct sequences runs in parts of
-`groups`. Every bucket is compiled and run once by `warm` before the server reports ready. A shape beyond the largest buckets runs at once on the uncompiled (eager) path
-while one background thread compiles it; the compiled function takes over when done. With buckets
-off, every new exact shape is compiled on the request path (what a naive server does: the baseline).
+`groups`. Every bucket is compiled and run once by `warm` before the server reports ready. A shape
+beyond the largest buckets runs at once on the uncompiled (eager) path while one background thread
+compiles it; the compiled function takes over when done. With buckets off, every new exact shape is
+compiled on the request path (what a naive server does: the baseline).
 """
 
 from __future__ import annotations
