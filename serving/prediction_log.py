@@ -3,8 +3,9 @@ joined to the impressions they follow and to the features and version that score
 
 Asynchronous: the request path only enqueues. A record Kafka does not take (broker down past the
 message timeout, local queue full) is counted in `flywheel_prediction_log_errors`, never fails the
-request. Compressed (lz4): a record holds every candidate's features (~46 KB of JSON for 145
-candidates), which the broker took ~11 % of a core to store uncompressed under the serving check's load.
+request. A record holds every candidate's features (~46 KB of JSON for 145 candidates): records are
+lz4-compressed and batched for up to 50 ms, which took the broker from ~11 % to ~7 % of a core under
+the serving check's load (the batching did that; compression alone changed nothing measurable).
 """
 
 from __future__ import annotations
