@@ -50,8 +50,10 @@ def read_pidfile(path: Path) -> Tracked | None:
         return None
 
 
-def spawn(command: list[str], pidfile: Path, logfile: Path, env: dict[str, str], cwd: Path) -> Tracked:
-    """Start `command` detached in a new session, appending stdout/stderr to `logfile`."""
+def spawn(command: list[str], pidfile: Path, logfile: Path, env: dict[str, str], cwd: Path,
+          nice: int = 0) -> Tracked:
+    """Start `command` detached in a new session, appending stdout/stderr to `logfile`, `nice` added
+    to its niceness (before it starts: every thread and child inherits it)."""
     logfile.parent.mkdir(parents=True, exist_ok=True)
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     with open(logfile, "ab") as log:
@@ -59,7 +61,7 @@ def spawn(command: list[str], pidfile: Path, logfile: Path, env: dict[str, str],
         log.flush()
         popen = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, cwd=cwd, start_new_session=True,
+            env=env, cwd=cwd, start_new_session=True, preexec_fn=(lambda: os.nice(nice)) if nice else None,
         )
     tracked = Tracked(popen.pid, start_ticks(popen.pid), command)
     pidfile.write_text(json.dumps(tracked.__dict__))

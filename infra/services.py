@@ -43,6 +43,7 @@ class Service:
     # sharing one setup command run it once. It lives with the stage that needs it, named as a command,
     # so the stack imports no stage.
     setup: Callable[[], list[str]] | None = None
+    nice: int = 0  # added to the process's CPU niceness; its children inherit it
 
     def health(self) -> Health:
         """The service's health; a failing check is reported, never raised."""
@@ -222,18 +223,19 @@ def _airflow(s: Settings) -> list[Service]:
             return Health(status == "healthy", f"{component}: {status}")
         return lambda: _http_health(f"{s.airflow.api_url}/api/v2/monitor/health", expect)
 
-    def service(name: str, args: list[str], component: str, ports: tuple) -> Service:
+    def service(name: str, args: list[str], component: str, ports: tuple, nice: int = 0) -> Service:
         return Service(name=f"airflow-{name}", group="airflow", url=s.airflow.api_url, ports=ports,
                        command=lambda: [str(BIN_DIR / "airflow"), *args],
                        env=lambda: airflow_env(s), check=component_health(component),
-                       setup=lambda: [str(BIN_DIR / "airflow"), "db", "migrate"])
+                       setup=lambda: [str(BIN_DIR / "airflow"), "db", "migrate"], nice=nice)
 
     return [
         service("api-server", ["api-server"], "metadatabase", ((host, port),)),
         # LocalExecutor logs are files the api-server reads directly; the log server would bind to
-        # all interfaces, so it is skipped.
-        service("scheduler", ["scheduler", "--skip-serve-logs"], "scheduler", ()),
-        service("dag-processor", ["dag-processor"], "dag_processor", ()),
+        # all interfaces, so it is skipped. The scheduler's executor starts the tasks: they inherit
+        # its niceness.
+        service("scheduler", ["scheduler", "--skip-serve-logs"], "scheduler", (), s.airflow.niceness),
+        service("dag-processor", ["dag-processor"], "dag_processor", (), s.airflow.niceness),
     ]
 
 

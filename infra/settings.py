@@ -141,6 +141,10 @@ class AirflowSettings:
     username: str = "admin"
     password: str = ""  # from config/env; if empty the local stack generates and keeps one
     parallelism: int = 4
+    # CPU priority of the scheduler, the DAG processor and so of every task they start (nice(1)).
+    # Training and graph runs are batch work: on a host they share with the ranking server and the
+    # stream job, they take the cores those leave idle, not the ones a request is waiting for.
+    niceness: int = 10
     # DAG cadences. Minutes, not seconds: each Airflow run costs seconds of scheduling and process
     # start-up, and a training run needs enough new labelled impressions to move the model.
     full_training_schedule: str = "@daily"  # cron or preset; empty: only when triggered

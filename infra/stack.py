@@ -126,7 +126,8 @@ def up(s: Settings) -> list[str]:
                 if _running(s, svc) is None:
                     # the service reads the same settings as this process, however they were given
                     env = svc.env() | to_environ(s) | {STACK_TAG: str(s.paths.data_dir)}
-                    process.spawn(svc.command(), pidfile(s, svc), logfile(s, svc), env, cwd=s.paths.data_dir)
+                    process.spawn(svc.command(), pidfile(s, svc), logfile(s, svc), env, cwd=s.paths.data_dir,
+                                  nice=svc.nice)
                     started.append(svc.name)
             wait_healthy(s, batch, s.stack.start_timeout_s)
     except BaseException:  # leave nothing half-started behind, whatever interrupted us

@@ -67,6 +67,12 @@ def test_up_is_idempotent_status_reports_health_and_down_leaves_nothing(tmp_path
         service_pids = [int(p) for p in pids(first.stdout).values()]
         running = stack_processes(settings.paths.data_dir, service_pids)
         assert len(running) > len(services)  # services and their workers
+        # Batch work yields the cores: the scheduler (whose executor starts the DAG tasks) and the DAG
+        # processor run nicer than the services that answer users.
+        nice = {name: psutil.Process(int(pid)).nice() for name, pid in pids(first.stdout).items()}
+        base = psutil.Process().nice()
+        assert nice["airflow-scheduler"] == nice["airflow-dag-processor"] == min(19, base + settings.airflow.niceness)
+        assert nice["ranking-server"] == nice["stream-job"] == base < nice["airflow-scheduler"], nice
     finally:
         down = run_cli(environ, "down")
     assert down.returncode == 0 and "stopped" in down.stdout
