@@ -50,10 +50,23 @@ def read_pidfile(path: Path) -> Tracked | None:
         return None
 
 
+def _lower_priority(nice: int) -> None:
+    """In the child, after setsid and before exec: `nice` added to its niceness, and the same for its
+    session's scheduling group. Where the kernel groups processes by session (autogroups, on by default
+    in most distributions), groups share the CPU at equal weight whatever their processes' niceness: a
+    detached service's own niceness alone changes nothing against the other services."""
+    niceness = os.nice(nice)
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(niceness))
+    except OSError:  # no autogroups here (kernel option off, or not Linux)
+        pass
+
+
 def spawn(command: list[str], pidfile: Path, logfile: Path, env: dict[str, str], cwd: Path,
           nice: int = 0) -> Tracked:
     """Start `command` detached in a new session, appending stdout/stderr to `logfile`, `nice` added
-    to its niceness (before it starts: every thread and child inherits it)."""
+    to its niceness and its session's (before it starts: every thread and child inherits it)."""
     logfile.parent.mkdir(parents=True, exist_ok=True)
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     with open(logfile, "ab") as log:
@@ -61,7 +74,7 @@ def spawn(command: list[str], pidfile: Path, logfile: Path, env: dict[str, str],
         log.flush()
         popen = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, cwd=cwd, start_new_session=True, preexec_fn=(lambda: os.nice(nice)) if nice else None,
+            env=env, cwd=cwd, start_new_session=True, preexec_fn=(lambda: _lower_priority(nice)) if nice else None,
         )
     tracked = Tracked(popen.pid, start_ticks(popen.pid), command)
     pidfile.write_text(json.dumps(tracked.__dict__))

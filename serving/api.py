@@ -18,12 +18,15 @@ store did not answer within the request's deadline).
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, Literal
 
 import tensorflow as tf
@@ -35,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from infra.settings import Settings
 from serving import metrics
 from serving.inference import Inference, NotReady, RankRequest, Shed
-from serving.supervisor import exit_with_parent, listening_socket
+from serving.supervisor import ConnectionShares, exit_with_parent, listening_socket
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +179,43 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
     return app
 
 
-def run_worker(s: Settings) -> None:
-    """One serving process (started by serving/supervisor.py): the app on the shared port until stopped."""
+class Rebalance:
+    """ASGI middleware: while this worker holds more than its share of the server's open connections
+    (serving/supervisor.py), each response closes its connection, so the client reconnects and the
+    kernel hashes the new one to a worker afresh, until the split is even."""
+
+    REFRESH_S = 0.5  # an idle worker's count stays current for the others
+
+    def __init__(self, app: FastAPI, shares: ConnectionShares, slot: int) -> None:
+        self.app, self.shares, self.slot = app, shares, slot
+        self.connections: set = set()  # uvicorn's open connections (Server.server_state.connections)
+
+    async def _publish(self) -> None:
+        while True:
+            self.shares.set(self.slot, len(self.connections))
+            await asyncio.sleep(self.REFRESH_S)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            publisher = asyncio.ensure_future(self._publish())
+            try:
+                return await self.app(scope, receive, send)
+            finally:
+                publisher.cancel()
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def sending(message: dict) -> None:
+            if message["type"] == "http.response.start" and self.shares.over_share(self.slot, len(self.connections)):
+                message["headers"] = [*message.get("headers", ()), (b"connection", b"close")]
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
+def run_worker(s: Settings, shared: Path | None = None, slot: int = 0) -> None:
+    """One serving process (started by serving/supervisor.py): the app on the shared port until stopped.
+    `shared`: the directory of the server whose worker `slot` this is (connection counts, aliases)."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
@@ -189,7 +227,7 @@ def run_worker(s: Settings) -> None:
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
     # Built before uvicorn starts, so an unreachable store or registry is one clear error.
-    inference = Inference(s)
+    inference = Inference(s, shared)
     app = create_app(s, inference)
     inference.start()  # follows the registry: loads and warms the champion in the background
     if any(w["ready"] for w in metrics.workers().values()):
@@ -209,12 +247,16 @@ def run_worker(s: Settings) -> None:
     gc.set_threshold(10_000, 10, 100)
     # Keep-alive longer than a load balancer's idle timeout (60 s is common), so the balancer, not the
     # server, closes idle connections: otherwise a request can race the server's close.
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=75)
+    served = Rebalance(app, ConnectionShares(shared, s.serving.workers), slot) if shared is not None else app
+    config = uvicorn.Config(served, log_level="warning", access_log=False, timeout_keep_alive=75)
+    server = uvicorn.Server(config)
+    if isinstance(served, Rebalance):
+        served.connections = server.server_state.connections
     metrics.WORKER_LISTENING.set(1)
-    uvicorn.Server(config).run(sockets=[listening_socket(s.serving.host, s.serving.port)])
+    server.run(sockets=[listening_socket(s.serving.host, s.serving.port)])
 
 
-if __name__ == "__main__":  # a worker of the ranking server
+if __name__ == "__main__":  # a worker of the ranking server: python -m serving.api [SHARED-DIR SLOT]
     from infra.settings import get_settings
 
-    run_worker(get_settings())
+    run_worker(get_settings(), *((Path(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) == 3 else ()))

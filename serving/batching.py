@@ -4,12 +4,16 @@ and their results handed back to each caller.
     submit(payload, rows, deadline) -> Future
         │ admission: queued rows + rows <= max_queue_rows, else Overloaded at once (503 + Retry-After)
         ▼
-    collector thread: a batch closes at max_batch_rows rows or max_delay_s after its first request
+    queue of requests
         ▼
-    batch queue (bounded: a slow model back-pressures the collector, which back-pressures admission)
-        ▼
-    N executor threads: drop requests past their deadline (DeadlineExceeded, never run), then
-    run(payloads) -> one result per payload; an exception fails only that batch's requests
+    N executor threads: a free executor takes what is queued as its batch, up to max_batch_rows rows,
+    waiting for more only until max_delay_s after the first request was queued; drops requests past
+    their deadline (DeadlineExceeded, never run), then run(payloads) -> one result per payload; an
+    exception fails only that batch's requests
+
+A batch is formed when an executor is free, not ahead of it: requests that arrive while every
+executor is busy join the next batch instead of waiting behind one formed early (a collector thread
+that closed batches on its own clock held them for two batch runs under load).
 
 `run` owns what a batch means (concatenating rows, padding to a compiled shape, splitting the
 scores back): this module only decides who runs with whom, and when. Executors are threads: the
@@ -47,6 +51,7 @@ class _Request(Generic[P]):
     payload: P
     rows: int
     deadline: float  # time.monotonic() after which the request is dropped
+    queued: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
 
 
@@ -79,11 +84,9 @@ class Batcher(Generic[P, R]):
         self.stats = BatcherStats()
         self._admit = threading.Lock()
         self._incoming: queue.Queue[_Request | None] = queue.Queue()
-        self._batches: queue.Queue[list[_Request] | None] = queue.Queue(maxsize=executors)
         self._closed = False
-        self._threads = [threading.Thread(target=self._collect, name=f"{name}-collector", daemon=True)]
-        self._threads += [threading.Thread(target=self._execute, name=f"{name}-executor-{i}", daemon=True)
-                          for i in range(executors)]
+        self._threads = [threading.Thread(target=self._execute, name=f"{name}-executor-{i}", daemon=True)
+                         for i in range(executors)]
         for t in self._threads:
             t.start()
 
@@ -113,34 +116,35 @@ class Batcher(Generic[P, R]):
         with self._admit:
             self.stats.queued_rows -= sum(r.rows for r in requests)
 
-    def _collect(self) -> None:
-        carry: _Request | None = None  # a request that did not fit the last batch
-        while True:
-            first = carry or self._incoming.get()
-            carry = None
-            if first is None:
+    def _next_batch(self, carry: _Request | None) -> tuple[list[_Request], _Request | None]:
+        """What is queued, up to max_batch_rows, waiting for more until max_delay_s after the first was
+        queued: the batch (empty once closed) and a request that did not fit it."""
+        first = carry or self._incoming.get()
+        if first is None:
+            self._incoming.put(None)  # every executor stops
+            return [], None
+        batch, rows = [first], first.rows
+        closes = first.queued + self.max_delay_s
+        while rows < self.max_batch_rows:
+            try:
+                nxt = self._incoming.get(timeout=max(0.0, closes - time.monotonic()))
+            except queue.Empty:
                 break
-            batch, rows = [first], first.rows
-            closes = time.monotonic() + self.max_delay_s
-            while rows < self.max_batch_rows:
-                try:
-                    nxt = self._incoming.get(timeout=max(0.0, closes - time.monotonic()))
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._incoming.put(None)  # stop after this batch
-                    break
-                if rows + nxt.rows > self.max_batch_rows:
-                    carry = nxt
-                    break
-                batch.append(nxt)
-                rows += nxt.rows
-            self._batches.put(batch)
-        for _ in self._threads[1:]:
-            self._batches.put(None)
+            if nxt is None:
+                self._incoming.put(None)  # stop after this batch
+                break
+            if rows + nxt.rows > self.max_batch_rows:
+                return batch, nxt
+            batch.append(nxt)
+            rows += nxt.rows
+        return batch, None
 
     def _execute(self) -> None:
-        while (batch := self._batches.get()) is not None:
+        carry: _Request | None = None
+        while True:
+            batch, carry = self._next_batch(carry)
+            if not batch:
+                break
             now, live = time.monotonic(), []
             for r in batch:
                 if not r.future.set_running_or_notify_cancel():

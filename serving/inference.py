@@ -20,6 +20,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import redis
@@ -84,12 +85,14 @@ def warm_examples(sequence_length: int, rows: int = 8) -> Examples:
 
 
 class Inference:
-    def __init__(self, s: Settings) -> None:
+    def __init__(self, s: Settings, shared: Path | None = None) -> None:
+        """`shared`: the directory the server's workers share (serving/supervisor.py), if any."""
         self.s, sv = s, s.serving
         if sv.max_candidates > sv.max_inflight_rows:
             raise ValueError(f"serving.max_candidates ({sv.max_candidates}) must be at most serving.max_inflight_rows "
                              f"({sv.max_inflight_rows}): a full request could never be admitted")
-        self.follower = ModelFollower(s, warm_examples(max(sv.sequence_buckets)))
+        self.follower = ModelFollower(s, warm_examples(max(sv.sequence_buckets)),
+                                      shared / "aliases.json" if shared is not None else None)
         self.features = OnlineFeatures(s)
         self.predictions = PredictionLog(s)
         self.batcher: Batcher[_Job, tuple[np.ndarray, str]] = Batcher(

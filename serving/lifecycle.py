@@ -9,7 +9,9 @@ serving. An incremental version whose parent is loaded is built from the parent 
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import tempfile
 import threading
 import time
@@ -33,6 +35,7 @@ from serving.dense import DenseRunner
 log = logging.getLogger(__name__)
 ROUTES = (CHAMPION, CHALLENGER)
 RETRY_REFUSED_S = 300.0  # a refused version is tried again this long after (a cause may have been transient)
+READ_SHARED_S = 0.1  # how often a worker reads the aliases another worker polled (a file read)
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,12 @@ def architecture(spec: ModelSpec) -> tuple:
 class ModelFollower:
     """Holds the served versions of @champion and @challenger and keeps them current."""
 
-    def __init__(self, s: Settings, warm_example: Examples) -> None:
+    def __init__(self, s: Settings, warm_example: Examples, shared: Path | None = None) -> None:
         self.s = s
+        # The server's workers share one registry poll per `serving.poll_interval_s` through this file
+        # (each call costs the MLflow server ~20 ms of CPU): whichever worker finds it older polls and
+        # rewrites it; the others read it.
+        self.shared = shared
         self.warm_example = warm_example  # a few real-looking rows every new version must score
         self.runners: dict[tuple, DenseRunner] = {}
         self.served: dict[str, ServedModel | None] = dict.fromkeys(ROUTES)
@@ -82,12 +89,30 @@ class ModelFollower:
 
     # --- following ------------------------------------------------------------------------------
 
-    def poll_once(self) -> None:
-        """Read the aliases (one registry call); load, warm and swap in any version that changed."""
+    def _registry(self) -> MlflowClient:
         if self._client is None:  # connecting costs the registry a call: once, not every poll
             self._client = connect(self.s)
-        client = self._client
-        named = aliases(client, self.s.models.name)
+        return self._client
+
+    def _aliases(self) -> dict[str, str]:
+        """The registry's aliases, at most `serving.poll_interval_s` old: one registry call, or the
+        shared file when another worker made it recently."""
+        if self.shared is not None:
+            try:
+                if time.time() - self.shared.stat().st_mtime < self.s.serving.poll_interval_s:
+                    return json.loads(self.shared.read_text())
+            except (OSError, ValueError):  # absent, or caught mid-replace on a filesystem without atomic rename
+                pass
+        named = aliases(self._registry(), self.s.models.name)
+        if self.shared is not None:
+            tmp = self.shared.with_name(f"{self.shared.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(named))
+            tmp.replace(self.shared)
+        return named
+
+    def poll_once(self) -> None:
+        """Read the aliases; load, warm and swap in any version that changed."""
+        named = self._aliases()
         for route in ROUTES:
             version = named.get(route)
             current = self.served[route]
@@ -105,7 +130,7 @@ class ModelFollower:
                 continue
             started = time.monotonic()
             try:
-                model = self._obtain(client, version)
+                model = self._obtain(version)
             except Exception as exc:  # noqa: BLE001 - any failure refuses the version, never the server
                 self.refused[version] = f"{type(exc).__name__}: {exc}"
                 self._refused_at[version] = time.monotonic()
@@ -120,11 +145,11 @@ class ModelFollower:
             metrics.WORKER_READY.set(int(self.ready))
             log.info("@%s now v%s (%s, %.2fs)", route, version, model.loaded_by, time.monotonic() - started)
 
-    def _obtain(self, client, version: str) -> ServedModel:
+    def _obtain(self, version: str) -> ServedModel:
         if version in self.warm:
             self.warm.move_to_end(version)
             return self.warm[version]
-        tags = dict(client.get_model_version(self.s.models.name, version).tags)
+        tags = dict(self._registry().get_model_version(self.s.models.name, version).tags)
         parent = self.warm.get(tags.get("parent_version", ""))
         if parent is not None and tags.get("sparse_delta"):
             with tempfile.TemporaryDirectory() as tmp:
@@ -158,7 +183,8 @@ class ModelFollower:
         return served
 
     def start(self) -> None:
-        """Poll in a background thread every `serving.poll_interval_s` (the first poll at once)."""
+        """Poll in a background thread every `serving.poll_interval_s` (the first poll at once), or every
+        READ_SHARED_S when the aliases are shared."""
         def loop() -> None:
             while not self._stop.is_set():
                 try:
@@ -166,7 +192,8 @@ class ModelFollower:
                 except Exception as exc:  # noqa: BLE001 - the registry being down must not stop serving
                     metrics.REGISTRY_ERRORS.inc()
                     log.warning("registry poll failed (%s); serving what is loaded", exc)
-                self._stop.wait(self.s.serving.poll_interval_s)
+                self._stop.wait(min(READ_SHARED_S, self.s.serving.poll_interval_s) if self.shared is not None
+                                else self.s.serving.poll_interval_s)
 
         self._thread = threading.Thread(target=loop, name="model-follower", daemon=True)
         self._thread.start()

@@ -2,18 +2,27 @@
 
 A supervisor starts `serving.workers` worker processes (`python -m serving.api`). Each binds the
 server's address with SO_REUSEPORT, so the kernel spreads new connections across them, and runs its own
-model follower, batcher, executors and prediction log: one GIL per core instead of one per host. Their
-metrics meet in files under the supervisor's directory (serving/metrics.py). A worker that exits is
+model follower, batcher, executors and prediction log: one GIL per core instead of one per host. They
+share a directory: their metrics meet in files there (serving/metrics.py), and so do the registry's
+aliases, polled by one worker for all (serving/lifecycle.py). A worker that exits is
 started again, after a back-off when it keeps failing; SIGTERM or SIGINT stops them all.
+
+The kernel picks a worker by a hash of the connection's addresses, so a few long-lived connections can
+land unevenly (8 clients: 6 on one worker, 2 on the other, which then idles while the first queues).
+Each worker publishes its open connections in a shared file (ConnectionShares); a worker holding more
+than its share answers with `Connection: close`, and the client's next connection is hashed afresh.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -47,6 +56,27 @@ def exit_with_parent() -> None:
         sys.exit(1)
 
 
+class ConnectionShares:
+    """Each worker's open connections: one int64 slot per worker in a file every worker maps."""
+
+    def __init__(self, shared: Path, workers: int) -> None:
+        self.workers = workers
+        path = shared / "connections"
+        if not path.exists() or path.stat().st_size != 8 * workers:
+            path.write_bytes(bytes(8 * workers))
+        with path.open("r+b") as f:
+            self._map = mmap.mmap(f.fileno(), 8 * workers)
+
+    def set(self, slot: int, connections: int) -> None:
+        struct.pack_into("q", self._map, 8 * slot, connections)
+
+    def over_share(self, slot: int, connections: int) -> bool:
+        """Publish this worker's count; True if it holds more than an even split of all of them."""
+        self.set(slot, connections)
+        total = sum(struct.unpack_from(f"{self.workers}q", self._map))
+        return connections > math.ceil(total / self.workers)
+
+
 class _Worker:
     def __init__(self, index: int) -> None:
         self.index = index
@@ -56,19 +86,20 @@ class _Worker:
         self.next_start = 0.0
 
 
-def _worker_env(metrics_dir: Path) -> dict[str, str]:
+def _worker_env(shared: Path) -> dict[str, str]:
     # Both names: prometheus_client reads the first, Feast (imported by the worker) the second.
-    return os.environ | {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "PROMETHEUS_MULTIPROCESS_DIR": str(metrics_dir)}
+    return os.environ | {"PROMETHEUS_MULTIPROC_DIR": str(shared), "PROMETHEUS_MULTIPROCESS_DIR": str(shared)}
 
 
 def supervise(s: Settings) -> None:
     """Run the workers until SIGTERM or SIGINT."""
-    metrics_dir = s.paths.run_dir / "ranking-server-metrics"
-    shutil.rmtree(metrics_dir, ignore_errors=True)  # a previous run's workers are gone
-    metrics_dir.mkdir(parents=True)
+    shared = s.paths.run_dir / "ranking-server"
+    shutil.rmtree(shared, ignore_errors=True)  # a previous run's workers are gone
+    shared.mkdir(parents=True)
     listening_socket(s.serving.host, s.serving.port).close()  # the port is taken by another program: fail now
-    env = _worker_env(metrics_dir)
+    env = _worker_env(shared)
     workers = [_Worker(i) for i in range(s.serving.workers)]
+    shares = ConnectionShares(shared, len(workers))
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))
@@ -78,14 +109,17 @@ def supervise(s: Settings) -> None:
             now = time.monotonic()
             for w in workers:
                 if w.proc is not None and w.proc.poll() is not None:
-                    multiprocess.mark_process_dead(w.proc.pid, str(metrics_dir))
+                    multiprocess.mark_process_dead(w.proc.pid, str(shared))
                     w.failures = 1 if now - w.started >= STABLE_S else w.failures + 1
                     w.next_start = now + min(MAX_BACKOFF_S, 2.0 ** (w.failures - 1))
                     log.error("worker %d (pid %d) exited with code %s; starting it again in %.0f s", w.index,
                               w.proc.pid, w.proc.returncode, w.next_start - now)
                     w.proc = None
+                    shares.set(w.index, 0)
                 if w.proc is None and now >= w.next_start:
-                    w.proc, w.started = subprocess.Popen([sys.executable, "-m", "serving.api"], env=env), now
+                    w.proc = subprocess.Popen([sys.executable, "-m", "serving.api", str(shared), str(w.index)],
+                                              env=env)
+                    w.started = now
                     log.info("worker %d: pid %d", w.index, w.proc.pid)
             time.sleep(0.2)
     finally:

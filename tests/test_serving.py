@@ -7,6 +7,7 @@ dies replaced while the other serves."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import signal
@@ -469,6 +470,27 @@ def test_item_features_are_cached_no_longer_than_the_ttl(platform: Platform) -> 
     written = time.monotonic()
     wait_for(lambda: _assert(score() != pytest.approx(before)), timeout_s=10)
     assert time.monotonic() - written <= p.s.serving.item_features_ttl_ms / 1000 + 1.5
+
+
+def test_long_lived_connections_end_up_split_evenly_over_the_workers(platform: Platform) -> None:
+    """The kernel spreads connections by a hash: 8 keep-alive clients can land 6 to 2. A worker above
+    its share closes connections after answering, and the clients' new ones are spread afresh."""
+    p = platform
+    clients = [http.client.HTTPConnection("127.0.0.1", p.s.serving.port, timeout=10) for _ in range(8)]
+
+    def answered_by(c: http.client.HTTPConnection) -> tuple[int, bool]:
+        c.request("GET", "/models")  # reconnects by itself when the last answer closed the connection
+        r = c.getresponse()
+        body = json.loads(r.read())
+        assert r.status == 200, body
+        return body["worker"], r.will_close
+
+    rounds = [[answered_by(c) for c in clients] for _ in range(40)]
+    last = Counter(pid for pid, _ in rounds[-1])
+    assert sorted(last.values()) == [4, 4], last
+    assert not any(closed for _, closed in rounds[-1])  # stable once even: no more reconnects
+    for c in clients:
+        c.close()
 
 
 def test_a_worker_that_dies_is_replaced_while_the_other_serves(platform: Platform) -> None:

@@ -73,6 +73,11 @@ def test_up_is_idempotent_status_reports_health_and_down_leaves_nothing(tmp_path
         base = psutil.Process().nice()
         assert nice["airflow-scheduler"] == nice["airflow-dag-processor"] == min(19, base + settings.airflow.niceness)
         assert nice["ranking-server"] == nice["stream-job"] == base < nice["airflow-scheduler"], nice
+        # ... and so does their session's scheduling group, where the kernel groups by session (autogroups):
+        # there a process's own niceness counts only within its group.
+        autogroup = Path(f"/proc/{pids(first.stdout)['airflow-scheduler']}/autogroup")
+        if autogroup.exists():
+            assert autogroup.read_text().split()[-1] == str(nice["airflow-scheduler"]), autogroup.read_text()
     finally:
         down = run_cli(environ, "down")
     assert down.returncode == 0 and "stopped" in down.stdout
