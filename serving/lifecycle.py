@@ -184,16 +184,19 @@ class ModelFollower:
 
     def start(self) -> None:
         """Poll in a background thread every `serving.poll_interval_s` (the first poll at once), or every
-        READ_SHARED_S when the aliases are shared."""
+        READ_SHARED_S when the aliases are shared; after a failed poll, `serving.poll_interval_s` (an
+        unreachable registry is not tried more often than without the sharing)."""
         def loop() -> None:
+            shared_every = min(READ_SHARED_S, self.s.serving.poll_interval_s)
             while not self._stop.is_set():
+                wait = shared_every if self.shared is not None else self.s.serving.poll_interval_s
                 try:
                     self.poll_once()
                 except Exception as exc:  # noqa: BLE001 - the registry being down must not stop serving
                     metrics.REGISTRY_ERRORS.inc()
                     log.warning("registry poll failed (%s); serving what is loaded", exc)
-                self._stop.wait(min(READ_SHARED_S, self.s.serving.poll_interval_s) if self.shared is not None
-                                else self.s.serving.poll_interval_s)
+                    wait = self.s.serving.poll_interval_s
+                self._stop.wait(wait)
 
         self._thread = threading.Thread(target=loop, name="model-follower", daemon=True)
         self._thread.start()

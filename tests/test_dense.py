@@ -58,6 +58,7 @@ def test_one_compiled_function_serves_every_version() -> None:
     runner = DenseRunner(a, row_buckets=(16,), sequence_buckets=(10,))
     ex = synthetic(10, seed=4)
     runner.warm(_weights(a), a.scoring_inputs(ex))
+    runner.warm(_weights(b), b.scoring_inputs(ex))  # a later version: nothing to compile
     np.testing.assert_allclose(runner.run(_weights(b), b.scoring_inputs(ex)), b.predict(ex), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(runner.run(_weights(a), a.scoring_inputs(ex)), a.predict(ex), rtol=1e-5, atol=1e-6)
     assert runner.stats.warm == 1 and len(runner.compiled_shapes()) == 1
