@@ -240,8 +240,9 @@ class ServingSettings:
 
     host: str = "127.0.0.1"
     port: int = 8500
-    # Request aggregation: a batch closes at max_batch_rows candidate rows or max_delay_ms after its
-    # first request; executors run batches in parallel.
+    # Request aggregation: a free executor takes what is queued as its batch, up to max_batch_rows
+    # candidate rows, waiting for more until max_delay_ms after the first was queued; executors run
+    # batches in parallel.
     max_batch_rows: int = 1024
     max_delay_ms: float = 2.0
     # Serving processes: each binds the port (SO_REUSEPORT: the kernel spreads connections across them)
