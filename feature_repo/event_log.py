@@ -45,11 +45,14 @@ def write_batch(s: Settings, batch: list[Consumed]) -> int:
     for c in batch:
         groups[(_date(c.event.event_time), c.partition)].append(c)
     for (date, partition), items in groups.items():
-        table = pa.Table.from_pylist([
-            {"event_id": c.event.event_id, "user_id": c.event.user_id, "item_id": c.event.item_id,
-             "event_type": c.event.event_type.value, "request_id": c.event.request_id,
-             "event_time": c.event.event_time, "context": json.dumps(c.event.context, sort_keys=True),
-             "kafka_partition": c.partition, "kafka_offset": c.offset} for c in items], schema=SCHEMA)
+        events = [c.event for c in items]
+        columns = {"event_id": [e.event_id for e in events], "user_id": [e.user_id for e in events],
+                   "item_id": [e.item_id for e in events], "event_type": [e.event_type.value for e in events],
+                   "request_id": [e.request_id for e in events], "event_time": [e.event_time for e in events],
+                   "context": [json.dumps(e.context, sort_keys=True) for e in events],
+                   "kafka_partition": [c.partition for c in items], "kafka_offset": [c.offset for c in items]}
+        table = pa.table({name: pa.array(values, SCHEMA.field(name).type) for name, values in columns.items()},
+                         schema=SCHEMA)
         name = part_name(partition, items[0].offset, items[0].event.event_id.encode())
         write_atomic(table, event_log_dir(s) / f"date={date}" / name)
     return len(groups)

@@ -10,13 +10,13 @@ changes nothing.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+import msgspec
 import pyarrow as pa
 from confluent_kafka import Consumer, KafkaException
 
@@ -30,6 +30,7 @@ from streaming.features import StreamView, topics
 log = logging.getLogger("flywheel.feast-ingestor")
 GROUP = "flywheel-feast-ingestor"
 VIEWS_BY_TOPIC = topics()  # a topic shared by views carries all their columns in each row
+_decode_row = msgspec.json.Decoder(dict).decode  # several times json.loads's speed on these rows
 
 
 @dataclass
@@ -76,8 +77,8 @@ class FeatureIngestor:
             decoded = []
             for record in records:
                 try:
-                    decoded.append(json.loads(record.value()))
-                except (TypeError, ValueError):  # tombstone (None) or not JSON: nothing to write
+                    decoded.append(_decode_row(record.value()))
+                except (TypeError, msgspec.DecodeError):  # tombstone (None) or not JSON: nothing to write
                     self.stats.skipped += 1
             if decoded:
                 name = part_name(partition, records[0].offset(), records[0].value() or b"")

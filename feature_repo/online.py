@@ -22,7 +22,6 @@ import redis
 from feast.infra.online_stores.helpers import _mmh3, _redis_key
 from feast.protos.feast.types.EntityKey_pb2 import EntityKey
 from feast.protos.feast.types.Value_pb2 import DoubleList, Int64List, StringList, Value
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from feature_repo.store import PROJECT
 from infra.settings import Settings
@@ -93,13 +92,49 @@ class OnlineReader:
 
 # Newer row wins, and a row as new as the stored one replaces it (a late event updates an aggregate
 # without moving its time). `_ms:{view}` holds the row's time as a number for this comparison; Feast
-# reads only its own fields and ignores it.
+# reads only its own fields and ignores it. One call writes many entities (one command instead of one
+# per entity: the per-command work of the client was most of the ingestor's time).
+# KEYS: entity keys. ARGV: n, ms field, ts field, the n feature fields, then per key: ms, ts, n values.
 _WRITE_IF_NEWER = """
-local stored = redis.call('HGET', KEYS[1], ARGV[1])
-if stored and tonumber(stored) > tonumber(ARGV[2]) then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], unpack(ARGV, 3))
-return 1
+local n = tonumber(ARGV[1])
+local written = 0
+for i, key in ipairs(KEYS) do
+  local at = 3 + n + (i - 1) * (2 + n)
+  local stored = redis.call('HGET', key, ARGV[2])
+  if not stored or tonumber(stored) <= tonumber(ARGV[at + 1]) then
+    local args = {ARGV[2], ARGV[at + 1], ARGV[3], ARGV[at + 2]}
+    for j = 1, n do
+      args[2 * j + 3] = ARGV[3 + j]
+      args[2 * j + 4] = ARGV[at + 2 + j]
+    end
+    redis.call('HSET', key, unpack(args))
+    written = written + 1
+  end
+end
+return written
 """
+# Entities per script call: one call runs to its end before Redis serves anyone else, so a call is kept
+# to about a millisecond or two (the ranking server's reads wait behind it).
+WRITE_CHUNK = 256
+
+
+def _varint(v: int) -> bytes:
+    v &= (1 << 64) - 1  # a negative int64 is written as its 64-bit two's complement, ten bytes
+    out = bytearray()
+    while v > 0x7F:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+_pack_double = struct.Struct("<d").pack
+_SMALL_INT64 = [b"\x20" + _varint(v) for v in range(1 << 14)]  # counts mostly: two bytes of varint at most
+
+
+def _int64(v: int) -> bytes:
+    return _SMALL_INT64[v] if 0 <= v < 1 << 14 else b"\x20" + _varint(v)
+
 
 def _value(make: Callable[[Any], Value]) -> Callable[[Any], bytes]:
     """A serialized `feast.types.Value` of one SQL type; null as Feast writes it (an empty Value)."""
@@ -107,10 +142,11 @@ def _value(make: Callable[[Any], Value]) -> Callable[[Any], bytes]:
 
 
 # What Feast's python_values_to_proto_values writes for each column type, built directly (it checks and
-# converts value by value): tests/test_online_reader.py reads them back.
+# converts value by value); scalars byte by byte, as protobuf lays out a oneof member (present even when
+# zero). tests/test_online_reader.py reads them back with `get_online_features`.
 ENCODERS: dict[str, Callable[[Any], bytes]] = {
-    "BIGINT": _value(lambda v: Value(int64_val=v)),
-    "DOUBLE": _value(lambda v: Value(double_val=v)),
+    "BIGINT": lambda v: b"" if v is None else _int64(v),
+    "DOUBLE": lambda v: b"" if v is None else b"\x29" + _pack_double(v),
     "STRING": _value(lambda v: Value(string_val=v)),
     "ARRAY<STRING>": _value(lambda v: Value(string_list_val=StringList(val=v))),
     "ARRAY<BIGINT>": _value(lambda v: Value(int64_list_val=Int64List(val=v))),
@@ -118,10 +154,18 @@ ENCODERS: dict[str, Callable[[Any], bytes]] = {
 }
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the views sharing a topic write the same row times
+def timestamp(ms: int) -> bytes:
+    """A serialized `google.protobuf.Timestamp` of `ms` since the epoch (zero fields left out)."""
+    seconds, nanos = divmod(ms, 1000)
+    return ((b"\x08" + _varint(seconds) if seconds else b"") + (b"\x10" + _varint(nanos * 1_000_000) if nanos else b""))
+
+
 class OnlineWriter:
     """Writes rows of one feature view into Feast's layout, exactly as `FeatureStore.push` would
     (tests/test_online_reader.py reads them back with `get_online_features`), in one pipelined round
-    trip per batch: per entity, only the batch's newest row, checked against the stored one in Redis."""
+    trip per batch: per entity, only the batch's newest row, checked against the stored one in Redis.
+    The script's keys must live on one server (a Redis Cluster would need them grouped by slot)."""
 
     def __init__(self, s: Settings) -> None:
         self.client = redis.Redis.from_url(s.redis.url, password=s.redis.password or None)
@@ -139,16 +183,18 @@ class OnlineWriter:
                 newest[entity] = row
         if not newest:
             return 0
-        encoders = [(field(view, name), ENCODERS[sql_type], name) for name, sql_type in columns]
-        ts_field, ms_field = f"_ts:{view}".encode(), f"_ms:{view}".encode()
+        header = [len(columns), f"_ms:{view}".encode(), f"_ts:{view}".encode(),
+                  *(field(view, name) for name, _ in columns)]
+        encoders = [(name, ENCODERS[sql_type]) for name, sql_type in columns]
+        entities = list(newest.items())
         with self.client.pipeline(transaction=False) as pipe:
-            for entity, row in newest.items():
-                ms = int(row["event_time"])
-                ts = Timestamp(seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000).SerializeToString()
-                args = [ms_field, ms, ts_field, ts]
-                for f, encode, name in encoders:
-                    args += (f, encode(row.get(name)))
-                pipe.evalsha(self._sha, 1, entity_key(join_keys, entity), *args)
+            for i in range(0, len(entities), WRITE_CHUNK):
+                chunk = entities[i:i + WRITE_CHUNK]
+                args = list(header)
+                for _, row in chunk:
+                    ms = int(row["event_time"])
+                    args += (ms, timestamp(ms), *(encode(row.get(name)) for name, encode in encoders))
+                pipe.evalsha(self._sha, len(chunk), *(entity_key(join_keys, e) for e, _ in chunk), *args)
             try:
                 return sum(pipe.execute())
             except redis.exceptions.NoScriptError:  # Redis restarted since: load it again, write again

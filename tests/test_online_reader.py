@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from feature_repo.definitions import BATCH_VIEWS, GRAPH_VIEWS, TIMESTAMP_FIELD
-from feature_repo.online import OnlineReader, OnlineWriter, decode
+from feature_repo.online import WRITE_CHUNK, OnlineReader, OnlineWriter, decode
 from feature_repo.store import apply
 from infra.settings import Settings, to_environ
 from streaming.features import STREAM_VIEWS
@@ -73,6 +73,24 @@ def test_the_ingestors_writer_gives_get_online_features_what_it_wrote(redis_stac
                                         entity_rows=[{k: r[k] for k in view.keys} for r in expected_rows]).to_dict()
         for name, _ in view.columns:
             assert got[name] == [r[name] for r in expected_rows], (view.name, name)
+
+
+def test_a_batch_over_several_script_calls_still_keeps_the_newer_row_per_entity(redis_stack: Settings) -> None:
+    """A batch spans several script calls; each entity is still checked against what is stored."""
+    writer, reader = OnlineWriter(redis_stack), OnlineReader(redis_stack, timeout_s=5)
+    view = next(v for v in STREAM_VIEWS if v.name == "user_total")
+    users = [f"chunked-{i}" for i in range(2 * WRITE_CHUNK + 1)]
+    t = 1_700_000_000_000
+
+    def rows(at: list[int], imps: int) -> list[dict]:
+        return [{"user_id": u, "event_time": ms, "user_impressions_total": imps, "user_clicks_total": 1,
+                 "user_ctr_total": 0.5} for u, ms in zip(users, at)]
+
+    assert writer.write(view.name, view.keys, view.columns, rows([t] * len(users), 10)) == len(users)
+    mixed = [t + 1 if i % 2 else t - 1 for i in range(len(users))]  # odd users newer, even ones older
+    assert writer.write(view.name, view.keys, view.columns, rows(mixed, 20)) == WRITE_CHUNK
+    got = reader.read(view.keys, [(u,) for u in users], [(view.name, "user_impressions_total")])
+    assert [v for (v,) in got] == [20 if i % 2 else 10 for i in range(len(users))]
 
 
 def test_decoding_of_the_hand_parsed_scalars_matches_protobuf() -> None:
