@@ -276,7 +276,7 @@ def _pipeline(s: Settings) -> list[Service]:
                 check=alive("consuming feature updates"), phase=1, setup=topics),
         Service(name="event-log", group="pipeline", url=str(s.paths.service_dir("offline") / "events"), ports=(),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "feature_repo.event_log"], env=_base_env,
-                check=alive("logging events"), phase=1, setup=topics),
+                check=alive("logging events"), phase=1, setup=topics, nice=s.streaming.event_log_niceness),
     ]
 
 

@@ -191,6 +191,9 @@ class StreamingSettings:
     # rows downstream, at the cost of this much freshness and of snapshots only per batch.
     mini_batch_ms: int = 0
     checkpoint_interval_ms: int = 5000
+    # CPU priority of the offline event log (nice(1)): it is not on the path to the online features, so
+    # under a burst it takes the cores the stream job and the ingestor leave and catches up after.
+    event_log_niceness: int = 10
     sequence_length: int = 50  # last-N behaviors kept per user
     interest_half_life_hours: float = 168.0  # decay of the long-term category interest
     interest_top_k: int = 10
