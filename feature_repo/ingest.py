@@ -40,13 +40,18 @@ class IngestStats:
     skipped: int = 0  # tombstones and undecodable rows
 
 
-def rows_table(view: StreamView, rows: list[dict]) -> pa.Table:
-    """A view's rows as an offline file's table (column by column: no DataFrame in between)."""
-    schema = offline_schema(view)
-    columns = {name: pa.array([r.get(name) for r in rows], schema.field(name).type)
-               for name in [*view.keys, *(c for c, _ in view.columns)]}
-    columns[TIMESTAMP_FIELD] = pa.array([r["event_time"] for r in rows], schema.field(TIMESTAMP_FIELD).type)
-    return pa.table(columns, schema=schema)
+def offline_tables(views: tuple[StreamView, ...], rows: list[dict]) -> dict[StreamView, pa.Table]:
+    """The rows of views sharing a topic as each view's offline file (column by column, each column
+    built once for all views: no DataFrame in between)."""
+    schemas = {view: offline_schema(view) for view in views}
+    arrays: dict[str, pa.Array] = {}
+    for view, schema in schemas.items():
+        for name in [*view.keys, *(c for c, _ in view.columns)]:
+            if name not in arrays:
+                arrays[name] = pa.array([r.get(name) for r in rows], schema.field(name).type)
+    times = pa.array([r["event_time"] for r in rows], schemas[views[0]].field(TIMESTAMP_FIELD).type)
+    return {view: pa.table({**{name: arrays[name] for name in schema.names if name != TIMESTAMP_FIELD},
+                            TIMESTAMP_FIELD: times}, schema=schema) for view, schema in schemas.items()}
 
 
 class FeatureIngestor:
@@ -72,7 +77,7 @@ class FeatureIngestor:
                 log.warning("consumer: %s", record.error())
                 continue
             by_partition[record.topic(), record.partition()].append(record)
-        batches: list[tuple[StreamView, str, list[dict]]] = []  # view, file name, rows
+        batches: list[tuple[str, str, list[dict]]] = []  # topic, file name, rows
         for (topic, partition), records in by_partition.items():
             decoded = []
             for record in records:
@@ -81,21 +86,22 @@ class FeatureIngestor:
                 except (TypeError, msgspec.DecodeError):  # tombstone (None) or not JSON: nothing to write
                     self.stats.skipped += 1
             if decoded:
-                name = part_name(partition, records[0].offset(), records[0].value() or b"")
-                for view in VIEWS_BY_TOPIC[topic]:
-                    rows = [view.finish(self.s, row) for row in decoded] if view.finish else decoded
-                    batches.append((view, name, rows))
+                first = VIEWS_BY_TOPIC[topic][0]  # only a topic's first view may finish its rows
+                rows = [first.finish(self.s, row) for row in decoded] if first.finish else decoded
+                batches.append((topic, part_name(partition, records[0].offset(), records[0].value() or b""), rows))
         # Offline first: a row visible online is then always in the training data too.
-        by_view: dict[StreamView, list[dict]] = defaultdict(list)
-        for view, name, rows in batches:
-            write_atomic(rows_table(view, rows), view_dir(self.s, view.name) / name)
-            by_view[view].extend(rows)
-        for view, rows in by_view.items():
-            self.writer.write(view.name, view.keys, view.columns, rows)
+        by_topic: dict[str, list[dict]] = defaultdict(list)
+        for topic, name, rows in batches:
+            for view, table in offline_tables(VIEWS_BY_TOPIC[topic], rows).items():
+                write_atomic(table, view_dir(self.s, view.name) / name)
+            by_topic[topic].extend(rows)
+        for topic, rows in by_topic.items():  # the views sharing a topic in one write
+            views = VIEWS_BY_TOPIC[topic]
+            self.writer.write(views[0].keys, [(v.name, v.columns) for v in views], rows)
         if polled:
             self.consumer.commit(asynchronous=False)
             self.stats.batches += 1
-        written = sum(len(rows) for _, _, rows in batches)
+        written = sum(len(rows) * len(VIEWS_BY_TOPIC[topic]) for topic, _, rows in batches)
         self.stats.rows += written
         return written
 

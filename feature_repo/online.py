@@ -91,22 +91,37 @@ class OnlineReader:
 
 
 # Newer row wins, and a row as new as the stored one replaces it (a late event updates an aggregate
-# without moving its time). `_ms:{view}` holds the row's time as a number for this comparison; Feast
-# reads only its own fields and ignores it. One call writes many entities (one command instead of one
-# per entity: the per-command work of the client was most of the ingestor's time).
-# KEYS: entity keys. ARGV: n, ms field, ts field, the n feature fields, then per key: ms, ts, n values.
+# without moving its time), view by view. `_ms:{view}` holds the row's time as a number for this
+# comparison; Feast reads only its own fields and ignores it. One call writes many entities and every
+# view of a row (one command instead of one per entity and view: the client's work per command was most
+# of the ingestor's time).
+# KEYS: entity keys. ARGV: the number of views; per view: its n, ms field, ts field and n feature fields;
+# then per key: ms, ts, and per view its n values.
 _WRITE_IF_NEWER = """
-local n = tonumber(ARGV[1])
+local views, at = {}, 2
+for j = 1, tonumber(ARGV[1]) do
+  local n = tonumber(ARGV[at])
+  views[j] = {n = n, ms = ARGV[at + 1], ts = ARGV[at + 2], fields = at + 3}
+  at = at + 3 + n
+end
+local ms_fields = {}
+for j, view in ipairs(views) do ms_fields[j] = view.ms end
 local written = 0
-for i, key in ipairs(KEYS) do
-  local at = 3 + n + (i - 1) * (2 + n)
-  local stored = redis.call('HGET', key, ARGV[2])
-  if not stored or tonumber(stored) <= tonumber(ARGV[at + 1]) then
-    local args = {ARGV[2], ARGV[at + 1], ARGV[3], ARGV[at + 2]}
-    for j = 1, n do
-      args[2 * j + 3] = ARGV[3 + j]
-      args[2 * j + 4] = ARGV[at + 2 + j]
+for _, key in ipairs(KEYS) do
+  local ms, ts = ARGV[at], ARGV[at + 1]
+  at = at + 2
+  local stored = redis.call('HMGET', key, unpack(ms_fields))
+  local args = {}
+  for j, view in ipairs(views) do
+    if not stored[j] or tonumber(stored[j]) <= tonumber(ms) then
+      args[#args + 1] = view.ms; args[#args + 1] = ms; args[#args + 1] = view.ts; args[#args + 1] = ts
+      for f = 0, view.n - 1 do
+        args[#args + 1] = ARGV[view.fields + f]; args[#args + 1] = ARGV[at + f]
+      end
     end
+    at = at + view.n
+  end
+  if #args > 0 then
     redis.call('HSET', key, unpack(args))
     written = written + 1
   end
@@ -161,8 +176,11 @@ def timestamp(ms: int) -> bytes:
     return ((b"\x08" + _varint(seconds) if seconds else b"") + (b"\x10" + _varint(nanos * 1_000_000) if nanos else b""))
 
 
+View = tuple[str, Sequence[tuple[str, str]]]  # a feature view's name and its columns, (name, SQL type)
+
+
 class OnlineWriter:
-    """Writes rows of one feature view into Feast's layout, exactly as `FeatureStore.push` would
+    """Writes rows of feature views into Feast's layout, exactly as `FeatureStore.push` would
     (tests/test_online_reader.py reads them back with `get_online_features`), in one pipelined round
     trip per batch: per entity, only the batch's newest row, checked against the stored one in Redis.
     The script's keys must live on one server (a Redis Cluster would need them grouped by slot)."""
@@ -171,10 +189,10 @@ class OnlineWriter:
         self.client = redis.Redis.from_url(s.redis.url, password=s.redis.password or None)
         self._sha = self.client.script_load(_WRITE_IF_NEWER)
 
-    def write(self, view: str, join_keys: tuple[str, ...], columns: Sequence[tuple[str, str]],
-              rows: Sequence[dict]) -> int:
-        """Write `rows` (dicts holding the join keys, `event_time` in ms and the columns, as (name, SQL
-        type) pairs); returns how many entities got a newer row than what was stored."""
+    def write(self, join_keys: tuple[str, ...], views: Sequence[View], rows: Sequence[dict]) -> int:
+        """Write `rows` (dicts holding the join keys, `event_time` in ms and the columns of every view
+        in `views`, views of one entity that share their rows); returns how many entities got a newer
+        row than what was stored, in any of the views."""
         newest: dict[tuple[str, ...], dict] = {}  # a later row as new as an earlier one replaces it
         for row in rows:
             entity = tuple(str(row[k]) for k in join_keys)
@@ -183,9 +201,11 @@ class OnlineWriter:
                 newest[entity] = row
         if not newest:
             return 0
-        header = [len(columns), f"_ms:{view}".encode(), f"_ts:{view}".encode(),
-                  *(field(view, name) for name, _ in columns)]
-        encoders = [(name, ENCODERS[sql_type]) for name, sql_type in columns]
+        header: list = [len(views)]
+        for view, columns in views:
+            header += (len(columns), f"_ms:{view}".encode(), f"_ts:{view}".encode(),
+                       *(field(view, name) for name, _ in columns))
+        encoders = [(name, ENCODERS[sql_type]) for _, columns in views for name, sql_type in columns]
         entities = list(newest.items())
         with self.client.pipeline(transaction=False) as pipe:
             for i in range(0, len(entities), WRITE_CHUNK):
@@ -199,4 +219,4 @@ class OnlineWriter:
                 return sum(pipe.execute())
             except redis.exceptions.NoScriptError:  # Redis restarted since: load it again, write again
                 self._sha = self.client.script_load(_WRITE_IF_NEWER)
-                return self.write(view, join_keys, columns, rows)
+                return self.write(join_keys, views, rows)
