@@ -13,8 +13,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from feature_repo.definitions import (
-    BATCH_VIEWS, ITEM_ATTRIBUTES, USER_PROFILE, BatchView, offline_rows, view_dir)
-from feature_repo.files import write_atomic
+    BATCH_VIEWS, ITEM_ATTRIBUTES, USER_PROFILE, BatchView, offline_rows)
+from feature_repo.files import view_dir, write_atomic
 from feature_repo.store import apply, feature_store
 from infra.settings import Settings
 from streaming.movielens import dataset_dir, load_ratings, load_side_table

@@ -20,6 +20,7 @@ from feast.data_format import ParquetFormat
 from feast.types import Array, FeastType, Float64, Int64, String
 from feast.value_type import ValueType
 
+from feature_repo.files import view_dir
 from infra.settings import Settings
 from streaming.features import BIGINT, DOUBLE_ARRAY, STREAM_VIEWS, STRING, STRING_ARRAY, StreamView
 
@@ -61,15 +62,6 @@ ITEM_NEIGHBOURS = BatchView("item_neighbours", ("item_id",), (
     ("neighbour_ids", STRING_ARRAY), ("neighbour_scores", DOUBLE_ARRAY)),
     "Item-item neighbours by decayed co-interaction in the behavior graph, best first, for recall.")
 GRAPH_VIEWS: tuple[BatchView, ...] = (ITEM_NEIGHBOURS,)
-
-
-def offline_dir(s: Settings) -> Path:
-    return s.paths.service_dir("offline")
-
-
-def view_dir(s: Settings, view: str) -> Path:
-    """Where a feature view's offline rows live: a directory of Parquet files."""
-    return offline_dir(s) / "features" / view
 
 
 def offline_schema(spec: StreamView | BatchView) -> pa.Schema:

@@ -17,8 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from feature_repo.definitions import offline_dir
-from feature_repo.files import part_name, write_atomic
+from feature_repo.files import offline_dir, part_name, write_atomic
 from infra.settings import Settings, get_settings
 from streaming.consumer import Consumed, EventConsumer
 

@@ -8,6 +8,17 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from infra.settings import Settings
+
+
+def offline_dir(s: Settings) -> Path:
+    return s.paths.service_dir("offline")
+
+
+def view_dir(s: Settings, view: str) -> Path:
+    """Where a feature view's offline rows live: a directory of Parquet files."""
+    return offline_dir(s) / "features" / view
+
 
 def part_name(partition: int, first_offset: int, first_record: bytes) -> str:
     """The file of a micro-batch read from Kafka. A batch re-read after a crash gets the same name, so

@@ -20,8 +20,8 @@ import msgspec
 import pyarrow as pa
 from confluent_kafka import Consumer, KafkaException
 
-from feature_repo.definitions import TIMESTAMP_FIELD, offline_schema, view_dir
-from feature_repo.files import part_name, write_atomic
+from feature_repo.definitions import TIMESTAMP_FIELD, offline_schema
+from feature_repo.files import part_name, view_dir, write_atomic
 from feature_repo.online import OnlineWriter
 from feature_repo.store import apply
 from infra.settings import Settings, get_settings

@@ -9,58 +9,134 @@ entity key followed by the project name; a feature's field is the little-endian 
 protobufs. Feast does not enforce TTLs when it reads online, and neither does this: a field that is
 absent reads as None, exactly as `get_online_features` returns it (tests/test_online_reader.py proves
 the two equal over every feature type the views use).
+
+Keys, field hashes and values are encoded here byte by byte, without Feast's SDK: importing any of it
+loads all of Feast (3 s), which a one-shot reader such as `flywheel features` should not pay. What the
+ranking service reads (`served_features`) comes from a file `store.apply` writes next to the registry.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
 import struct
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+import mmh3
 import redis
-from feast.infra.online_stores.helpers import _mmh3, _redis_key
-from feast.protos.feast.types.EntityKey_pb2 import EntityKey
-from feast.protos.feast.types.Value_pb2 import DoubleList, Int64List, StringList, Value
 
-from feature_repo.store import PROJECT
 from infra.settings import Settings
 
-_DOUBLE, _INT64 = 0x29, 0x20  # Value.double_val (field 5, fixed64) and .int64_val (field 4, varint) tags
+PROJECT = "flywheel"  # the Feast project: the suffix of every entity key
+
+# `feast.types.Value` fields (one of): the ones the views use.
+_STRING, _INT64, _DOUBLE, _STRING_LIST, _INT64_LIST, _DOUBLE_LIST, _NULL = 2, 4, 5, 12, 14, 15, 19
+_INT64_TAG, _DOUBLE_TAG = _INT64 << 3, _DOUBLE << 3 | 1  # a varint and a fixed64
 _unpack_double = struct.Struct("<d").unpack_from
+_uint32 = struct.Struct("<I").pack
+
+
+def _varint(v: int) -> bytes:
+    v &= (1 << 64) - 1  # a negative int64 is written as its 64-bit two's complement, ten bytes
+    out = bytearray()
+    while v > 0x7F:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def _read_varint(raw: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = raw[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i
+        shift += 7
+
+
+def _int64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def decode(raw: bytes | None) -> object:
     """A stored `feast.types.Value` as Python: None when absent or unset; lists as lists."""
     if not raw:
         return None
-    tag = raw[0]
-    if tag == _DOUBLE and len(raw) == 9:
+    if raw[0] == _DOUBLE_TAG and len(raw) == 9:
         return _unpack_double(raw, 1)[0]
-    if tag == _INT64 and len(raw) <= 11:
-        value, shift = 0, 0
-        for byte in raw[1:]:
-            value |= (byte & 0x7F) << shift
-            shift += 7
-        return value - (1 << 64) if value >= 1 << 63 else value
-    value = Value.FromString(raw)
-    kind = value.WhichOneof("val")
-    if kind is None or kind == "null_val":
+    key, i = _read_varint(raw, 0)
+    number = key >> 3
+    if number == _INT64:
+        return _int64(_read_varint(raw, i)[0])
+    if number == _NULL:
         return None
-    got = getattr(value, kind)
-    return list(got.val) if kind.endswith("_list_val") else got
+    length, i = _read_varint(raw, i)
+    body, values = raw[i:i + length], []
+    if number == _STRING:
+        return body.decode()
+    if number not in (_STRING_LIST, _INT64_LIST, _DOUBLE_LIST):
+        raise ValueError(f"a Feast value of a kind no view uses (field {number})")
+    i = 0
+    while i < len(body):  # field 1 of the list message, repeated: strings one by one, numbers packed
+        key, i = _read_varint(body, i)
+        length, i = _read_varint(body, i) if key & 7 == 2 else (0, i)
+        if number == _STRING_LIST:
+            values.append(body[i:i + length].decode())
+        elif number == _DOUBLE_LIST:
+            values += struct.unpack_from(f"<{length // 8}d", body, i)
+        else:
+            j = i
+            while j < i + length:
+                value, j = _read_varint(body, j)
+                values.append(_int64(value))
+        i += length
+    return values
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def entity_key(join_keys: tuple[str, ...], values: tuple[str, ...]) -> bytes:
-    """The Redis key of one entity (string join keys), exactly as Feast writes it."""
-    return _redis_key(PROJECT, EntityKey(join_keys=list(join_keys),
-                                         entity_values=[Value(string_val=v) for v in values]), 3)
+    """The Redis key of one entity (string join keys), exactly as Feast writes it (serialization v3:
+    key count, then each key and each value as type, length, UTF-8, keys sorted; then the project)."""
+    pairs = sorted(zip(join_keys, values)) if len(join_keys) > 1 else list(zip(join_keys, values))
+    out = [_uint32(len(pairs))]
+    for text in [k for k, _ in pairs] + [v for _, v in pairs]:
+        encoded = text.encode()
+        out += (_uint32(2), _uint32(len(encoded)), encoded)  # 2: Feast's ValueType.STRING
+    return b"".join(out) + PROJECT.encode()
 
 
 @functools.lru_cache(maxsize=4096)
 def field(view: str, feature: str) -> bytes:
-    return _mmh3(f"{view}:{feature}")
+    """A feature's hash field: the little-endian murmur3-32 of `view:feature`."""
+    return _uint32(mmh3.hash(f"{view}:{feature}", signed=False))
+
+
+def layout_path(s: Settings) -> Path:
+    return s.paths.service_dir("feast") / "online_layout.json"
+
+
+def write_layout(s: Settings, services: dict[str, list[tuple[tuple[str, ...], str, list[str]]]]) -> None:
+    """Record each feature service's reads, (join keys, view, features), from the registry."""
+    path = layout_path(s)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(services, indent=1))
+    os.replace(tmp, path)
+
+
+def served_features(s: Settings, service: str) -> list[tuple[tuple[str, ...], str, list[str]]]:
+    """What `service` serves, as `write_layout` recorded it: (join keys, view, features) per view."""
+    try:
+        layout = json.loads(layout_path(s).read_text())[service]
+    except (FileNotFoundError, KeyError):
+        raise ValueError(f"feature service {service} is not registered: apply the feature repo first "
+                         "(`flywheel up` does)") from None
+    return [(tuple(keys), view, features) for keys, view, features in layout]
 
 
 class OnlineReader:
@@ -133,39 +209,42 @@ return written
 WRITE_CHUNK = 256
 
 
-def _varint(v: int) -> bytes:
-    v &= (1 << 64) - 1  # a negative int64 is written as its 64-bit two's complement, ten bytes
-    out = bytearray()
-    while v > 0x7F:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
+def _length_delimited(number: int, body: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(body)) + body
+
+
+def _list(number: int, items: bytes, count: int) -> bytes:
+    """A list message (its repeated field 1 already laid out as `items`) as field `number` of a Value."""
+    return _length_delimited(number, _length_delimited(1, items) if count else b"")
+
+
+def _strings(values: list[str]) -> bytes:
+    items = b"".join(_length_delimited(1, v.encode()) for v in values)  # not packed: one field each
+    return _length_delimited(_STRING_LIST, items)
 
 
 _pack_double = struct.Struct("<d").pack
-_SMALL_INT64 = [b"\x20" + _varint(v) for v in range(1 << 14)]  # counts mostly: two bytes of varint at most
+_SMALL_INT64 = [bytes((_INT64_TAG,)) + _varint(v) for v in range(1 << 14)]  # counts: at most 2 varint bytes
 
 
-def _int64(v: int) -> bytes:
-    return _SMALL_INT64[v] if 0 <= v < 1 << 14 else b"\x20" + _varint(v)
+def _int64_value(v: int) -> bytes:
+    return _SMALL_INT64[v] if 0 <= v < 1 << 14 else bytes((_INT64_TAG,)) + _varint(v)
 
 
-def _value(make: Callable[[Any], Value]) -> Callable[[Any], bytes]:
-    """A serialized `feast.types.Value` of one SQL type; null as Feast writes it (an empty Value)."""
-    return lambda v: b"" if v is None else make(v).SerializeToString()
+def _nullable(encode: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    return lambda v: b"" if v is None else encode(v)  # null as Feast writes it: an empty Value
 
 
-# What Feast's python_values_to_proto_values writes for each column type, built directly (it checks and
-# converts value by value); scalars byte by byte, as protobuf lays out a oneof member (present even when
-# zero). tests/test_online_reader.py reads them back with `get_online_features`.
+# What Feast's python_values_to_proto_values writes for each column type, as protobuf lays it out (a oneof
+# member is present even when zero or empty; repeated numbers packed): tests/test_online_reader.py reads
+# every type back with `get_online_features`.
 ENCODERS: dict[str, Callable[[Any], bytes]] = {
-    "BIGINT": lambda v: b"" if v is None else _int64(v),
-    "DOUBLE": lambda v: b"" if v is None else b"\x29" + _pack_double(v),
-    "STRING": _value(lambda v: Value(string_val=v)),
-    "ARRAY<STRING>": _value(lambda v: Value(string_list_val=StringList(val=v))),
-    "ARRAY<BIGINT>": _value(lambda v: Value(int64_list_val=Int64List(val=v))),
-    "ARRAY<DOUBLE>": _value(lambda v: Value(double_list_val=DoubleList(val=v))),
+    "BIGINT": _nullable(_int64_value),
+    "DOUBLE": _nullable(lambda v: bytes((_DOUBLE_TAG,)) + _pack_double(v)),
+    "STRING": _nullable(lambda v: _length_delimited(_STRING, v.encode())),
+    "ARRAY<STRING>": _nullable(_strings),
+    "ARRAY<BIGINT>": _nullable(lambda v: _list(_INT64_LIST, b"".join(map(_varint, v)), len(v))),
+    "ARRAY<DOUBLE>": _nullable(lambda v: _list(_DOUBLE_LIST, struct.pack(f"<{len(v)}d", *v), len(v))),
 }
 
 

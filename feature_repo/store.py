@@ -12,12 +12,12 @@ from urllib.parse import urlsplit
 from feast import FeatureStore, RepoConfig
 
 from feature_repo.definitions import (
-    BATCH_VIEWS, GRAPH_VIEWS, BatchView, definitions, offline_dir, offline_rows, offline_schema, view_dir)
-from feature_repo.files import write_atomic
+    BATCH_VIEWS, GRAPH_VIEWS, BatchView, definitions, offline_rows, offline_schema)
+from feature_repo.files import offline_dir, view_dir, write_atomic
+from feature_repo.online import PROJECT, write_layout
 from infra.settings import Settings
 from streaming.features import STREAM_VIEWS
 
-PROJECT = "flywheel"
 
 # Feast's DuckDB store calls an ibis method that warns on every query; not ours to fix.
 warnings.filterwarnings("ignore", message="fetch_arrow_table", category=DeprecationWarning)
@@ -61,6 +61,9 @@ def apply(s: Settings) -> FeatureStore:
     """Register every definition (idempotent) and return the store."""
     store = feature_store(s)
     store.apply(definitions(s))
+    write_layout(s, {service.name: [(tuple(store.get_feature_view(p.name).join_keys), p.name_to_use(),
+                                     [f.name for f in p.features]) for p in service.feature_view_projections]
+                     for service in store.list_feature_services()})
     for spec in (*STREAM_VIEWS, *BATCH_VIEWS, *GRAPH_VIEWS):
         # A zero-row file with the view's schema: a training set over a view with no rows yet gets
         # missing values (the documented defaults) instead of a "no files found" error.

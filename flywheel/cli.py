@@ -367,6 +367,8 @@ def features(user_id: str, item_id: str | None, category: str | None, as_json: b
         values = OnlineFeatures(s).entity_features(user_id, item_id, category)
     except redis.RedisError as exc:
         raise click.ClickException(f"Redis at {s.redis.url}: {exc}. Is the stack up (`flywheel status`)?") from None
+    except ValueError as exc:  # the feature repo was never applied
+        raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(values))
         return

@@ -19,7 +19,6 @@ import pandas as pd
 import pyarrow.compute as pc
 
 from feature_repo.event_log import read_event_log
-from feature_repo.store import feature_store
 from infra.settings import Settings
 from models.examples import PAD, Examples
 from streaming.features import BIGINT, DOUBLE, STREAM_VIEWS
@@ -73,6 +72,8 @@ def training_set(s: Settings, window: Window, sequence_length: int) -> tuple[Exa
     imps = labelled_impressions(s, window)
     if imps.empty:
         raise NoImpressions(f"no impressions in {window}: nothing to train or evaluate on")
+    from feature_repo.store import feature_store  # Feast's SDK (seconds to import): not for the serving path
+
     store = feature_store(s)
     entity_df = imps[["user_id", "item_id", "category"]].copy()
     entity_df["event_timestamp"] = pd.to_datetime(imps["event_time"] - 1, unit="ms", utc=True)

@@ -23,10 +23,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-from feast.errors import FeatureServiceNotFoundException
 
-from feature_repo.online import OnlineReader
-from feature_repo.store import feature_store
+from feature_repo.online import OnlineReader, served_features
 from infra.settings import Settings
 from models.dataset import NUMERIC_FEATURES, SEQUENCE, to_examples
 from models.examples import PAD, Examples
@@ -89,17 +87,10 @@ class SharedEntityCache:
 
 class OnlineFeatures:
     def __init__(self, s: Settings) -> None:
-        store = feature_store(s)  # the registry: which views and features the service serves
-        try:
-            service = store.get_feature_service(SERVICE)
-        except FeatureServiceNotFoundException:
-            raise ValueError(f"feature service {SERVICE} is not registered: apply the feature repo first "
-                             "(`flywheel up` does)") from None
         wanted = {*NUMERIC_FEATURES, *SEQUENCE}
         self.reads: dict[tuple[str, ...], list[tuple[str, str]]] = {}  # join keys -> (view, feature) read
-        for projection in service.feature_view_projections:
-            keys = tuple(store.get_feature_view(projection.name).join_keys)
-            refs = [(projection.name_to_use(), f.name) for f in projection.features if f.name in wanted]
+        for keys, view, features in served_features(s, SERVICE):  # as the registry holds it
+            refs = [(view, name) for name in features if name in wanted]
             if refs:
                 self.reads.setdefault(keys, []).extend(refs)
         served = {name for refs in self.reads.values() for _, name in refs}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from feature_repo.definitions import view_dir
+from feature_repo.files import view_dir
 from feature_repo.event_log import write_batch
 from feature_repo.store import apply, feature_store, online_row
 from infra.settings import Settings, override

@@ -15,7 +15,8 @@ import pandas as pd
 import pytest
 from kafka import KafkaProducer
 
-from feature_repo.definitions import TIMESTAMP_FIELD, view_dir
+from feature_repo.definitions import TIMESTAMP_FIELD
+from feature_repo.files import view_dir
 from feature_repo.event_log import read_event_log
 from feature_repo.store import feature_store, online_row
 from infra import process, stack
