@@ -2,8 +2,9 @@
 
 Micro-batches: poll up to `max_records` or `max_wait_ms`, write each view's rows offline (one
 Parquet file per batch and partition, named by its first record, so a replayed batch rewrites the
-same file), then online (Feast's Redis layout, written directly in one pipelined round trip per view,
-newer row wins: feature_repo/online.py), then commit the offsets. A crash between the write and the
+same file), then online (Feast's Redis layout, written directly: one pipelined round trip per topic,
+the views sharing a topic in one script call per few hundred entities, newer row wins per view:
+feature_repo/online.py), then commit the offsets. A crash between the write and the
 commit replays the batch: rows are snapshots keyed by entity and event time, so writing one twice
 changes nothing.
 """
