@@ -63,7 +63,7 @@ class FeatureIngestor:
         self.stats = IngestStats()
         # librdkafka: fetching and decoding in C, a prefetch queue filled while this process writes
         self.consumer = Consumer(s.kafka.client_options("librdkafka") | {
-            "group.id": GROUP, "enable.auto.commit": False, "auto.offset.reset": "earliest",
+            "group.id": GROUP, "enable.auto.commit": False, "auto.offset.reset": "earliest", "fetch.wait.max.ms": 20,
             "session.timeout.ms": s.kafka.session_timeout_ms, "heartbeat.interval.ms": s.kafka.heartbeat_interval_ms})
         self.consumer.subscribe(list(VIEWS_BY_TOPIC))
 
