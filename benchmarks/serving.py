@@ -40,7 +40,7 @@ from infra import process, stack
 from infra.services import enabled_services
 from infra.settings import ServingSettings, Settings, load_settings, override
 from models.ctr import CtrModel, ModelSpec
-from models.dataset import NUMERIC_FEATURES
+from models.inputs import NUMERIC_FEATURES
 from models.examples import PAD, Examples
 from models.registry import CHAMPION, connect, log_model
 from models.sparse import SparseConfig

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from pathlib import Path
 
 import pyarrow as pa
 from feast import Entity, FeatureService, FeatureView, Field, FileSource, PushSource

@@ -30,11 +30,13 @@ class _Cli(click.Group):
     """Turns an unreachable broker into one clear line instead of a traceback."""
 
     def invoke(self, ctx: click.Context) -> object:
-        from kafka.errors import KafkaError
-
         try:
             return super().invoke(ctx)
-        except KafkaError as exc:
+        except Exception as exc:
+            # Only a command that loaded kafka-python can raise its errors: the others do not pay its import.
+            errors = sys.modules.get("kafka.errors")
+            if errors is None or not isinstance(exc, errors.KafkaError):
+                raise
             raise click.ClickException(
                 f"Kafka at {_settings().kafka.bootstrap_servers}: {type(exc).__name__}: {exc}. "
                 "Is the stack up (`flywheel status`)?") from None

@@ -21,15 +21,8 @@ import pyarrow.compute as pc
 from feature_repo.event_log import read_event_log
 from infra.settings import Settings
 from models.examples import PAD, Examples
-from streaming.features import BIGINT, DOUBLE, STREAM_VIEWS
+from models.inputs import COUNTS, NUMERIC_FEATURES, SEQUENCE
 
-# Numeric inputs of the models, from the stream views' scalar columns (counts: BIGINT, log-scaled;
-# rates: DOUBLE, as they are) and the user's age; a missing value (a window without events, a user
-# without a profile) is the default 0 after scaling.
-COUNTS = tuple(name for view in STREAM_VIEWS for name, sql_type in view.columns if sql_type == BIGINT)
-RATES = tuple(name for view in STREAM_VIEWS for name, sql_type in view.columns if sql_type == DOUBLE)
-NUMERIC_FEATURES: tuple[str, ...] = (*COUNTS, *RATES, "user_age")
-SEQUENCE = ("seq_item_ids", "seq_event_times")
 DAY_MS = 86_400_000
 
 

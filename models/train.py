@@ -23,7 +23,8 @@ import numpy as np
 from infra.settings import Settings
 from models import plots
 from models.ctr import CtrModel, ModelSpec
-from models.dataset import NUMERIC_FEATURES, Window, chronological_split, training_set
+from models.dataset import Window, chronological_split, training_set
+from models.inputs import NUMERIC_FEATURES
 from models.examples import Examples
 from models.metrics import auc, evaluate
 from models.registry import Decision, champion_watermark, connect, gate, load_version, log_model, version_tags

@@ -20,14 +20,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from feature_repo.online import OnlineReader, served_features
 from infra.settings import Settings
-from models.dataset import NUMERIC_FEATURES, SEQUENCE, to_examples
-from models.examples import PAD, Examples
+from models.inputs import NUMERIC_FEATURES, SEQUENCE
+
+if TYPE_CHECKING:
+    from models.examples import Examples
 
 SERVICE = "ranking_serving"
 
@@ -141,6 +143,10 @@ class OnlineFeatures:
             columns.update(zip(names, zip(*by_row)))  # one tuple of values per feature
         defaulted = sorted(name for name in (*NUMERIC_FEATURES, *SEQUENCE) if None in columns[name])
         n = len(candidates)
+        # Imported here, once: pandas, which they load, is not needed to read features (`flywheel features`).
+        from models.dataset import to_examples
+        from models.examples import PAD
+
         ex = to_examples(columns, np.full(n, now_ms), np.zeros(n), sequence_length)
         if keep_behaviors is not None:
             ex.sequences[:, keep_behaviors:] = PAD

@@ -26,7 +26,7 @@ import numpy as np
 import redis
 
 from infra.settings import Settings
-from models.dataset import NUMERIC_FEATURES
+from models.inputs import NUMERIC_FEATURES
 from models.examples import Examples, concat
 from models.registry import CHALLENGER, CHAMPION
 from serving import access, metrics

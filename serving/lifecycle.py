@@ -26,7 +26,7 @@ from mlflow import MlflowClient
 
 from infra.settings import Settings
 from models.ctr import CtrModel, ModelSpec
-from models.dataset import NUMERIC_FEATURES
+from models.inputs import NUMERIC_FEATURES
 from models.examples import Examples
 from models.registry import CHALLENGER, CHAMPION, aliases, connect, load_version
 from serving import metrics

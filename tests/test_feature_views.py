@@ -9,7 +9,7 @@ import pytest
 
 from feature_repo.definitions import definitions, stream_feature_view
 from infra.settings import load_settings
-from models.dataset import COUNTS, NUMERIC_FEATURES, RATES
+from models.inputs import COUNTS, NUMERIC_FEATURES, RATES
 from streaming.features import BIGINT, DOUBLE, STREAM_VIEWS, StreamView, topics, total_view, window_view
 
 

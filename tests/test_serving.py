@@ -32,8 +32,9 @@ from feature_repo.store import apply
 from infra import process
 from infra.settings import Settings
 from models.ctr import CtrModel, ModelSpec
-from models.dataset import NUMERIC_FEATURES, to_examples
+from models.dataset import to_examples
 from models.examples import to_frame
+from models.inputs import NUMERIC_FEATURES
 from models.registry import CHALLENGER, CHAMPION, connect, log_model
 from models.sparse import SparseConfig
 from serving import access

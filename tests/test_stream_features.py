@@ -21,8 +21,9 @@ from feature_repo.event_log import read_event_log
 from feature_repo.store import feature_store, online_row
 from infra import process, stack
 from infra.settings import Settings
-from models.dataset import NUMERIC_FEATURES, Window, labelled_impressions, training_set
+from models.dataset import Window, labelled_impressions, training_set
 from models.examples import PAD
+from models.inputs import NUMERIC_FEATURES
 from streaming.consumer import read_dead_letter
 from streaming.events import Event, EventType, InvalidEvent, decode
 from streaming.producer import EventProducer
