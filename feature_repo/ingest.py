@@ -61,7 +61,8 @@ class FeatureIngestor:
         apply(s)  # the feature views Feast reads these rows through
         self.writer = OnlineWriter(s)
         self.stats = IngestStats()
-        # librdkafka: fetching and decoding in C, a prefetch queue filled while this process writes
+        # librdkafka: fetching and decoding in C, a prefetch queue filled while this process writes; a
+        # fetch answered within 20 ms, not its default 500, on a stream too slow to fill it (freshness)
         self.consumer = Consumer(s.kafka.client_options("librdkafka") | {
             "group.id": GROUP, "enable.auto.commit": False, "auto.offset.reset": "earliest", "fetch.wait.max.ms": 20,
             "session.timeout.ms": s.kafka.session_timeout_ms, "heartbeat.interval.ms": s.kafka.heartbeat_interval_ms})

@@ -85,7 +85,9 @@ def decode(raw: bytes | None) -> object:
     i = 0
     while i < len(body):  # field 1 of the list message, repeated: strings one by one, numbers packed
         key, i = _read_varint(body, i)
-        length, i = _read_varint(body, i) if key & 7 == 2 else (0, i)
+        if key & 7 != 2:
+            raise ValueError("a Feast list value with unpacked numbers (protobuf packs them)")
+        length, i = _read_varint(body, i)
         if number == _STRING_LIST:
             values.append(body[i:i + length].decode())
         elif number == _DOUBLE_LIST:
@@ -103,7 +105,7 @@ def decode(raw: bytes | None) -> object:
 def entity_key(join_keys: tuple[str, ...], values: tuple[str, ...]) -> bytes:
     """The Redis key of one entity (string join keys), exactly as Feast writes it (serialization v3:
     key count, then each key and each value as type, length, UTF-8, keys sorted; then the project)."""
-    pairs = sorted(zip(join_keys, values)) if len(join_keys) > 1 else list(zip(join_keys, values))
+    pairs = sorted(zip(join_keys, values))
     out = [_uint32(len(pairs))]
     for text in [k for k, _ in pairs] + [v for _, v in pairs]:
         encoded = text.encode()
@@ -213,9 +215,9 @@ def _length_delimited(number: int, body: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(body)) + body
 
 
-def _list(number: int, items: bytes, count: int) -> bytes:
-    """A list message (its repeated field 1 already laid out as `items`) as field `number` of a Value."""
-    return _length_delimited(number, _length_delimited(1, items) if count else b"")
+def _packed(number: int, items: bytes) -> bytes:
+    """A list message of packed numbers (`items`, its field 1) as field `number` of a Value."""
+    return _length_delimited(number, _length_delimited(1, items) if items else b"")
 
 
 def _strings(values: list[str]) -> bytes:
@@ -243,12 +245,11 @@ ENCODERS: dict[str, Callable[[Any], bytes]] = {
     "DOUBLE": _nullable(lambda v: bytes((_DOUBLE_TAG,)) + _pack_double(v)),
     "STRING": _nullable(lambda v: _length_delimited(_STRING, v.encode())),
     "ARRAY<STRING>": _nullable(_strings),
-    "ARRAY<BIGINT>": _nullable(lambda v: _list(_INT64_LIST, b"".join(map(_varint, v)), len(v))),
-    "ARRAY<DOUBLE>": _nullable(lambda v: _list(_DOUBLE_LIST, struct.pack(f"<{len(v)}d", *v), len(v))),
+    "ARRAY<BIGINT>": _nullable(lambda v: _packed(_INT64_LIST, b"".join(map(_varint, v)))),
+    "ARRAY<DOUBLE>": _nullable(lambda v: _packed(_DOUBLE_LIST, struct.pack(f"<{len(v)}d", *v))),
 }
 
 
-@functools.lru_cache(maxsize=1 << 16)  # the views sharing a topic write the same row times
 def timestamp(ms: int) -> bytes:
     """A serialized `google.protobuf.Timestamp` of `ms` since the epoch (zero fields left out)."""
     seconds, nanos = divmod(ms, 1000)
