@@ -26,12 +26,13 @@ from feature_repo.files import part_name, view_dir, write_atomic
 from feature_repo.online import OnlineWriter
 from feature_repo.store import apply
 from infra.settings import Settings, get_settings
-from streaming.features import StreamView, topics
+from streaming.features import StreamView, row_fields, topics
 
 log = logging.getLogger("flywheel.feast-ingestor")
 GROUP = "flywheel-feast-ingestor"
 VIEWS_BY_TOPIC = topics()  # a topic shared by views carries all their columns in each row
-_decode_row = msgspec.json.Decoder(dict).decode  # several times json.loads's speed on these rows
+FIELDS_BY_TOPIC = {topic: row_fields(views) for topic, views in VIEWS_BY_TOPIC.items()}
+_decode_row = msgspec.json.Decoder(list).decode  # a row is a JSON array of its fields (row_fields)
 
 
 @dataclass
@@ -81,12 +82,16 @@ class FeatureIngestor:
             by_partition[record.topic(), record.partition()].append(record)
         batches: list[tuple[str, str, list[dict]]] = []  # topic, file name, rows
         for (topic, partition), records in by_partition.items():
-            decoded = []
+            decoded, fields = [], FIELDS_BY_TOPIC[topic]
             for record in records:
                 try:
-                    decoded.append(_decode_row(record.value()))
+                    values = _decode_row(record.value())
                 except (TypeError, msgspec.DecodeError):  # tombstone (None) or not JSON: nothing to write
+                    values = None
+                if values is None or len(values) != len(fields):  # not a row of this job's views
                     self.stats.skipped += 1
+                    continue
+                decoded.append(dict(zip(fields, values)))
             if decoded:
                 first = VIEWS_BY_TOPIC[topic][0]  # only a topic's first view may finish its rows
                 rows = [first.finish(self.s, row) for row in decoded] if first.finish else decoded

@@ -189,6 +189,12 @@ STREAM_VIEWS: tuple[StreamView, ...] = (
 )
 
 
+def row_fields(views: tuple[StreamView, ...]) -> tuple[str, ...]:
+    """The fields of a topic's rows, by position (a row is a JSON array): the keys, `event_time`, then
+    what the query of `views` (the views sharing the topic) emits, view by view."""
+    return (*views[0].keys, "event_time", *(name for view in views for name, _ in (view.emitted or view.columns)))
+
+
 def topics(views: tuple[StreamView, ...] = STREAM_VIEWS) -> dict[str, tuple[StreamView, ...]]:
     """Each feature-update topic and the views written to it, in declaration order."""
     grouped: dict[str, tuple[StreamView, ...]] = {}

@@ -29,7 +29,7 @@ from pyflink.table import Schema, StreamTableEnvironment, Table
 from infra.flink_jars import udf_jar
 from infra.settings import Settings, get_settings
 from streaming.events import DLQ_OFFSET, DLQ_ORIGINAL_SIZE, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC
-from streaming.features import StreamView, topics
+from streaming.features import StreamView, row_fields, topics
 
 log = logging.getLogger("flywheel.stream-job")
 
@@ -106,19 +106,25 @@ SINK_PRODUCER = "'properties.linger.ms' = '20', 'properties.batch.size' = '26214
 
 
 def sink_ddl(s: Settings, topic: str, views: tuple[StreamView, ...]) -> str:
-    """The sink table of `topic`, written by the query of `views` (one view, or views sharing it)."""
-    first = views[0]
-    columns = ", ".join(f"`{name}` {sql_type}" for name, sql_type in
-                        [*((k, "STRING") for k in first.keys), ("event_time", "BIGINT"),
-                         *(c for view in views for c in (view.emitted or view.columns))])
-    if first.upsert:
-        keys = ", ".join(f"`{k}`" for k in first.keys)
-        return (f"CREATE TABLE `{topic}` ({columns}, PRIMARY KEY ({keys}) NOT ENFORCED) WITH ("
-                f"'connector' = 'upsert-kafka', {_kafka(s, topic)}, {SINK_PRODUCER}, 'key.format' = 'json', "
-                f"'value.format' = 'json', 'value.fields-include' = 'ALL')")
-    return (f"CREATE TABLE `{topic}` ({columns}) WITH ('connector' = 'kafka', {_kafka(s, topic)}, "
-            f"{SINK_PRODUCER}, 'format' = 'json', 'key.format' = 'raw', 'key.fields' = '{first.keys[0]}', "
-            f"'value.fields-include' = 'ALL')")
+    """The sink table of `topic`, written by the query of `views` (one view, or views sharing it): the
+    keys as the record key, the row (`row_fields`, a JSON array from `json_row`) as its value."""
+    keys = views[0].keys
+    columns = ", ".join(f"`{k}` STRING" for k in keys)
+    value = f"'value.format' = 'raw', 'value.fields-include' = 'EXCEPT_KEY', {SINK_PRODUCER}"
+    if views[0].upsert:
+        key_format = "raw" if len(keys) == 1 else "json"  # raw holds one field
+        return (f"CREATE TABLE `{topic}` ({columns}, `row` BYTES, PRIMARY KEY ({', '.join(f'`{k}`' for k in keys)}) "
+                f"NOT ENFORCED) WITH ('connector' = 'upsert-kafka', {_kafka(s, topic)}, 'key.format' = "
+                f"'{key_format}', {value})")
+    return (f"CREATE TABLE `{topic}` ({columns}, `row` BYTES) WITH ('connector' = 'kafka', {_kafka(s, topic)}, "
+            f"'key.format' = 'raw', 'key.fields' = '{keys[0]}', {value})")
+
+
+def sink_query(s: Settings, views: tuple[StreamView, ...]) -> str:
+    """The query of `views` as their sink's columns: the keys and the whole row as one JSON array."""
+    fields = [f"c{i}" for i in range(len(row_fields(views)))]
+    keys = ", ".join(fields[:len(views[0].keys)])
+    return f"SELECT {keys}, json_row({', '.join(fields)}) FROM ({views[0].query(s)}) AS Q({', '.join(fields)})"
 
 
 PARSED = "reason, event_id, user_id, item_id, event_type, event_time, category"
@@ -180,7 +186,7 @@ def feature_queries(s: Settings) -> list[str]:
     def header(sql: str) -> str:
         return f"CAST(COALESCE(CAST({sql} AS STRING), '') AS BYTES)"
 
-    return [*(f"INSERT INTO `{topic}` {views[0].query(s)}" for topic, views in topics().items()), f"""
+    return [*(f"INSERT INTO `{topic}` {sink_query(s, views)}" for topic, views in topics().items()), f"""
         INSERT INTO events_dlq
         SELECT kafka_key, truncate_bytes(payload, {s.kafka.max_event_bytes}),
                MAP['{DLQ_REASON}', {header('reason')}, '{DLQ_TOPIC}', {header('source_topic')},
@@ -195,6 +201,7 @@ def build(s: Settings) -> StreamTableEnvironment:
     env.create_java_temporary_function("truncate_bytes", "flywheel.Truncate")
     env.create_java_temporary_function("byte_length", "flywheel.ByteLength")
     env.create_java_temporary_function("window_counts", "flywheel.WindowCounts")
+    env.create_java_temporary_function("json_row", "flywheel.JsonRow")
     create_tables(env, s)
     return env
 
