@@ -1,6 +1,6 @@
 """The Feast ingestor: feature-update topics -> online store (Redis) and offline store (Parquet).
 
-Micro-batches: poll up to `max_records` or `max_wait_ms`, write each view's rows offline (one
+Micro-batches: as soon as a row is in, up to `max_records` that are, write each view's rows offline (one
 Parquet file per batch and partition, named by its first record, so a replayed batch rewrites the
 same file), then online (Feast's Redis layout, written directly: one pipelined round trip per topic,
 the views sharing a topic in one script call per few hundred entities, newer row wins per view:
@@ -71,7 +71,10 @@ class FeatureIngestor:
 
     def run_once(self) -> int:
         """One micro-batch; returns the number of rows written."""
-        polled = self.consumer.consume(self.max_records, self.max_wait_ms / 1000)
+        # Written as soon as one row is in (consume() would wait for `max_records` or the whole
+        # `max_wait_ms`), with whatever the consumer fetched meanwhile: batches grow with the load.
+        first = self.consumer.poll(self.max_wait_ms / 1000)
+        polled = [] if first is None else [first, *self.consumer.consume(self.max_records - 1, 0)]
         by_partition: dict[tuple[str, int], list] = defaultdict(list)
         for record in polled:
             if record.error():  # librdkafka retries transient ones (a broker away) itself
