@@ -26,13 +26,13 @@ from feature_repo.files import part_name, view_dir, write_atomic
 from feature_repo.online import OnlineWriter
 from feature_repo.store import apply
 from infra.settings import Settings, get_settings
-from streaming.features import StreamView, row_fields, topics
+from streaming.features import StreamView, row_schema, topics
 
 log = logging.getLogger("flywheel.feast-ingestor")
 GROUP = "flywheel-feast-ingestor"
 VIEWS_BY_TOPIC = topics()  # a topic shared by views carries all their columns in each row
-FIELDS_BY_TOPIC = {topic: row_fields(views) for topic, views in VIEWS_BY_TOPIC.items()}
-_decode_row = msgspec.json.Decoder(list).decode  # a row is a JSON array of its fields (row_fields)
+FIELDS_BY_TOPIC = {topic: tuple(name for name, _ in row_schema(views)) for topic, views in VIEWS_BY_TOPIC.items()}
+_decode_row = msgspec.json.Decoder(list).decode  # a row is a JSON array of its fields (row_schema)
 
 
 @dataclass

@@ -189,10 +189,11 @@ STREAM_VIEWS: tuple[StreamView, ...] = (
 )
 
 
-def row_fields(views: tuple[StreamView, ...]) -> tuple[str, ...]:
-    """The fields of a topic's rows, by position (a row is a JSON array): the keys, `event_time`, then
-    what the query of `views` (the views sharing the topic) emits, view by view."""
-    return (*views[0].keys, "event_time", *(name for view in views for name, _ in (view.emitted or view.columns)))
+def row_schema(views: tuple[StreamView, ...]) -> tuple[tuple[str, str], ...]:
+    """The fields of a topic's rows, by position (a row is a JSON array), with their SQL types: the
+    keys, `event_time`, then what the query of `views` (the views sharing the topic) emits, view by view."""
+    return (*((k, STRING) for k in views[0].keys), ("event_time", BIGINT),
+            *(c for view in views for c in (view.emitted or view.columns)))
 
 
 def topics(views: tuple[StreamView, ...] = STREAM_VIEWS) -> dict[str, tuple[StreamView, ...]]:

@@ -29,7 +29,7 @@ from pyflink.table import Schema, StreamTableEnvironment, Table
 from infra.flink_jars import udf_jar
 from infra.settings import Settings, get_settings
 from streaming.events import DLQ_OFFSET, DLQ_ORIGINAL_SIZE, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC
-from streaming.features import StreamView, row_fields, topics
+from streaming.features import StreamView, row_schema, topics
 
 log = logging.getLogger("flywheel.stream-job")
 
@@ -107,7 +107,7 @@ SINK_PRODUCER = "'properties.linger.ms' = '20', 'properties.batch.size' = '26214
 
 def sink_ddl(s: Settings, topic: str, views: tuple[StreamView, ...]) -> str:
     """The sink table of `topic`, written by the query of `views` (one view, or views sharing it): the
-    keys as the record key, the row (`row_fields`, a JSON array from `json_row`) as its value."""
+    keys as the record key, the row (`row_schema`, a JSON array from `json_row`) as its value."""
     keys = views[0].keys
     columns = ", ".join(f"`{k}` STRING" for k in keys)
     value = f"'value.format' = 'raw', 'value.fields-include' = 'EXCEPT_KEY', {SINK_PRODUCER}"
@@ -121,10 +121,13 @@ def sink_ddl(s: Settings, topic: str, views: tuple[StreamView, ...]) -> str:
 
 
 def sink_query(s: Settings, views: tuple[StreamView, ...]) -> str:
-    """The query of `views` as their sink's columns: the keys and the whole row as one JSON array."""
-    fields = [f"c{i}" for i in range(len(row_fields(views)))]
-    keys = ", ".join(fields[:len(views[0].keys)])
-    return f"SELECT {keys}, json_row({', '.join(fields)}) FROM ({views[0].query(s)}) AS Q({', '.join(fields)})"
+    """The query of `views` as their sink's columns: the keys, and the whole row as one JSON array of
+    the declared types (the planner checks the query against them)."""
+    schema = row_schema(views)
+    fields = [f"c{i}" for i in range(len(schema))]
+    row = ", ".join(f"CAST({f} AS {sql_type})" for f, (_, sql_type) in zip(fields, schema))
+    return (f"SELECT {', '.join(fields[:len(views[0].keys)])}, json_row({row}) "
+            f"FROM ({views[0].query(s)}) AS Q({', '.join(fields)})")
 
 
 PARSED = "reason, event_id, user_id, item_id, event_type, event_time, category"

@@ -179,6 +179,27 @@ def test_known_events_give_exactly_the_expected_online_features(pipeline: Settin
     assert {f"e{i}" for i in range(1, 14)} <= set(logged)
 
 
+def test_ids_that_json_must_escape_arrive_intact(pipeline: Settings, timeline: Timeline) -> None:
+    """Users, items and categories with quotes, backslashes, control and non-ASCII characters come out
+    of the job's hand-written rows (streaming/java/flywheel/JsonRow.java) as they went in, also inside
+    the interest histogram's JSON text."""
+    s = pipeline
+    t0 = timeline.take(MINUTE)
+    user, item, category = 'u"\\\t\n-\u00e9-\U0001d11e', 'i"\\\x01-\u00df', 'c"\\-\u00fc'
+    with EventProducer(s) as producer:
+        producer.send(event(500, user, item, IMP, t0, category))
+        producer.send(event(501, user, item, CLICK, t0 + 1, category))
+
+    def arrived() -> None:
+        got = online(s, ["user_total:user_impressions_total", "user_total:user_clicks_total",
+                         "user_category:category_clicks", "user_sequence:seq_item_ids",
+                         "user_interest:interest_categories"], {"user_id": user, "category": category})
+        assert (got["user_impressions_total"], got["user_clicks_total"], got["category_clicks"]) == (1, 1, 1)
+        assert (got["seq_item_ids"], got["interest_categories"]) == ([item], [category])
+        assert online(s, ["item_total:item_clicks_total"], {"item_id": item})["item_clicks_total"] == 1
+    wait_for(arrived, timeout_s=30)
+
+
 def _python_reason(s: Settings, payload: bytes) -> str:
     with pytest.raises(InvalidEvent) as refused:
         decode(payload, s.kafka.max_event_bytes)

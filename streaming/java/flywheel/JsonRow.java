@@ -8,7 +8,7 @@ import org.apache.flink.table.functions.ScalarFunction;
 
 /**
  * Its arguments as one JSON array (UTF-8): what a stream view's row carries to the ingestor, by
- * position, in the order streaming/features.py declares (`row_fields`). Written by hand: the Kafka
+ * position, in the order streaming/features.py declares (`row_schema`). Written by hand: the Kafka
  * sink's JSON format builds a Jackson tree of named fields per row (profiled: a fifth of the job's CPU).
  * Strings, integers, doubles (a non-finite one as null, as JSON has none), arrays of them and null.
  */
