@@ -1,8 +1,8 @@
 """The Feast ingestor: feature-update topics -> online store (Redis) and offline store (Parquet).
 
-Micro-batches: as soon as a row is in, up to `max_records` that are, write each view's rows offline (one
-Parquet file per batch and partition, named by its first record, so a replayed batch rewrites the
-same file), then online (Feast's Redis layout, written directly: one pipelined round trip per topic,
+Micro-batches: as soon as a row is in, up to `max_records` that are, write each view's rows offline
+(one Parquet file per batch and partition, named by its first record, so a replayed batch rewrites
+the same file), then online (Feast's Redis layout, written directly: one pipelined round trip per topic,
 the views sharing a topic in one script call per few hundred entities, newer row wins per view:
 feature_repo/online.py), then commit the offsets. A crash between the write and the
 commit replays the batch: rows are snapshots keyed by entity and event time, so writing one twice
@@ -31,7 +31,8 @@ from streaming.features import StreamView, row_schema, topics
 log = logging.getLogger("flywheel.feast-ingestor")
 GROUP = "flywheel-feast-ingestor"
 VIEWS_BY_TOPIC = topics()  # a topic shared by views carries all their columns in each row
-FIELDS_BY_TOPIC = {topic: tuple(name for name, _ in row_schema(views)) for topic, views in VIEWS_BY_TOPIC.items()}
+FIELDS_BY_TOPIC = {topic: tuple(name for name, _ in row_schema(views))
+                   for topic, views in VIEWS_BY_TOPIC.items()}
 _decode_row = msgspec.json.Decoder(list).decode  # a row is a JSON array of its fields (row_schema)
 
 

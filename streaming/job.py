@@ -113,9 +113,9 @@ def sink_ddl(s: Settings, topic: str, views: tuple[StreamView, ...]) -> str:
     value = f"'value.format' = 'raw', 'value.fields-include' = 'EXCEPT_KEY', {SINK_PRODUCER}"
     if views[0].upsert:
         key_format = "raw" if len(keys) == 1 else "json"  # raw holds one field
-        return (f"CREATE TABLE `{topic}` ({columns}, `row` BYTES, PRIMARY KEY ({', '.join(f'`{k}`' for k in keys)}) "
-                f"NOT ENFORCED) WITH ('connector' = 'upsert-kafka', {_kafka(s, topic)}, 'key.format' = "
-                f"'{key_format}', {value})")
+        primary = ", ".join(f"`{k}`" for k in keys)
+        return (f"CREATE TABLE `{topic}` ({columns}, `row` BYTES, PRIMARY KEY ({primary}) NOT ENFORCED) "
+                f"WITH ('connector' = 'upsert-kafka', {_kafka(s, topic)}, 'key.format' = '{key_format}', {value})")
     return (f"CREATE TABLE `{topic}` ({columns}, `row` BYTES) WITH ('connector' = 'kafka', {_kafka(s, topic)}, "
             f"'key.format' = 'raw', 'key.fields' = '{keys[0]}', {value})")
 
