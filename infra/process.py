@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +131,16 @@ def _signal(proc: psutil.Process, sig: signal.Signals) -> None:
         proc.send_signal(sig)
     except psutil.Error:
         pass
+
+
+def exit_with_parent() -> None:
+    """In a worker: be sent SIGTERM when the supervisor dies, even by SIGKILL (Linux)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the supervisor died before the call
+        sys.exit(1)
 
 
 def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:

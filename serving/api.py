@@ -35,10 +35,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from infra.process import exit_with_parent
 from infra.settings import Settings
 from serving import metrics
 from serving.inference import Inference, NotReady, RankRequest, Shed
-from serving.supervisor import ConnectionShares, exit_with_parent, listening_socket
+from serving.supervisor import ConnectionShares, listening_socket
 
 log = logging.getLogger(__name__)
 

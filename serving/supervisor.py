@@ -46,16 +46,6 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def exit_with_parent() -> None:
-    """In a worker: be sent SIGTERM when the supervisor dies, even by SIGKILL (Linux)."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() == 1:  # the supervisor died before the call
-        sys.exit(1)
-
-
 class ConnectionShares:
     """Each worker's open connections: one int64 slot per worker in a file every worker maps."""
 
