@@ -52,7 +52,8 @@ def incremental_training():
 
         outcome = train_incremental(s, promote=False, progress=False)
         if outcome is None:
-            raise AirflowSkipException("too few new labelled impressions since the champion's data watermark")
+            raise AirflowSkipException("too few new labelled impressions or clicks since the champion's data watermark "
+                                        "to train a version and judge it (the task log says how many)")
         return {"version": outcome.version, "window": str(outcome.window), **outcome.metrics}
 
     gate_if_asked(train())

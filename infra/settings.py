@@ -206,9 +206,15 @@ class StreamingSettings:
 class ModelsSettings:
     name: str = "flywheel-ctr"  # the registered model
     experiment: str = "flywheel-ctr"
-    # The gate: a candidate becomes @champion only if its AUC on the same recent window is at least
-    # the champion's minus this tolerance.
+    # The gate (models/registry.py): a candidate becomes @champion only on an evaluation window with at
+    # least gate_min_examples examples and gate_min_clicks clicks, with its mean predicted CTR within
+    # gate_calibration times the observed one, and unless its AUC is below the champion's minus
+    # max_auc_drop with one-sided significance gate_alpha (DeLong's test on the same window).
     max_auc_drop: float = 0.0
+    gate_min_examples: int = 200
+    gate_min_clicks: int = 20
+    gate_calibration: tuple[float, float] = (0.5, 2.0)
+    gate_alpha: float = 0.05
     embedding_dim: int = 16
     admit_after: int = 2  # times an id must be seen in training to get its own embedding row
     evict_after_steps: int = 0  # 0 = never evict
@@ -325,8 +331,8 @@ def _convert(value: Any, like: Any, name: str) -> Any:
             return Path(os.path.expanduser(str(value))).resolve()
         if isinstance(like, tuple):
             items = value.split(",") if isinstance(value, str) else list(value)
-            if like and isinstance(like[0], int):  # a tuple of numbers (shape buckets)
-                return tuple(int(i) for i in items if str(i).strip() != "")
+            if like and isinstance(like[0], (int, float)):  # a tuple of numbers (shape buckets, bounds)
+                return tuple(type(like[0])(i) for i in items if str(i).strip() != "")
             return tuple(i.strip() if isinstance(i, str) else tuple(i) for i in items if i != "")
         if isinstance(like, (int, float)):
             return type(like)(value)

@@ -4,7 +4,7 @@ through the promotion gate or a recorded rollback.
 Lineage lives in version tags: `data_start`/`data_end` (the training window; `data_end` is the
 watermark incremental training continues from), `eval_start`/`eval_end` (the window the gate
 compares on), `parent_version` (incremental runs), `kind`. Gate decisions and rollbacks are tags too
-(`gate_decision`, `gate_reason`, `previous_champion`, `rolled_back_*`).
+(`gate_decision`, `gate_reason`, `gate_guardrail` of a refusal, `previous_champion`, `rolled_back_*`).
 """
 
 from __future__ import annotations
@@ -14,16 +14,18 @@ import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from statistics import NormalDist
 from typing import TYPE_CHECKING
 
 import mlflow
+import numpy as np
 import pandas as pd
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from infra.settings import Settings
 from models.examples import Examples, from_frame
-from models.metrics import auc
+from models.metrics import auc, auc_difference, calibration
 
 if TYPE_CHECKING:  # TensorFlow takes seconds to import: only the calls that score load it
     from models.ctr import CtrModel
@@ -119,32 +121,71 @@ class Decision:
     candidate_auc: float
     champion_version: str | None
     champion_auc: float | None
+    guardrail: str | None = None  # what refused it: evidence, calibration, auc, lineage
+
+
+def lacking_evidence(s: Settings, evaluation: Examples) -> str | None:
+    """Why `evaluation` is too small to judge a version on (None: it is not)."""
+    examples, clicks = len(evaluation), int((evaluation.labels > 0.5).sum())
+    if examples < s.models.gate_min_examples or clicks < s.models.gate_min_clicks:
+        return (f"{examples} examples with {clicks} clicks; the gate needs at least {s.models.gate_min_examples} "
+                f"and {s.models.gate_min_clicks}")
+    return None
+
+
+def _guardrail(s: Settings, evaluation: Examples, probabilities: np.ndarray) -> tuple[str, str] | None:
+    """The guardrail a candidate fails before any comparison (evidence, calibration), and why."""
+    if lacking := lacking_evidence(s, evaluation):
+        return "evidence", lacking
+    ratio, (low, high) = calibration(evaluation.labels, probabilities), s.models.gate_calibration
+    if not low <= ratio <= high:
+        return "calibration", (f"mean predicted CTR {float(np.mean(probabilities)):.4f} is {ratio:.2f}x the observed "
+                               f"{float(np.mean(evaluation.labels)):.4f}; the gate needs {low}-{high}x")
+    return None
 
 
 def gate(s: Settings, version: str, candidate: CtrModel, evaluation: Examples, window: str) -> Decision:
-    """Promote `version` to @champion if it is not worse than the champion on `evaluation` (the same
-    recent window for both) and, when it continues a parent, that parent is still the champion;
-    otherwise make it @challenger and record why."""
-    client, name = connect(s), s.models.name
-    candidate_auc = auc(evaluation.labels, candidate.predict(evaluation))  # fails before any alias moves
+    """Promote `version` to @champion unless a guardrail refuses it, otherwise make it @challenger and
+    record why. In order: lineage (a version continuing a parent that is no longer the champion), evidence
+    (too few examples or clicks in `evaluation` to judge anything), calibration (mean predicted CTR out
+    of bounds), auc (worse than the champion's on the same window by more than the tolerance, with
+    one-sided significance `gate_alpha` by DeLong's test). A difference the window cannot tell from
+    noise does not hold back a fresher model."""
+    client, name, m = connect(s), s.models.name, s.models
+    probabilities = candidate.predict(evaluation)
+    candidate_auc = auc(evaluation.labels, probabilities)  # fails before any alias moves
     champion = alias_version(client, name, CHAMPION)
     parent = client.get_model_version(name, version).tags.get("parent_version")
-    champion_auc = None
-    if champion is None:
-        promoted, reason = True, f"first champion (AUC {candidate_auc:.4f} on {window})"
-    elif champion == version:
-        promoted, reason = True, f"v{version} is already the champion"
+    champion_auc, guardrail = None, None
+    if champion == version:
+        reason = f"v{version} is already the champion"
     elif parent and parent != champion:  # e.g. its parent was rolled back while it trained
-        promoted, reason = False, (f"continues v{parent}, which is no longer @champion (v{champion} is); "
-                                   f"AUC {candidate_auc:.4f} on {window}")
+        guardrail, reason = "lineage", (f"continues v{parent}, which is no longer @champion (v{champion} is); "
+                                        f"AUC {candidate_auc:.4f} on {window}")
+    elif failed := _guardrail(s, evaluation, probabilities):
+        guardrail, reason = failed[0], f"{failed[1]}; AUC {candidate_auc:.4f} on {window}"
+    elif champion is None:
+        reason = f"first champion (AUC {candidate_auc:.4f} on {window})"
     else:
-        champion_auc = auc(evaluation.labels, load_version(s, champion).predict(evaluation))
-        floor = champion_auc - s.models.max_auc_drop
-        promoted = candidate_auc >= floor
-        reason = (f"AUC {candidate_auc:.4f} {'>=' if promoted else '<'} champion v{champion}'s {champion_auc:.4f}"
-                  f" - tolerance {s.models.max_auc_drop} on {window}")
+        champion_scores = load_version(s, champion).predict(evaluation)
+        champion_auc = auc(evaluation.labels, champion_scores)
+        difference, se = auc_difference(evaluation.labels, probabilities, champion_scores)
+        # One-sided p-value of "the candidate is worse than the champion minus the tolerance".
+        shortfall = difference + m.max_auc_drop
+        p = NormalDist().cdf(shortfall / se) if se > 0 else float(shortfall < 0)
+        p_text = f"p = {p:.2g}" if p >= 1e-6 else "p < 1e-6"
+        if p < m.gate_alpha:
+            guardrail, verdict = "auc", f"worse beyond the tolerance {m.max_auc_drop}: {p_text} < {m.gate_alpha}"
+        else:
+            verdict = f"not shown worse beyond the tolerance {m.max_auc_drop}: {p_text} >= {m.gate_alpha}"
+        reason = (f"AUC {candidate_auc:.4f} vs champion v{champion}'s {champion_auc:.4f}, difference "
+                  f"{difference:+.4f} +- {se:.4f} (DeLong), {verdict} on {window}")
+    promoted = guardrail is None
+    if guardrail:
+        reason = f"{guardrail} guardrail: {reason}"
     tags = {"gate_decision": "promoted" if promoted else "refused", "gate_reason": reason,
-            "gate_auc": f"{candidate_auc:.6f}", "gate_at": datetime.now(UTC).isoformat()}
+            "gate_auc": f"{candidate_auc:.6f}", "gate_at": datetime.now(UTC).isoformat()} | \
+        ({"gate_guardrail": guardrail} if guardrail else {})
     if promoted and champion not in (None, version):
         tags["previous_champion"] = champion
     for key, value in tags.items():
@@ -152,7 +193,7 @@ def gate(s: Settings, version: str, candidate: CtrModel, evaluation: Examples, w
     client.set_registered_model_alias(name, CHAMPION if promoted else CHALLENGER, version)
     if promoted and alias_version(client, name, CHALLENGER) == version:
         client.delete_registered_model_alias(name, CHALLENGER)
-    return Decision(version, promoted, reason, candidate_auc, champion, champion_auc)
+    return Decision(version, promoted, reason, candidate_auc, champion, champion_auc, guardrail)
 
 
 def rollback(s: Settings, why: str, to: str = "previous", who: str | None = None) -> tuple[str, str]:

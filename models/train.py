@@ -27,11 +27,11 @@ from models.dataset import Window, chronological_split, training_set
 from models.inputs import NUMERIC_FEATURES
 from models.examples import Examples
 from models.metrics import auc, evaluate
-from models.registry import Decision, champion_watermark, connect, gate, load_version, log_model, version_tags
+from models.registry import (Decision, champion_watermark, connect, gate, lacking_evidence, load_version, log_model,
+                             version_tags)
 from models.sparse import SparseConfig
 
 log = logging.getLogger("flywheel.train")
-MIN_INCREMENTAL_EXAMPLES = 50
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def train_full(s: Settings, window: Window, kind: str = "ranker", promote: bool 
 def train_incremental(s: Settings, until: datetime | None = None, promote: bool = True,
                       progress: bool = True) -> TrainOutcome | None:
     """Continue `@champion` on the events since its data watermark. Returns None (and trains nothing)
-    when there are too few new examples."""
+    when the newest 20% of them, the gate's evaluation window, is too small to judge a version on."""
     champion = champion_watermark(s)
     if champion is None:
         raise ValueError(f"{s.models.name} has no @champion to continue from: run full training first")
@@ -111,12 +111,12 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
     except ValueError as exc:
         log.info("incremental training skipped: %s", exc)
         return None
-    if len(ex) < MIN_INCREMENTAL_EXAMPLES:
-        log.info("incremental training skipped: %d new examples in %s (< %d)", len(ex), window,
-                 MIN_INCREMENTAL_EXAMPLES)
-        return None
     cut = int(len(ex) * 0.8)
     train, evaluation = ex.take(slice(0, cut)), ex.take(slice(cut, None))
+    if lacking := lacking_evidence(s, evaluation):  # the gate could not judge it: the next run sees more
+        log.info("incremental training skipped: the newest 20%% of %d new examples in %s: %s", len(ex), window,
+                 lacking)
+        return None
     check_labels(train, f"new events {window}")
     check_labels(evaluation, f"evaluation part of {window}")
     model = load_version(s, parent)

@@ -16,7 +16,9 @@ def test_environment_overrides_config_file_which_overrides_defaults(tmp_path: Pa
     config = tmp_path / "flywheel.toml"
     config.write_text('[kafka]\nbootstrap_servers = "kafka-1:9093,kafka-2:9093"\npartitions = 12\n'
                       '[stack]\nservices = ["mlflow", "airflow"]\n')
-    s = load_settings({"FLYWHEEL_KAFKA_PARTITIONS": "24"}, config_file=config)
+    s = load_settings({"FLYWHEEL_KAFKA_PARTITIONS": "24", "FLYWHEEL_MODELS_GATE_CALIBRATION": "0.8,1.25"},
+                      config_file=config)
+    assert s.models.gate_calibration == (0.8, 1.25)  # a pair of numbers from one variable
     assert s.kafka.bootstrap_servers == "kafka-1:9093,kafka-2:9093"
     assert s.kafka.host_port == ("kafka-1", 9093)
     assert s.kafka.partitions == 24
