@@ -33,7 +33,7 @@ from benchmarks.record import record
 from infra import process, stack
 from infra.services import all_services
 from infra.settings import Settings, load_settings
-from streaming.events import Event, EventType
+from streaming.events import TEST_TRAFFIC, Event, EventType
 from streaming.produce import fixed_rate_pace, produce
 from streaming.producer import EventProducer
 from streaming.synthetic import SyntheticConfig, SyntheticGenerator
@@ -47,7 +47,7 @@ def settings(data_dir: Path) -> Settings:
 def click(user: str) -> Event:
     now = int(time.time() * 1000)
     return Event(event_id=f"probe-{user}", user_id=user, item_id="probe-item", event_type=EventType.CLICK,
-                 request_id=f"probe-{user}", event_time=now, context={"category": "probe"})
+                 request_id=f"probe-{user}", event_time=now, context={"category": "probe", TEST_TRAFFIC: True})
 
 
 def online_total(reader: OnlineReader, user: str):

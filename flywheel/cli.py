@@ -198,8 +198,10 @@ def catalog() -> None:
 @click.option("--items", type=int, default=5_000, show_default=True)
 @click.option("--seed", type=int, default=7, show_default=True)
 @click.option("--topic", default=None, help="Target topic (default: settings kafka.events_topic).")
+@click.option("--learn-from-it", is_flag=True, help="Ordinary traffic that training uses (default: marked as "
+              "test traffic, context test_traffic=true, which training and evaluation skip).")
 def generate(rate: float, limit: int | None, duration: float | None, users: int, items: int, seed: int,
-             topic: str | None) -> None:
+             topic: str | None, learn_from_it: bool) -> None:
     """Produce synthetic events with a learnable click signal (load tests)."""
     from streaming.produce import fixed_rate_pace, produce
     from streaming.producer import EventProducer
@@ -212,7 +214,7 @@ def generate(rate: float, limit: int | None, duration: float | None, users: int,
     s = _settings()
     topic = topic or s.kafka.events_topic
     ensure_topics(s, [topic])
-    generator = SyntheticGenerator(SyntheticConfig(users=users, items=items, seed=seed))
+    generator = SyntheticGenerator(SyntheticConfig(users=users, items=items, seed=seed, test_traffic=not learn_from_it))
     with EventProducer(s, topic) as producer:
         report = produce(generator.events(), producer, pace=fixed_rate_pace(rate), limit=limit,
                          duration_s=duration, desc="synthetic")

@@ -22,6 +22,7 @@ from feature_repo.event_log import read_event_log
 from infra.settings import Settings
 from models.examples import PAD, Examples
 from models.inputs import COUNTS, NUMERIC_FEATURES, SEQUENCE
+from streaming.events import TEST_TRAFFIC
 
 DAY_MS = 86_400_000
 
@@ -42,8 +43,8 @@ class Window:
 
 
 def labelled_impressions(s: Settings, window: Window) -> pd.DataFrame:
-    """One row per impression in `window` (event log, deduplicated by event id): user_id, item_id,
-    category, event_time (ms), label (1.0 if a click with its request id and item exists)."""
+    """One row per impression in `window` (event log, deduplicated by event id, test traffic left out):
+    user_id, item_id, category, event_time (ms), label (1.0 if a click with its request id and item exists)."""
     start, end = (int(t.timestamp() * 1000) for t in (window.start, window.end))
     # A click comes after its impression: read a day past the window for the clicks of its last ones.
     log = read_event_log(s, start, end + DAY_MS)
@@ -55,7 +56,9 @@ def labelled_impressions(s: Settings, window: Window) -> pd.DataFrame:
     clicks["label"] = 1.0
     out = imps.merge(clicks, on=["request_id", "item_id"], how="left")
     out["label"] = out["label"].fillna(0.0)
-    out["category"] = [json.loads(c).get("category", "") for c in out["context"]]
+    contexts = [json.loads(c) for c in out["context"]]
+    out["category"] = [c.get("category", "") for c in contexts]
+    out = out.loc[np.array([c.get(TEST_TRAFFIC) is not True for c in contexts], bool)]  # load tests teach nothing
     return out[["user_id", "item_id", "category", "event_time", "label"]].sort_values(
         "event_time", kind="stable").reset_index(drop=True)
 

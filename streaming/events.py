@@ -9,6 +9,8 @@ stay in order on one partition::
 
 ``event_time`` is milliseconds since the Unix epoch (UTC). ``request_id`` names the ranking request
 that produced an impression; a click or purchase carries the request id of its impression.
+``context`` is free-form (string, number or boolean values); ``"test_traffic": true`` marks load-test
+traffic, which training and evaluation skip.
 Standard library only: the Flink job's environment imports this module too.
 """
 
@@ -27,6 +29,10 @@ MIN_EVENT_TIME_MS = 0
 MAX_EVENT_TIME_MS = 4_102_444_800_000
 
 ContextValue = str | int | float | bool
+
+# Context key of test traffic (load tests, probes): true marks an event that training and evaluation
+# skip (models/dataset.py), so a load test cannot teach or judge a model. Features still count it.
+TEST_TRAFFIC = "test_traffic"
 
 # Headers of a dead letter (`<topic>.dlq`): why the record was refused, where it was read, and its size
 # before a dead letter cut it to `max_event_bytes`. Topic, partition and offset name a record once, so a

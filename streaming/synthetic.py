@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from streaming.events import Event, EventType
+from streaming.events import TEST_TRAFFIC, Event, EventType
 
 SOURCE = "synthetic"
 
@@ -35,6 +35,9 @@ class SyntheticConfig:
     affinity_weight: float = 1.0  # preferred ~ sigmoid(-1.5) = 18 %
     purchase_rate: float = 0.1
     seed: int = 7
+    # Marked as test traffic (context `test_traffic`): load tests, which training must not learn from.
+    # False: a world for a model to learn, as the tests and benchmarks of training use it.
+    test_traffic: bool = True
 
 
 class SyntheticGenerator:
@@ -72,7 +75,8 @@ class SyntheticGenerator:
             t = now_ms()
             follow_ups: list[Event] = []
             for position, item in enumerate(slate):
-                ctx = {"source": SOURCE, "position": position, "category": str(self.item_category[item])}
+                ctx = {"source": SOURCE, "position": position, "category": str(self.item_category[item])} | \
+                    ({TEST_TRAFFIC: True} if c.test_traffic else {})
                 yield self._event(user, item, EventType.IMPRESSION, request_id, t, ctx)
                 if rng.random() < self.click_probability(user, item):
                     follow_ups.append(self._event(user, item, EventType.CLICK, request_id, t, ctx))

@@ -37,7 +37,8 @@ from tests.conftest import REPO, run_cli, running_stack, stack_environ, wait_for
 MINUTE = 60_000
 STEP_MS = 3_000  # event time between synthetic requests
 TRAFFIC = SyntheticConfig(users=200, items=150, categories=6, clusters=3, preferred_per_cluster=2,
-                          base_logit=-1.5, affinity_weight=1.5, seed=11)
+                          base_logit=-1.5, affinity_weight=1.5, seed=11,
+                          test_traffic=False)  # traffic to learn from
 
 
 def iso(ms: int) -> str:

@@ -74,3 +74,28 @@ def test_the_event_log_says_when_it_last_took_a_file(tmp_path) -> None:
                 event_time=880_000_000_000)  # 1997: an old day's partition written now
     write_batch(s, [Consumed(old, partition=0, offset=1)])
     assert last_write(s) >= before
+
+
+def test_training_sets_skip_test_traffic(tmp_path) -> None:
+    """Load-test events (context test_traffic=true) are in the log but label nothing: a load test whose
+    clicks do not join cannot teach or judge a model."""
+    from datetime import datetime, timezone
+
+    from feature_repo.event_log import write_batch
+    from infra.settings import Settings, override
+    from models.dataset import Window, labelled_impressions
+    from streaming.consumer import Consumed
+
+    s = override(Settings(), "paths", data_dir=tmp_path)
+    t = 1_700_000_000_000
+    events = []
+    for k, marked in enumerate([False, True, False, True]):
+        context = {"category": "Drama"} | ({"test_traffic": True} if marked else {})
+        for kind in (EventType.IMPRESSION, EventType.CLICK):
+            events.append(Event(event_id=f"{kind.value}-{k}", user_id=f"u{k}", item_id="i1", event_type=kind,
+                                request_id=f"r{k}", event_time=t + k, context=context))
+    write_batch(s, [Consumed(e, partition=0, offset=n) for n, e in enumerate(events)])
+    window = Window(datetime.fromtimestamp(t / 1000, timezone.utc), datetime.fromtimestamp(t / 1000 + 1, timezone.utc))
+    rows = labelled_impressions(s, window)
+    assert list(rows["user_id"]) == ["u0", "u2"] and list(rows["label"]) == [1.0, 1.0]
+    assert list(rows["category"]) == ["Drama", "Drama"]
