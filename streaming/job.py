@@ -19,6 +19,7 @@ event log for training.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from pyflink.common import Configuration
@@ -49,8 +50,13 @@ def table_environment(s: Settings) -> StreamTableEnvironment:
         "pipeline.name": s.streaming.job_name,
         "rest.bind-address": s.flink.host_port[0],
         "rest.address": s.flink.host_port[0],
+        # The JVM's other servers (the blob server among them) bind to every interface unless told.
+        "jobmanager.bind-host": s.flink.host_port[0],
+        "taskmanager.bind-host": s.flink.host_port[0],
         "rest.port": str(s.flink.host_port[1]),
         "rest.flamegraph.enabled": "true",
+        # Flink's default is "*": any web page the user opens could read the job's REST answers.
+        "web.access-control-allow-origin": s.flink.rest_url.rstrip("/"),
         "pipeline.jars": jars,
         "parallelism.default": str(s.streaming.parallelism),
         "io.tmp.dirs": str(tmp),
@@ -85,6 +91,9 @@ def table_environment(s: Settings) -> StreamTableEnvironment:
     config = Configuration()
     for key, value in options.items():
         config.set_string(key, value)
+    # In a MiniCluster PyFlink starts a server for Python workers on [::] (every interface), unasked. The
+    # job runs no Python function; were one added, 'process' mode starts its workers without that server.
+    os.environ.setdefault("_python_worker_execution_mode", "process")
     return StreamTableEnvironment.create(StreamExecutionEnvironment.get_execution_environment(config))
 
 

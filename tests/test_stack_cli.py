@@ -30,6 +30,13 @@ def stack_processes(data_dir: Path, service_pids: list[int] = ()) -> set[psutil.
     return found
 
 
+def listening_sockets(proc: psutil.Process) -> list:
+    try:
+        return [c for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    except psutil.NoSuchProcess:
+        return []
+
+
 def pids(status_output: str) -> dict[str, str]:
     return dict(re.findall(r"^(\S+)\s+healthy\s+pid (\d+)", status_output, re.MULTILINE))
 
@@ -67,6 +74,10 @@ def test_up_is_idempotent_status_reports_health_and_down_leaves_nothing(tmp_path
         service_pids = [int(p) for p in pids(first.stdout).values()]
         running = stack_processes(settings.paths.data_dir, service_pids)
         assert len(running) > len(services)  # services and their workers
+        # Nothing the stack opens listens beyond this machine: the Flink JVM's servers and PyFlink's included.
+        listening = {(proc.name(), conn.laddr) for proc in running for conn in listening_sockets(proc)}
+        assert {settings.flink.host_port[1], settings.serving.port} <= {a.port for _, a in listening}, listening
+        assert all(address.ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for _, address in listening), listening
         # Batch work yields the cores: the scheduler (whose executor starts the DAG tasks) and the DAG
         # processor run nicer than the services that answer users.
         nice = {name: psutil.Process(int(pid)).nice() for name, pid in pids(first.stdout).items()}
