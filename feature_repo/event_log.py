@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from feature_repo.files import offline_dir, part_name, write_atomic
+from infra.progress import ProgressReport
 from infra.settings import Settings, get_settings
 from streaming.consumer import Consumed, EventConsumer
 
@@ -80,11 +81,13 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     with EventConsumer(s, GROUP, dead_letter=False) as consumer:
         log.info("logging %s to %s", consumer.topic, event_log_dir(s))
+        progress = ProgressReport(s, "event-log", GROUP, [consumer.topic])
         while not stopping:
             batch = consumer.poll(timeout_ms=500, max_records=20_000)
             if batch:
                 write_batch(s, batch)
             consumer.commit()
+            progress.beat(wrote=bool(batch))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from feature_repo.definitions import TIMESTAMP_FIELD, offline_schema
 from feature_repo.files import part_name, view_dir, write_atomic
 from feature_repo.online import OnlineWriter
 from feature_repo.store import apply
+from infra.progress import ProgressReport
 from infra.settings import Settings, get_settings
 from streaming.features import StreamView, row_schema, topics
 
@@ -126,10 +127,11 @@ def main() -> None:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     log.info("ingesting %s", ", ".join(VIEWS_BY_TOPIC))
+    progress = ProgressReport(ingestor.s, "feast-ingestor", GROUP, list(VIEWS_BY_TOPIC))
     last_report = time.monotonic()
     try:
         while not stopping:
-            ingestor.run_once()
+            progress.beat(wrote=ingestor.run_once() > 0)
             if time.monotonic() - last_report > 30:
                 log.info("%s", ingestor.stats)
                 last_report = time.monotonic()

@@ -16,6 +16,7 @@ from typing import Callable
 
 import httpx
 
+from infra.progress import progress_health
 from infra.settings import Settings
 
 BIN_DIR = Path(sys.executable).parent
@@ -256,11 +257,14 @@ def _pipeline(s: Settings) -> list[Service]:
         def expect(r: httpx.Response) -> Health:
             jobs = [j for j in r.json().get("jobs", []) if j.get("name") == s.streaming.job_name]
             states = [j.get("state") for j in jobs]
-            return Health("RUNNING" in states, f"job {s.streaming.job_name}: {', '.join(states) or 'not submitted'}")
+            running = [j["jid"] for j in jobs if j.get("state") == "RUNNING"]
+            if not running:
+                return Health(False, f"job {s.streaming.job_name}: {', '.join(states) or 'not submitted'}")
+            return _job_progress(s, running[0])
         return _http_health(f"{s.flink.rest_url}/jobs/overview", expect)
 
-    def alive(what: str) -> Callable[[], Health]:
-        return lambda: Health(True, what)  # liveness is the PID check done by the stack
+    def progressing(service: str) -> Callable[[], Health]:
+        return lambda: Health(*progress_health(s, service))  # a live PID is not a working consumer
 
     # The topics must exist before the job starts (a missing source topic fails a Flink job); a new
     # events topic also makes the job's checkpoints stale (streaming/topics.py: prepare_pipeline).
@@ -273,11 +277,29 @@ def _pipeline(s: Settings) -> list[Service]:
                 check=job_health, phase=1, setup=topics),
         Service(name="feast-ingestor", group="pipeline", url=s.redis.url, ports=(),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "feature_repo.ingest"], env=_base_env,
-                check=alive("consuming feature updates"), phase=1, setup=topics),
+                check=progressing("feast-ingestor"), phase=1, setup=topics),
         Service(name="event-log", group="pipeline", url=str(s.paths.service_dir("offline") / "events"), ports=(),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "feature_repo.event_log"], env=_base_env,
-                check=alive("logging events"), phase=1, setup=topics, nice=s.streaming.event_log_niceness),
+                check=progressing("event-log"), phase=1, setup=topics, nice=s.streaming.event_log_niceness),
     ]
+
+
+def _job_progress(s: Settings, jid: str) -> Health:
+    """A RUNNING job that restarted within `stack.stall_after_s` is failing, not running. Says its events
+    in (read by the Kafka source), rows out (to its sinks) and restarts in the last 10 minutes."""
+    job = httpx.get(f"{s.flink.rest_url}/jobs/{jid}", timeout=5).json()
+    failures = httpx.get(f"{s.flink.rest_url}/jobs/{jid}/exceptions", timeout=5).json()["exceptionHistory"]["entries"]
+    now_ms = job["now"]
+    recent = [f for f in failures if now_ms - f["timestamp"] < 600_000]
+    fed = {i["id"] for node in job["plan"]["nodes"] for i in node.get("inputs", [])}  # vertices with a consumer
+    events_in = sum(v["metrics"]["read-records"] for v in job["vertices"] if v["name"].startswith("Source"))
+    rows_out = sum(v["metrics"]["write-records"] for v in job["vertices"] if v["id"] not in fed)  # to the sinks
+    detail = (f"job {s.streaming.job_name}: RUNNING, {events_in} events in, {rows_out} rows out, {len(recent)} "
+              f"restarts in the last 10 min")
+    latest = max(recent, key=lambda f: f["timestamp"], default=None)
+    if latest and now_ms - latest["timestamp"] < s.stack.stall_after_s * 1000:
+        return Health(False, f"{detail}; restarting, last cause: {latest['exceptionName']}")
+    return Health(True, detail)
 
 
 # --- the ranking server ------------------------------------------------------------------------

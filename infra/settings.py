@@ -65,6 +65,9 @@ class StackSettings:
     services: tuple[str, ...] = LOCAL_SERVICES
     start_timeout_s: float = 180.0
     stop_timeout_s: float = 20.0
+    # A consumer (Feast ingestor, event log) that has not polled for this long, or is behind and has not
+    # written for this long, is unhealthy in `flywheel status` (infra/progress.py).
+    stall_after_s: float = 30.0
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra import process
+from infra.progress import progress_path
 from infra.services import Health, Service, all_services, enabled_services
 from infra.settings import Settings, to_environ
 
@@ -126,6 +127,7 @@ def up(s: Settings) -> list[str]:
                 if _running(s, svc) is None:
                     # the service reads the same settings as this process, however they were given
                     env = svc.env() | to_environ(s) | {STACK_TAG: str(s.paths.data_dir)}
+                    progress_path(s, svc.name).unlink(missing_ok=True)  # an earlier run's, not this one's
                     process.spawn(svc.command(), pidfile(s, svc), logfile(s, svc), env, cwd=s.paths.data_dir,
                                   nice=svc.nice)
                     started.append(svc.name)

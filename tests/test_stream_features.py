@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -357,3 +360,38 @@ def test_window_counts_arrive_on_a_quiet_stream(pipeline: Settings, timeline: Ti
                          "user_1h:user_impressions_1h"], {"user_id": user})
         assert (got["user_impressions_5m"], got["user_clicks_5m"], got["user_impressions_1h"]) == (5, 2, 5)
     wait_for(counts, timeout_s=30)
+
+
+def test_a_stopped_ingestor_is_named_unhealthy_with_its_lag_and_recovers(pipeline: Settings,
+                                                                          timeline: Timeline) -> None:
+    """Health by progress: a consumer whose PID lives but which does not poll is unhealthy, with the
+    records it is behind; resumed, it catches up and is healthy again."""
+    s = replace(pipeline, stack=replace(pipeline.stack, stall_after_s=5.0))
+
+    def health(name: str) -> tuple[str, str, int | None]:
+        status = next(st for st in stack.status(s) if st.name == name)
+        return status.state, status.detail, status.pid
+
+    def healthy() -> None:
+        assert health("event-log")[0] == health("feast-ingestor")[0] == "healthy", stack.status(s)
+    wait_for(healthy, timeout_s=30)
+    pid = health("feast-ingestor")[2]
+    t0 = timeline.take(MINUTE)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with EventProducer(s) as producer:
+            for i in range(20):
+                producer.send(event(500 + i, f"user-stall-{i}", "i1", IMP, t0 + i))
+
+        def stalled() -> None:
+            state, detail, _ = health("feast-ingestor")
+            lag = re.search(r"lag (\d+) records", detail)
+            assert state == "unhealthy" and detail.startswith("stalled") and lag and int(lag[1]) > 0, detail
+        wait_for(stalled, timeout_s=30)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+    def caught_up() -> None:
+        state, detail, _ = health("feast-ingestor")
+        assert state == "healthy" and "lag 0 records" in detail, detail
+    wait_for(caught_up, timeout_s=30)

@@ -1,0 +1,98 @@
+"""Health by progress for the stack's consumers (the Feast ingestor, the event log): a live PID is not a
+working consumer. Each consumer reports when it last polled and last wrote, in a small file under the
+run directory; `flywheel status` reads it and asks Kafka how far the consumer's committed offsets are
+behind the log's end (the consumers commit only after writing, so committed = written).
+
+A consumer is unhealthy when it has not polled for `stack.stall_after_s` (stopped or stuck), or when it is
+behind and has not written for that long (failing to write). A quiet stream with nothing to consume is
+healthy however long ago the last write was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from infra.settings import Settings
+
+
+def progress_path(s: Settings, service: str) -> Path:
+    return s.paths.run_dir / f"{service}.progress.json"
+
+
+@dataclass
+class Progress:
+    group: str  # the consumer group and its topics: where `consumer_lag` looks
+    topics: list[str]
+    started_at: float  # epoch seconds
+    polled_at: float
+    written_at: float | None = None
+
+
+class ProgressReport:
+    """Kept by a consumer: call `beat` after each poll; the file is rewritten at most every `every_s`."""
+
+    def __init__(self, s: Settings, service: str, group: str, topics: Sequence[str], every_s: float = 1.0) -> None:
+        self.path, self.every_s, self._saved = progress_path(s, service), every_s, 0.0
+        now = time.time()
+        self.progress = Progress(group, list(topics), started_at=now, polled_at=now)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._save(now)
+
+    def beat(self, wrote: bool) -> None:
+        now = time.time()
+        self.progress.polled_at = now
+        if wrote:
+            self.progress.written_at = now
+        if now - self._saved >= self.every_s:
+            self._save(now)
+
+    def _save(self, now: float) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self.progress)))
+        os.replace(tmp, self.path)  # a reader never sees half a file
+        self._saved = now
+
+
+def read_progress(s: Settings, service: str) -> Progress | None:
+    try:
+        return Progress(**json.loads(progress_path(s, service).read_text()))
+    except FileNotFoundError:
+        return None
+
+
+def consumer_lag(s: Settings, group: str, topics: Sequence[str], timeout_s: float = 5.0) -> int:
+    """Records in `topics` past `group`'s committed offsets. On the embedded broker the log's end is
+    read by ListOffsets, which it answers with the last batch's first offset + 1: up to a batch less."""
+    from confluent_kafka import Consumer, TopicPartition  # librdkafka: only when a health check asks
+
+    consumer = Consumer(s.kafka.client_options("librdkafka") | {"group.id": group, "enable.auto.commit": False})
+    try:
+        partitions = [TopicPartition(topic, p) for topic in topics
+                      for p in consumer.list_topics(topic, timeout=timeout_s).topics[topic].partitions]
+        lag = 0
+        for tp in consumer.committed(partitions, timeout=timeout_s):
+            low, high = consumer.get_watermark_offsets(tp, timeout=timeout_s)
+            lag += max(0, high - (tp.offset if tp.offset >= 0 else low))
+        return lag
+    finally:
+        consumer.close()
+
+
+def progress_health(s: Settings, service: str) -> tuple[bool, str]:
+    """(healthy, why) of the consumer that reports as `service`."""
+    p = read_progress(s, service)
+    if p is None:
+        return True, "started, no progress report yet"
+    now, limit = time.time(), s.stack.stall_after_s
+    lag = consumer_lag(s, p.group, p.topics)
+    wrote = "never" if p.written_at is None else f"{now - p.written_at:.0f} s ago"
+    if now - p.polled_at > limit:
+        return False, f"stalled: no poll for {now - p.polled_at:.0f} s (> {limit:g}); lag {lag} records, last write {wrote}"
+    if lag > 0 and now - (p.written_at or p.started_at) > limit:
+        return False, f"falling behind: lag {lag} records and no write for over {limit:g} s (last write {wrote})"
+    return True, f"lag {lag} records, last write {wrote}"
