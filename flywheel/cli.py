@@ -75,15 +75,16 @@ def down() -> None:
 
 
 @main.command()
-def status() -> None:
+@click.option("--show-secrets", is_flag=True, help="Print the Airflow admin password itself, not where it is.")
+def status(show_secrets: bool) -> None:
     """Health and URL of each service; exits 1 if a local service is not healthy."""
     s = _settings()
-    if not _print_status(s):
+    if not _print_status(s, show_secrets):
         sys.exit(1)
 
 
-def _print_status(s: Settings) -> bool:
-    from infra.services import airflow_password
+def _print_status(s: Settings, show_secrets: bool = False) -> bool:
+    from infra.services import airflow_password, airflow_password_source
     from infra.stack import status as stack_status
 
     rows = stack_status(s)
@@ -91,7 +92,9 @@ def _print_status(s: Settings) -> bool:
         pid = str(r.pid) if r.pid else "-"
         click.echo(f"{r.name:<22} {r.state:<10} pid {pid:<8} {r.url:<28} {r.detail}")
     if "airflow" in s.stack.services:
-        click.echo(f"Airflow UI: {s.airflow.api_url}  login: {s.airflow.username} / {airflow_password(s)}")
+        password = airflow_password(s) if show_secrets else \
+            f"password in {airflow_password_source(s)} (`flywheel status --show-secrets` prints it)"
+        click.echo(f"Airflow UI: {s.airflow.api_url}  login: {s.airflow.username} / {password}")
     if "mlflow" in s.stack.services:
         click.echo(f"MLflow UI:  {s.mlflow.tracking_uri}")
     return all(r.state in ("healthy", "external") for r in rows)

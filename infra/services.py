@@ -184,6 +184,11 @@ def airflow_password(s: Settings) -> str:
     return s.airflow.password or _local_secret(s, "admin-password", nbytes=12)
 
 
+def airflow_password_source(s: Settings) -> str:
+    """Where the admin password is, never what it is (terminal output ends up in logs)."""
+    return "the setting airflow.password" if s.airflow.password else str(airflow_home(s) / "admin-password")
+
+
 def airflow_env(s: Settings) -> dict[str, str]:
     """Environment for every Airflow process of the local stack (and for `airflow` CLI calls)."""
     home = airflow_home(s)

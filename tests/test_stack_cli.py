@@ -58,6 +58,12 @@ def test_up_is_idempotent_status_reports_health_and_down_leaves_nothing(tmp_path
         status = run_cli(environ, "status")
         assert status.returncode == 0
         assert pids(status.stdout) == pids(first.stdout)
+        # Where the password is, not what it is: terminal output ends up in logs.
+        password_file = settings.paths.data_dir / "airflow" / "admin-password"
+        assert f"password in {password_file}" in status.stdout
+        assert password_file.read_text().strip() not in first.stdout + status.stdout
+        assert oct(password_file.stat().st_mode & 0o777) == "0o600"
+        status = run_cli(environ, "status", "--show-secrets")
         login = re.search(r"Airflow UI: (\S+)\s+login: (\S+) / (\S+)", status.stdout)
         assert login and login.group(1) == settings.airflow.api_url
         token = httpx.post(f"{settings.airflow.api_url}/auth/token",
