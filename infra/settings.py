@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import secrets
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,7 +122,7 @@ class KafkaSettings:
 @dataclass(frozen=True)
 class RedisSettings:
     url: str = "redis://127.0.0.1:6379/0"
-    password: str = ""  # from config/env only
+    password: str = ""  # from config/env; unset: the local stack's Redis gets a generated one (redis_password)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -389,6 +390,31 @@ def load_settings(environ: dict[str, str] | None = None, config_file: Path | Non
     if bad:
         raise SettingsError(f"stack.services: unknown services {sorted(bad)}; known: {list(LOCAL_SERVICES)}")
     return settings
+
+
+def local_secret(path: Path, nbytes: int = 32) -> str:
+    """A random secret generated on first use and kept at `path` (mode 600). Created whole or not at
+    all (a hard link of a finished file), so a process starting alongside never reads half of one."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.touch(mode=0o600)
+        tmp.write_text(secrets.token_urlsafe(nbytes))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # another process made it first: theirs counts
+            pass
+        finally:
+            tmp.unlink()
+    return path.read_text().strip()
+
+
+def redis_password(s: Settings) -> str | None:
+    """The online store's password, which every Redis client uses: redis.password from config/env, else,
+    for the stack's own Redis, one generated once into its data directory."""
+    if s.redis.password:
+        return s.redis.password
+    return local_secret(s.paths.service_dir("redis") / "password") if "redis" in s.stack.services else None
 
 
 def to_environ(settings: Settings) -> dict[str, str]:

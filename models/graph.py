@@ -37,7 +37,7 @@ from redis.exceptions import ResponseError
 from feature_repo.definitions import ITEM_NEIGHBOURS
 from feature_repo.event_log import read_event_log
 from feature_repo.store import write_rows
-from infra.settings import Settings
+from infra.settings import Settings, redis_password
 
 log = logging.getLogger("flywheel.graph")
 DAY_MS = 86_400_000
@@ -94,7 +94,7 @@ class NeighbourUpdate:
 
 def connect(s: Settings) -> falkordb.Graph:
     """The behavior graph, with the id indexes its upserts and lookups need."""
-    db = falkordb.FalkorDB.from_url(s.redis.url, password=s.redis.password or None)
+    db = falkordb.FalkorDB.from_url(s.redis.url, password=redis_password(s))
     graph = db.select_graph(s.graph.name)
     for label in ("User", "Item"):
         try:

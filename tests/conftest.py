@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from infra import stack
-from infra.settings import Settings, load_settings
+from infra.settings import Settings, load_settings, override, redis_password
 
 REPO = Path(__file__).resolve().parent.parent
 FLYWHEEL = [sys.executable, "-m", "flywheel.cli"]
@@ -39,6 +39,8 @@ def run_cli(environ: dict[str, str], *args: str, timeout: float = 300) -> subpro
 def running_stack(data_dir: Path, services: str, **extra: str) -> Iterator[Settings]:
     """For a fixture's lifetime: `services` started in their own data directory on free ports."""
     settings = load_settings(stack_environ(data_dir, FLYWHEEL_STACK_SERVICES=services, **extra))
+    if "redis" in settings.stack.services:  # explicit: settings derived with another data directory keep it
+        settings = override(settings, "redis", password=redis_password(settings))
     stack.up(settings)
     try:
         yield settings

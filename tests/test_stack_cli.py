@@ -7,10 +7,11 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import redis
 
 from infra import stack
 from infra.process import tagged
-from infra.settings import Settings, load_settings
+from infra.settings import Settings, load_settings, redis_password
 from infra.stack import STACK_TAG
 from streaming.topics import prepare_pipeline
 from tests.conftest import run_cli, stack_environ
@@ -72,6 +73,12 @@ def test_up_is_idempotent_status_reports_health_and_down_leaves_nothing(tmp_path
         wrong = httpx.post(f"{settings.airflow.api_url}/auth/token",
                            json={"username": login.group(2), "password": "not-the-password"})
         assert wrong.status_code == 401
+
+        # Redis wants the password generated into the data directory (mode 600); every client has it.
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(settings.redis.url).ping()
+        assert redis.Redis.from_url(settings.redis.url, password=redis_password(settings)).ping()
+        assert oct((settings.paths.data_dir / "redis" / "password").stat().st_mode & 0o777) == "0o600"
 
         logs = run_cli(environ, "logs", "mlflow", "-n", "5")
         assert logs.returncode == 0 and logs.stdout.strip()
