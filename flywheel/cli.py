@@ -68,9 +68,14 @@ def up() -> None:
 @main.command()
 def down() -> None:
     """Stop the services `up` started for this data directory."""
-    from infra.stack import down as stack_down
+    from infra.stack import down as stack_down, unarchived_events
 
-    stopped = stack_down(_settings())
+    s = _settings()
+    if lost := unarchived_events(s):
+        click.echo(f"warning: {lost} events in Kafka are not in the event log yet; the local broker keeps topics "
+                   f"in memory, so they are lost when it stops (a Kafka cluster, kafka.bootstrap_servers, keeps "
+                   f"them)", err=True)
+    stopped = stack_down(s)
     click.echo(f"stopped {', '.join(stopped)}" if stopped else "nothing was running")
 
 
