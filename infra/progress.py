@@ -92,7 +92,8 @@ def progress_health(s: Settings, service: str) -> tuple[bool, str]:
     lag = consumer_lag(s, p.group, p.topics)
     wrote = "never" if p.written_at is None else f"{now - p.written_at:.0f} s ago"
     if now - p.polled_at > limit:
-        return False, f"stalled: no poll for {now - p.polled_at:.0f} s (> {limit:g}); lag {lag} records, last write {wrote}"
+        return False, (f"stalled: no poll for {now - p.polled_at:.0f} s (> {limit:g}); lag {lag} records, "
+                       f"last write {wrote}")
     if lag > 0 and now - (p.written_at or p.started_at) > limit:
         return False, f"falling behind: lag {lag} records and no write for over {limit:g} s (last write {wrote})"
     return True, f"lag {lag} records, last write {wrote}"

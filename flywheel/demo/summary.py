@@ -70,7 +70,8 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
         lines.append(f"rollback drill: model_rollback DAG v{r['from']} -> v{r['to']} in {r['dag_s']:.1f}s, served "
                      f"{r['served_after_dag_s']:.1f}s later")
     lines += [f"whole loop: {summary.seconds / 60:.1f} min",
-              f"Airflow UI: {s.airflow.api_url} (user {s.airflow.username}; its password: `flywheel status --show-secrets`)",
+              f"Airflow UI: {s.airflow.api_url} (user {s.airflow.username}; "
+              f"its password: `flywheel status --show-secrets`)",
               f"MLflow UI:  {s.mlflow.tracking_uri}/#/models/{s.models.name}",
               f"Ranking API: http://{s.serving.host}:{s.serving.port}/docs",
               f"Summary as JSON: {s.paths.data_dir / 'demo' / 'summary.json'}",
