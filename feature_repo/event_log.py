@@ -11,13 +11,12 @@ import json
 import logging
 import signal
 from collections import defaultdict
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from feature_repo.files import offline_dir, part_name, write_atomic
+from feature_repo.files import day, last_day_write, offline_dir, part_name, read_days, write_atomic
 from infra.progress import ProgressReport
 from infra.settings import Settings, get_settings
 from streaming.consumer import Consumed, EventConsumer
@@ -35,15 +34,11 @@ def event_log_dir(s: Settings) -> Path:
     return offline_dir(s) / "events"
 
 
-def _date(event_time_ms: int) -> str:
-    return datetime.fromtimestamp(event_time_ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d")
-
-
 def write_batch(s: Settings, batch: list[Consumed]) -> int:
     """Write events to their date partitions; returns the number of files written."""
     groups: dict[tuple[str, int], list[Consumed]] = defaultdict(list)
     for c in batch:
-        groups[(_date(c.event.event_time), c.partition)].append(c)
+        groups[(day(c.event.event_time), c.partition)].append(c)
     for (date, partition), items in groups.items():
         events = [c.event for c in items]
         columns = {"event_id": [e.event_id for e in events], "user_id": [e.user_id for e in events],
@@ -61,17 +56,12 @@ def write_batch(s: Settings, batch: list[Consumed]) -> int:
 def read_event_log(s: Settings, start_ms: int | None = None, end_ms: int | None = None) -> pa.Table:
     """The log's date partitions that can hold events with start_ms <= event_time < end_ms (all when
     not given); rows are not filtered, so the caller also sees the rest of those days."""
-    first, last = _date(start_ms) if start_ms is not None else "", _date(end_ms) if end_ms is not None else "~"
-    files = sorted(f for d in event_log_dir(s).glob("date=*") if first <= d.name[5:] <= last
-                   for f in d.glob("*.parquet"))
-    return pa.concat_tables([pq.read_table(f, schema=SCHEMA) for f in files]) if files else SCHEMA.empty_table()
+    return read_days(event_log_dir(s), SCHEMA, start_ms, end_ms)
 
 
 def last_write(s: Settings) -> datetime | None:
-    """When the log last took a file (None: empty). A date directory's mtime moves with every file
-    renamed into it, so this reads one stat per day, not per file."""
-    days = [d.stat().st_mtime for d in event_log_dir(s).glob("date=*")]
-    return datetime.fromtimestamp(max(days), timezone.utc) if days else None
+    """When the log last took a file (None: empty)."""
+    return last_day_write(event_log_dir(s))
 
 
 def main() -> None:

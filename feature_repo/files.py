@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
@@ -35,3 +36,25 @@ def write_atomic(table: pa.Table, target: Path) -> Path:
     pq.write_table(table, tmp)
     tmp.replace(target)
     return target
+
+
+# --- logs partitioned by date (the event log, the prediction archive) -------------------------------
+
+def day(time_ms: int) -> str:
+    """The UTC date partition (`date=YYYY-MM-DD`) a record of this time belongs to."""
+    return datetime.fromtimestamp(time_ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d")
+
+
+def read_days(root: Path, schema: pa.Schema, start_ms: int | None = None, end_ms: int | None = None) -> pa.Table:
+    """The date partitions under `root` that can hold records with start_ms <= time < end_ms (all when
+    not given); rows are not filtered, so the caller also sees the rest of those days."""
+    first, last = day(start_ms) if start_ms is not None else "", day(end_ms) if end_ms is not None else "~"
+    files = sorted(f for d in root.glob("date=*") if first <= d.name[5:] <= last for f in d.glob("*.parquet"))
+    return pa.concat_tables([pq.read_table(f, schema=schema) for f in files]) if files else schema.empty_table()
+
+
+def last_day_write(root: Path) -> datetime | None:
+    """When a log last took a file (None: empty). A date directory's mtime moves with every file
+    renamed into it, so this reads one stat per day, not per file."""
+    days = [d.stat().st_mtime for d in root.glob("date=*")]
+    return datetime.fromtimestamp(max(days), timezone.utc) if days else None

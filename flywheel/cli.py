@@ -68,11 +68,11 @@ def up() -> None:
 @main.command()
 def down() -> None:
     """Stop the services `up` started for this data directory."""
-    from infra.stack import down as stack_down, unarchived_events
+    from infra.stack import down as stack_down, unarchived
 
     s = _settings()
-    if lost := unarchived_events(s):
-        click.echo(f"warning: {lost} events in Kafka are not in the event log yet; the local broker keeps topics "
+    for archive, lost in unarchived(s).items():
+        click.echo(f"warning: {lost} records in Kafka are not in the {archive} yet; the local broker keeps topics "
                    f"in memory, so they are lost when it stops (a Kafka cluster, kafka.bootstrap_servers, keeps "
                    f"them)", err=True)
     stopped = stack_down(s)
@@ -80,7 +80,7 @@ def down() -> None:
 
 
 @main.command()
-@click.option("--show-secrets", is_flag=True, help="Print the Airflow admin password itself, not where it is.")
+@click.option("--show-secrets", is_flag=True, help="Print the UIs' passwords themselves, not where they are.")
 def status(show_secrets: bool) -> None:
     """Health and URL of each service; exits 1 if a local service is not healthy."""
     s = _settings()
@@ -89,19 +89,20 @@ def status(show_secrets: bool) -> None:
 
 
 def _print_status(s: Settings, show_secrets: bool = False) -> bool:
-    from infra.services import airflow_password, airflow_password_source
+    from infra.settings import airflow_password, mlflow_password, password_source
     from infra.stack import status as stack_status
 
     rows = stack_status(s)
     for r in rows:
         pid = str(r.pid) if r.pid else "-"
         click.echo(f"{r.name:<22} {r.state:<10} pid {pid:<8} {r.url:<28} {r.detail}")
-    if "airflow" in s.stack.services:
-        password = airflow_password(s) if show_secrets else \
-            f"password in {airflow_password_source(s)} (`flywheel status --show-secrets` prints it)"
-        click.echo(f"Airflow UI: {s.airflow.api_url}  login: {s.airflow.username} / {password}")
-    if "mlflow" in s.stack.services:
-        click.echo(f"MLflow UI:  {s.mlflow.tracking_uri}")
+    for service, label, url, user, password in (
+            ("airflow", "Airflow UI:", s.airflow.api_url, s.airflow.username, airflow_password),
+            ("mlflow", "MLflow UI: ", s.mlflow.tracking_uri, s.mlflow.username, mlflow_password)):
+        if service in s.stack.services:
+            where = password(s) if show_secrets else \
+                f"password in {password_source(s, service)} (`flywheel status --show-secrets` prints it)"
+            click.echo(f"{label} {url}  login: {user} / {where}")
     return all(r.state in ("healthy", "external") for r in rows)
 
 
@@ -386,6 +387,30 @@ def features(user_id: str, item_id: str | None, category: str | None, as_json: b
         return
     for name, value in values.items():
         click.echo(f"{name:28} {'-' if value is None else value}")
+
+
+@main.command()
+@click.option("--since", type=_DATE, default=None, help="First serving time (UTC; default: all archived).")
+@click.option("--until", type=_DATE, default=None, help="End of the serving period (exclusive).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON list: a row per model version.")
+def outcomes(since: datetime | None, until: datetime | None, as_json: bool) -> None:
+    """What each model version served and its AUC on that traffic, from the prediction archive and the
+    event log (offline: survives a restart of the broker)."""
+    from serving.outcomes import auc_by_version, served_outcomes
+
+    ms = lambda d: None if d is None else int(_utc(d).timestamp() * 1000)  # noqa: E731
+    table = auc_by_version(served_outcomes(_settings(), ms(since), ms(until)))
+    if as_json:
+        click.echo(table.to_json(orient="records") if len(table) else "[]")  # NaN (no AUC) -> null
+        return
+    rows = table.to_dict("records")
+    if not rows:
+        click.echo("no served predictions archived in that period")
+    for r in rows:
+        first, last = (datetime.fromtimestamp(r[k] / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+                       for k in ("first_served", "last_served"))
+        click.echo(f"v{r['model_version']:<4} served {r['requests']:,} requests / {r['items']:,} items "
+                   f"{first} .. {last} UTC, clicks {r['clicks']:,}, CTR {r['ctr']:.4f}, AUC {r['auc']:.4f}")
 
 
 @main.command()

@@ -7,8 +7,7 @@ from typing import Any
 
 import httpx
 
-from infra.services import airflow_password
-from infra.settings import Settings
+from infra.settings import Settings, airflow_password
 
 FINISHED = {"success", "failed"}
 

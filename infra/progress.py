@@ -97,3 +97,18 @@ def progress_health(s: Settings, service: str) -> tuple[bool, str]:
     if lag > 0 and now - (p.written_at or p.started_at) > limit:
         return False, f"falling behind: lag {lag} records and no write for over {limit:g} s (last write {wrote})"
     return True, f"lag {lag} records, last write {wrote}"
+
+
+def wait_caught_up(s: Settings, service: str, wait_s: float) -> int | None:
+    """The lag of the consumer reporting as `service` once it has had up to `wait_s` to reach the end of
+    its topics. None: it never reported, or Kafka did not answer."""
+    p = read_progress(s, service)
+    if p is None:
+        return None
+    deadline = time.monotonic() + wait_s
+    try:
+        while (lag := consumer_lag(s, p.group, p.topics)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    except Exception:  # noqa: BLE001 - a broker that does not answer: nothing to tell
+        return None
+    return lag

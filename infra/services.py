@@ -16,7 +16,7 @@ from typing import Callable
 import httpx
 
 from infra.progress import progress_health
-from infra.settings import Settings, local_secret, redis_password
+from infra.settings import MLFLOW_CLIENT_ENV, Settings, airflow_password, local_secret, mlflow_password, redis_password
 
 BIN_DIR = Path(sys.executable).parent
 
@@ -55,11 +55,12 @@ class Service:
 
 def _base_env() -> dict[str, str]:
     # A developer's own AIRFLOW__* or FLYWHEEL_* variables must not leak into the stack: it is
-    # configured here, and its Flywheel settings are passed whole by the stack (settings.to_environ).
-    # Nor may the Prometheus multiprocess directory Feast exports on import: it belongs to the process
-    # that imported Feast, which deletes it on exit.
+    # configured here, and its Flywheel settings are passed whole by the stack (settings.to_environ);
+    # so are MLflow's credential variables, which settings read (MLFLOW_CLIENT_ENV). Nor may the
+    # Prometheus multiprocess directory Feast exports on import: it belongs to the process that
+    # imported Feast, which deletes it on exit.
     return {k: v for k, v in os.environ.items()
-            if not k.startswith(("AIRFLOW__", "FLYWHEEL_", "PROMETHEUS_MULTIPROC"))}
+            if not k.startswith(("AIRFLOW__", "FLYWHEEL_", "PROMETHEUS_MULTIPROC")) and k not in MLFLOW_CLIENT_ENV}
 
 
 # --- Kafka-protocol broker (Tansu) -----------------------------------------------------------
@@ -144,13 +145,29 @@ def _http_health(url: str, expect: Callable[[httpx.Response], Health]) -> Health
         return Health(False, f"{type(exc).__name__}: {exc}")
 
 
+def _mlflow_auth_config(s: Settings) -> Path:
+    """MLflow's basic-auth config (mode 600: it holds the admin's password, used once, when the user
+    store is created). Unauthenticated calls get 401; the admin may do everything, other users read."""
+    data = s.paths.service_dir("mlflow")
+    config = data / "basic_auth.ini"
+    data.mkdir(parents=True, exist_ok=True)
+    config.touch(mode=0o600)
+    config.write_text("\n".join([
+        "[mlflow]", "default_permission = READ", f"database_uri = sqlite:///{data / 'basic_auth.db'}",
+        f"admin_username = {s.mlflow.username}", f"admin_password = {mlflow_password(s)}",
+        # A password check is an scrypt hash (~80 ms of CPU) and the ranking server polls the aliases
+        # every 0.5 s: a checked credential is trusted for a minute (a changed password, after it).
+        "auth_cache_ttl_seconds = 60", ""]))
+    return config
+
+
 def _mlflow(s: Settings) -> Service:
     host, port = s.mlflow.host_port
     data = s.paths.service_dir("mlflow")
 
     def command() -> list[str]:
         (data / "artifacts").mkdir(parents=True, exist_ok=True)
-        return [str(BIN_DIR / "mlflow"), "server", "--host", host, "--port", str(port),
+        return [str(BIN_DIR / "mlflow"), "server", "--app-name", "basic-auth", "--host", host, "--port", str(port),
                 "--workers", str(s.mlflow.workers),
                 "--backend-store-uri", f"sqlite:///{data / 'mlflow.db'}",
                 "--artifacts-destination", str(data / "artifacts"), "--serve-artifacts"]
@@ -159,9 +176,16 @@ def _mlflow(s: Settings) -> Service:
         return _http_health(f"{s.mlflow.tracking_uri}/health", lambda r: Health(
             r.status_code == 200, f"HTTP {r.status_code} {r.text.strip()[:40]}"))
 
-    # The job runner serves GenAI scoring and trace archival, which a model registry does not need;
-    # off, the server starts faster and uses about half the memory.
-    env = lambda: _base_env() | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # noqa: E731
+    def env() -> dict[str, str]:
+        return _base_env() | {
+            # The job runner serves GenAI scoring and trace archival, which a model registry does not
+            # need; off, the server starts faster and uses about half the memory.
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+            "MLFLOW_AUTH_CONFIG_PATH": str(_mlflow_auth_config(s)),
+            # Signs the UI's sessions and CSRF tokens: one key for every worker, kept across restarts.
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": local_secret(data / "flask-secret-key"),
+        }
+
     return Service(name="mlflow", group="mlflow", url=s.mlflow.tracking_uri, ports=((host, port),),
                    command=command, env=env, check=health)
 
@@ -175,16 +199,6 @@ def airflow_home(s: Settings) -> Path:
 def _local_secret(s: Settings, name: str, nbytes: int = 32) -> str:
     """A random secret generated on first use and kept (mode 600) in the Airflow data directory."""
     return local_secret(airflow_home(s) / name, nbytes)
-
-
-def airflow_password(s: Settings) -> str:
-    """The admin password: from config/env, else generated once and kept in the data directory."""
-    return s.airflow.password or _local_secret(s, "admin-password", nbytes=12)
-
-
-def airflow_password_source(s: Settings) -> str:
-    """Where the admin password is, never what it is (terminal output ends up in logs)."""
-    return "the setting airflow.password" if s.airflow.password else str(airflow_home(s) / "admin-password")
 
 
 def airflow_env(s: Settings) -> dict[str, str]:
@@ -266,9 +280,6 @@ def _pipeline(s: Settings) -> list[Service]:
             return _job_progress(s, running[0])
         return _http_health(f"{s.flink.rest_url}/jobs/overview", expect)
 
-    def progressing(service: str) -> Callable[[], Health]:
-        return lambda: Health(*progress_health(s, service))  # a live PID is not a working consumer
-
     # The topics must exist before the job starts (a missing source topic fails a Flink job); a new
     # events topic also makes the job's checkpoints stale (streaming/topics.py: prepare_pipeline).
     def topics() -> list[str]:
@@ -280,11 +291,15 @@ def _pipeline(s: Settings) -> list[Service]:
                 check=job_health, phase=1, setup=topics),
         Service(name="feast-ingestor", group="pipeline", url=s.redis.url, ports=(),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "feature_repo.ingest"], env=_base_env,
-                check=progressing("feast-ingestor"), phase=1, setup=topics),
+                check=_progressing(s, "feast-ingestor"), phase=1, setup=topics),
         Service(name="event-log", group="pipeline", url=str(s.paths.service_dir("offline") / "events"), ports=(),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "feature_repo.event_log"], env=_base_env,
-                check=progressing("event-log"), phase=1, setup=topics, nice=s.streaming.event_log_niceness),
+                check=_progressing(s, "event-log"), phase=1, setup=topics, nice=s.streaming.event_log_niceness),
     ]
+
+
+def _progressing(s: Settings, service: str) -> Callable[[], Health]:
+    return lambda: Health(*progress_health(s, service))  # a live PID is not a working consumer
 
 
 def _job_progress(s: Settings, jid: str) -> Health:
@@ -307,19 +322,26 @@ def _job_progress(s: Settings, jid: str) -> Health:
 
 # --- the ranking server ------------------------------------------------------------------------
 
-def _serving(s: Settings) -> Service:
-    """Healthy once it answers HTTP; *ready* (`/readyz`) only once a champion is loaded and warm,
-    which on a fresh stack is after the first training run."""
+def _serving(s: Settings) -> list[Service]:
+    """The server is healthy once it answers HTTP; *ready* (`/readyz`) only once a champion is loaded and
+    warm, which on a fresh stack is after the first training run. The prediction archive keeps what it
+    logs offline (serving/prediction_archive.py), healthy by progress like the event log."""
     url = f"http://{s.serving.host}:{s.serving.port}"
-    return Service(name="ranking-server", group="serving", url=url, ports=((s.serving.host, s.serving.port),),
-                   command=lambda: [str(BIN_DIR / "python"), "-m", "serving.supervisor"], env=_base_env,
-                   check=lambda: _http_health(f"{url}/healthz", lambda r: Health(
-                       r.status_code == 200, f"HTTP {r.status_code}")), phase=2)
+    return [
+        Service(name="prediction-archive", group="serving", url=str(s.paths.service_dir("offline") / "predictions"),
+                ports=(), command=lambda: [str(BIN_DIR / "python"), "-m", "serving.prediction_archive"],
+                env=_base_env, check=_progressing(s, "prediction-archive"), phase=1,
+                nice=s.serving.archive_niceness),
+        Service(name="ranking-server", group="serving", url=url, ports=((s.serving.host, s.serving.port),),
+                command=lambda: [str(BIN_DIR / "python"), "-m", "serving.supervisor"], env=_base_env,
+                check=lambda: _http_health(f"{url}/healthz", lambda r: Health(
+                    r.status_code == 200, f"HTTP {r.status_code}")), phase=2),
+    ]
 
 
 def all_services(s: Settings) -> list[Service]:
     """Every service the local stack can run, in start order."""
-    return [_kafka(s), _redis(s), _mlflow(s), *_airflow(s), *_pipeline(s), _serving(s)]
+    return [_kafka(s), _redis(s), _mlflow(s), *_airflow(s), *_pipeline(s), *_serving(s)]
 
 
 def enabled_services(s: Settings) -> list[Service]:

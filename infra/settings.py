@@ -133,6 +133,10 @@ class RedisSettings:
 class MlflowSettings:
     tracking_uri: str = "http://127.0.0.1:5000"
     workers: int = 1
+    # The registry refuses every call without credentials (MLflow's basic-auth app). The local stack's
+    # admin gets a generated password (mlflow_password); for an external server, set both.
+    username: str = "admin"
+    password: str = ""  # from config/env only
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -297,6 +301,8 @@ class ServingSettings:
     poll_interval_s: float = 0.5  # one registry call per poll: the aliases of the model
     keep_warm: int = 3
     predictions_topic: str = "predictions"
+    # CPU priority of the prediction archive (nice(1)): off the request path, it catches up after a burst.
+    archive_niceness: int = 10
 
 
 @dataclass(frozen=True)
@@ -361,9 +367,17 @@ def _section(cls: type, name: str, file_values: dict[str, Any], environ: dict[st
     return cls(**values)
 
 
+# MLflow's client reads its credentials from these; set, they are mlflow.username/password (unless ours are).
+MLFLOW_CLIENT_ENV = {"MLFLOW_TRACKING_USERNAME": f"{ENV_PREFIX}MLFLOW_USERNAME",
+                     "MLFLOW_TRACKING_PASSWORD": f"{ENV_PREFIX}MLFLOW_PASSWORD"}
+
+
 def load_settings(environ: dict[str, str] | None = None, config_file: Path | None = None) -> Settings:
     """Build Settings from defaults, the config file and the environment."""
     environ = dict(os.environ if environ is None else environ)
+    for theirs, ours in MLFLOW_CLIENT_ENV.items():  # what MLflow's users already export stands for ours
+        if environ.get(theirs) and ours not in environ:
+            environ[ours] = environ[theirs]
     if config_file is None:
         configured = environ.get(f"{ENV_PREFIX}CONFIG")
         config_file = Path(configured) if configured else REPO_ROOT / "flywheel.toml"
@@ -409,12 +423,37 @@ def local_secret(path: Path, nbytes: int = 32) -> str:
     return path.read_text().strip()
 
 
+def _stack_password(s: Settings, service: str) -> str | None:
+    """<service>.password from config/env, else, for the stack's own service, one generated once into its
+    data directory (mode 600); None for an external service configured without one."""
+    configured: str = getattr(s, service).password
+    if configured:
+        return configured
+    return local_secret(password_file(s, service), nbytes=12) if service in s.stack.services else None
+
+
+def password_file(s: Settings, service: str) -> Path:
+    return s.paths.service_dir(service) / "admin-password"
+
+
+def password_source(s: Settings, service: str) -> str:
+    """Where a service's password is, never what it is (terminal output ends up in logs)."""
+    return f"the setting {service}.password" if getattr(s, service).password else str(password_file(s, service))
+
+
 def redis_password(s: Settings) -> str | None:
-    """The online store's password, which every Redis client uses: redis.password from config/env, else,
-    for the stack's own Redis, one generated once into its data directory."""
-    if s.redis.password:
-        return s.redis.password
-    return local_secret(s.paths.service_dir("redis") / "password") if "redis" in s.stack.services else None
+    """The online store's password, which every Redis client uses."""
+    return _stack_password(s, "redis")
+
+
+def mlflow_password(s: Settings) -> str | None:
+    """The registry's password for `mlflow.username`, which every MLflow client uses (models.registry)."""
+    return _stack_password(s, "mlflow")
+
+
+def airflow_password(s: Settings) -> str:
+    """The Airflow admin's password (the REST API and the UI)."""
+    return _stack_password(s, "airflow") or ""
 
 
 def to_environ(settings: Settings) -> dict[str, str]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra import process
-from infra.progress import consumer_lag, progress_path, read_progress
+from infra.progress import progress_path, wait_caught_up
 from infra.services import Health, Service, all_services, enabled_services
 from infra.settings import Settings, to_environ
 
@@ -140,21 +140,18 @@ def up(s: Settings) -> list[str]:
     return started
 
 
-def unarchived_events(s: Settings, wait_s: float = 10.0) -> int | None:
-    """Events in Kafka the running event log has not written yet, once it has had up to `wait_s` to catch
-    up. The embedded broker keeps topics in memory, so stopping it loses those. None: nothing to tell
-    (no local broker or event log running, or the broker did not answer)."""
-    log_svc = next((svc for svc in enabled_services(s) if svc.name == "event-log"), None)
-    progress = read_progress(s, "event-log")
-    if "kafka" not in s.stack.services or log_svc is None or progress is None or _running(s, log_svc) is None:
-        return None
-    deadline = time.monotonic() + wait_s
-    try:
-        while (lag := consumer_lag(s, progress.group, progress.topics)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-    except Exception:  # noqa: BLE001 - a broker that does not answer has nothing to lose here
-        return None
-    return lag
+ARCHIVES = ("event-log", "prediction-archive")  # consumers that keep a topic's records offline
+
+
+def unarchived(s: Settings, wait_s: float = 10.0) -> dict[str, int]:
+    """Per running archive (ARCHIVES): records in Kafka it has not written yet, once it has had up to
+    `wait_s` to catch up. The embedded broker keeps topics in memory, so stopping it loses those. Empty
+    when there is nothing to tell (no local broker, no archive running, or the broker did not answer)."""
+    if "kafka" not in s.stack.services:
+        return {}
+    running = [svc.name for svc in enabled_services(s) if svc.name in ARCHIVES and _running(s, svc) is not None]
+    lags = {name: wait_caught_up(s, name, wait_s) for name in running}
+    return {name: lag for name, lag in lags.items() if lag}
 
 
 def down(s: Settings) -> list[str]:

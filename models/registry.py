@@ -23,7 +23,7 @@ import pandas as pd
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from infra.settings import Settings
+from infra.settings import MLFLOW_CLIENT_ENV, Settings, mlflow_password
 from models.examples import Examples, from_frame
 from models.metrics import auc, auc_difference, calibration
 
@@ -42,12 +42,18 @@ def connect(s: Settings) -> MlflowClient:
     # MLflow retries a refused connection for minutes by default.
     os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
     os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(s.models.request_timeout_s))
+    # MLflow's client takes credentials only from the environment (its REST calls, artifact uploads).
+    if password := mlflow_password(s):
+        os.environ |= dict(zip(MLFLOW_CLIENT_ENV, (s.mlflow.username, password)))
     mlflow.set_tracking_uri(s.mlflow.tracking_uri)
     mlflow.set_registry_uri(s.mlflow.tracking_uri)
     client = MlflowClient(s.mlflow.tracking_uri, s.mlflow.tracking_uri)
     try:
         client.search_experiments(max_results=1)
     except Exception as exc:  # noqa: BLE001 - any failure here means "cannot use the registry"
+        if "401" in str(exc):
+            raise RegistryError(f"MLflow at {s.mlflow.tracking_uri} refused user '{s.mlflow.username}' (HTTP 401): "
+                                "check mlflow.username and mlflow.password") from None
         raise RegistryError(f"MLflow at {s.mlflow.tracking_uri} is unreachable ({type(exc).__name__}); "
                             "is the stack up (`flywheel status`)?") from None
     return client

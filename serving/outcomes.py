@@ -1,58 +1,39 @@
-"""What served predictions led to: the prediction log joined with the clicks that followed (by request
-id and item), and the AUC of each model version on the traffic it served.
+"""What served predictions led to: the prediction archive joined with the clicks of the event log that
+followed (by request id and item), and the AUC of each model version on the traffic it served.
 
-Reads both topics between offsets the caller recorded (the start of a live period and its end), so
-it measures exactly that period. Shadow predictions are left out: they were never shown.
+Reads the offline archives, not the topics, so it answers for any past period, across broker restarts.
+Shadow predictions are left out: they were never shown.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-
 import numpy as np
 import pandas as pd
+import pyarrow.compute as pc
 
+from feature_repo.event_log import read_event_log
 from infra.settings import Settings
 from models.metrics import auc
-from streaming.events import decode
-from streaming.topics import end_offsets, read_range
+from serving.prediction_archive import read_predictions
 
-Offsets = dict[int, int]
-
-
-@dataclass(frozen=True)
-class Period:
-    """Offsets of the prediction log and the events topic where a period of traffic starts."""
-
-    predictions: Offsets
-    events: Offsets
-
-    @classmethod
-    def now(cls, s: Settings) -> Period:
-        return cls(end_offsets(s, s.serving.predictions_topic), end_offsets(s, s.kafka.events_topic))
+COLUMNS = ["request_id", "item_id", "model_version", "route", "served_at", "score", "label"]
 
 
-def served_outcomes(s: Settings, since: Period) -> pd.DataFrame:
-    """One row per scored item shown since `since`: request_id, item_id, model_version, route,
-    served_at (ms), score, label (1.0 if the user clicked it on that request)."""
-    clicks = set()
-    for record in read_range(s, s.kafka.events_topic, since.events, end_offsets(s, s.kafka.events_topic)):
-        event = decode(record.value, s.kafka.max_event_bytes)
-        if event.event_type.value == "click":
-            clicks.add((event.request_id, event.item_id))
+def served_outcomes(s: Settings, since_ms: int | None = None, until_ms: int | None = None) -> pd.DataFrame:
+    """One row per scored item shown in since_ms <= served_at < until_ms (all archived when not given):
+    request_id, item_id, model_version, route, served_at (ms), score, label (1.0 if the user clicked it
+    on that request)."""
+    log = read_event_log(s, since_ms)  # clicks follow what they click: none before the period
+    log = log.filter(pc.field("event_type") == "click")
+    clicks = set(zip(log.column("request_id").to_pylist(), log.column("item_id").to_pylist()))
+    shown = read_predictions(s, since_ms, until_ms).filter(~pc.field("shadow"))
     rows = []
-    topic = s.serving.predictions_topic
-    for record in read_range(s, topic, since.predictions, end_offsets(s, topic)):
-        p = json.loads(record.value)
-        if p["shadow"]:
-            continue
+    for p in shown.select(["request_id", "items", "scores", "model_version", "route", "served_at"]).to_pylist():
         for item, score in zip(p["items"], p["scores"]):
             if score is not None:
-                rows.append((p["request_id"], item, str(p["model_version"]), p["route"], p["served_at"], score,
+                rows.append((p["request_id"], item, p["model_version"], p["route"], p["served_at"], score,
                              float((p["request_id"], item) in clicks)))
-    return pd.DataFrame(rows, columns=["request_id", "item_id", "model_version", "route", "served_at", "score",
-                                       "label"])
+    return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def _auc(frame: pd.DataFrame) -> float:

@@ -8,8 +8,9 @@ so nothing is lost on a crash (at-least-once delivery).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 from kafka.consumer.fetcher import ConsumerRecord
@@ -21,9 +22,9 @@ from streaming.events import (
 
 @dataclass(frozen=True)
 class Consumed:
-    """A valid event and where it was read from."""
+    """A valid event (or what the consumer's decoder made of a record) and where it was read from."""
 
-    event: Event
+    event: Event | Any
     partition: int
     offset: int
 
@@ -46,14 +47,16 @@ class EventConsumer:
     unpacked in C, so the Python cost per event is its decoding)."""
 
     def __init__(self, s: Settings, group_id: str, topic: str | None = None, *, dead_letter: bool = True,
-                 **client_overrides: object):
+                 decoder: Callable[[bytes | None], Any] | None = None, **client_overrides: object):
         """`dead_letter=False` skips invalid records (counted in `invalid`) for a reader that is not
-        their owner: the stream job dead-letters the events topic, so the event log only skips."""
+        their owner: the stream job dead-letters the events topic, so the event log only skips.
+        `decoder` reads another topic's records (raising InvalidEvent); events by default."""
         self.topic = topic or s.kafka.events_topic
         self.dead_letter = dead_letter
         self.invalid = 0
         self.dlq_topic = s.kafka.dlq_topic(self.topic)
         self.max_bytes = s.kafka.max_event_bytes
+        self.decoder = decoder or (lambda value: decode(value, self.max_bytes))
         self.dead_lettered = 0
         options: dict[str, object] = s.kafka.client_options("librdkafka") | {
             "group.id": group_id, "enable.auto.commit": False, "auto.offset.reset": "earliest",
@@ -74,7 +77,7 @@ class EventConsumer:
                     raise KafkaException(record.error())
                 continue
             try:
-                out.append(Consumed(decode(record.value(), self.max_bytes), record.partition(), record.offset()))
+                out.append(Consumed(self.decoder(record.value()), record.partition(), record.offset()))
             except InvalidEvent as exc:
                 self.invalid += 1
                 if self.dead_letter:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from infra import stack
-from infra.settings import Settings, load_settings, override, redis_password
+from infra.settings import MLFLOW_CLIENT_ENV, Settings, load_settings, mlflow_password, override, redis_password
 
 REPO = Path(__file__).resolve().parent.parent
 FLYWHEEL = [sys.executable, "-m", "flywheel.cli"]
@@ -23,7 +23,7 @@ def stack_environ(data_dir: Path, **extra: str) -> dict[str, str]:
     config = data_dir / "flywheel.toml"
     data_dir.mkdir(parents=True, exist_ok=True)
     config.write_text("")  # isolates tests from a developer's own flywheel.toml
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_") and k not in MLFLOW_CLIENT_ENV}
     return environ | stack.side_by_side_environ(data_dir) | {
         "FLYWHEEL_CONFIG": str(config),
         "FLYWHEEL_KAFKA_SESSION_TIMEOUT_MS": "2000",
@@ -39,8 +39,11 @@ def run_cli(environ: dict[str, str], *args: str, timeout: float = 300) -> subpro
 def running_stack(data_dir: Path, services: str, **extra: str) -> Iterator[Settings]:
     """For a fixture's lifetime: `services` started in their own data directory on free ports."""
     settings = load_settings(stack_environ(data_dir, FLYWHEEL_STACK_SERVICES=services, **extra))
-    if "redis" in settings.stack.services:  # explicit: settings derived with another data directory keep it
+    # Passwords explicit: settings derived with another data directory or service list keep them.
+    if "redis" in settings.stack.services:
         settings = override(settings, "redis", password=redis_password(settings))
+    if "mlflow" in settings.stack.services:
+        settings = override(settings, "mlflow", password=mlflow_password(settings))
     stack.up(settings)
     try:
         yield settings

@@ -19,7 +19,7 @@ from infra.airflow_api import AirflowClient
 from flywheel.demo import LoopPlan, Summary, run_loop, summary_lines
 from infra.settings import Settings, load_settings
 from models.registry import CHAMPION, alias_version, connect, version_tags
-from serving.outcomes import Period, served_outcomes
+from serving.outcomes import served_outcomes
 from streaming.produce import count_landed
 from streaming.topics import end_offsets
 from tests.conftest import stack_environ, wait_for
@@ -88,7 +88,7 @@ def test_a_version_trained_from_served_traffic_was_promoted_and_served(loop) -> 
     tags = version_tags(s, version)
     assert tags["parent_version"] and tags["gate_decision"] == "promoted" and tags["gate_reason"]
     # Its training window holds only served impressions: each one's request id is a logged prediction's.
-    outcomes = served_outcomes(s, Period({}, {}))
+    outcomes = served_outcomes(s)
     start, end = (int(datetime.fromisoformat(tags[k]).timestamp() * 1000) for k in ("data_start", "data_end"))
     log = read_event_log(s, start, end).to_pandas()
     trained_on = log[(log.event_type == "impression") & (log.event_time >= start) & (log.event_time < end)]

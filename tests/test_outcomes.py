@@ -1,12 +1,30 @@
-"""AUC per served model version, overall and over time (no services: the join's output as a frame)."""
+"""AUC per served model version, overall and over time; and the join reading the offline archives, so it
+outlives the (in-memory) broker that carried the predictions and the clicks."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pandas as pd
+import pytest
+from confluent_kafka import Producer
 
-from serving.outcomes import auc_by_version, auc_over_time, percentiles
+from infra import stack
+from infra.progress import wait_caught_up
+from infra.settings import load_settings
+from serving.outcomes import auc_by_version, auc_over_time, percentiles, served_outcomes
+from serving.prediction_archive import read_predictions
+from serving.prediction_log import PredictionLog
+from streaming.consumer import read_dead_letter
+from streaming.events import Event, EventType
+from streaming.producer import EventProducer
+from streaming.topics import end_offsets, ensure_topics, read_range
+from tests.conftest import REPO, run_cli, stack_environ
 
 
 def _outcomes() -> pd.DataFrame:
@@ -41,3 +59,66 @@ def test_no_traffic_is_no_figures() -> None:
     assert auc_over_time(_outcomes().iloc[:0], 30).empty
     assert math.isnan(percentiles([])["p99"])
     assert percentiles([0.010, 0.020, 0.030], (50,)) == {"p50": 20.0}
+
+
+@pytest.mark.stack
+def test_the_served_auc_per_version_outlives_a_broker_restart(tmp_path: Path) -> None:
+    """Predictions (v1 ranks each clicked item first, v2 last, a shadow record never shown) and the clicks
+    that followed, archived by the real consumers; after the broker restarts empty, the archive still
+    answers: AUC per version, the features each record was scored on, and `flywheel outcomes`."""
+    environ = stack_environ(tmp_path / "data", FLYWHEEL_STACK_SERVICES="kafka")
+    s = load_settings(environ)
+    stack.up(s)
+    ensure_topics(s, [s.kafka.events_topic, s.serving.predictions_topic])
+    archives = [subprocess.Popen([sys.executable, "-m", module], env=environ, cwd=REPO,
+                                 stderr=(tmp_path / f"{module}.log").open("w"))
+                for module in ("feature_repo.event_log", "serving.prediction_archive")]
+    try:
+        now = int(time.time() * 1000)
+        log, sent = PredictionLog(s), []
+        for n in range(40):
+            version, shadow = ("1", False) if n < 20 else ("2", n == 39)
+            good = 0.9 if version == "1" else 0.1  # the clicked item's score
+            record = {"request_id": f"r{n}", "user_id": f"u{n % 5}", "items": ["clicked", "ignored"],
+                      "categories": ["Drama", None], "scores": [good, 1 - good], "model_name": s.models.name,
+                      "model_version": version, "route": "champion", "shadow": shadow, "tier": "normal",
+                      "served_at": now + n, "features": {"user_clicks_5m": [n, None], "sequence": ["7", "9"]}}
+            log.write(record["user_id"], record)
+            sent.append(record)
+        log.close()
+        raw = Producer(s.kafka.client_options("librdkafka"))
+        raw.produce(s.serving.predictions_topic, b"{not json")
+        assert raw.flush(10) == 0
+        with EventProducer(s) as producer:
+            for n in range(40):
+                producer.send(Event(event_id=f"c{n}", user_id=f"u{n % 5}", item_id="clicked",
+                                    event_type=EventType.CLICK, request_id=f"r{n}", event_time=now + n + 500))
+        for archive in ("event-log", "prediction-archive"):
+            assert wait_caught_up(s, archive, wait_s=60) == 0, archive
+        time.sleep(1.0)  # the embedded broker lists a topic's end up to a batch early (infra/progress.py)
+        before = auc_by_version(served_outcomes(s)).set_index("model_version")
+        dlq = s.kafka.dlq_topic(s.serving.predictions_topic)
+        letters = [read_dead_letter(r) for r in read_range(s, dlq, {}, end_offsets(s, dlq))]
+        assert [(d.value, d.reason.split(":")[0]) for d in letters] == [(b"{not json", "malformed prediction record")]
+    finally:
+        for p in archives:
+            p.terminate()
+            p.wait(20)
+        stack.down(s)
+    assert before.loc["1", "auc"] == 1.0 and before.loc["2", "auc"] == 0.0
+    assert before.loc["1", "requests"] == 20 and before.loc["2", "requests"] == 19  # the shadow one was not shown
+    archived = read_predictions(s).to_pylist()
+    assert len(archived) == 40  # exactly the records served (the malformed one went to the dead letters)
+    r7 = next(r for r in archived if r["request_id"] == "r7")
+    assert json.loads(r7["features"]) == sent[7]["features"] and r7["scores"] == sent[7]["scores"]
+
+    stack.up(s)  # a fresh broker: the topics it held are gone, the archive is not
+    try:
+        ensure_topics(s, [s.serving.predictions_topic])
+        assert sum(end_offsets(s, s.serving.predictions_topic).values()) == 0
+        shown = run_cli(environ, "outcomes", "--json")
+        assert shown.returncode == 0, shown.stderr
+        after = {row["model_version"]: row for row in json.loads(shown.stdout)}
+        assert {v: (r["requests"], r["auc"]) for v, r in after.items()} == {"1": (20, 1.0), "2": (19, 0.0)}
+    finally:
+        stack.down(s)

@@ -10,6 +10,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
 import keras
 import mlflow
 import numpy as np
@@ -148,6 +149,23 @@ def test_unreachable_mlflow_is_a_clear_error(registry: Settings) -> None:
     with pytest.raises(RegistryError, match="unreachable"):
         rollback(s, why="x")
     assert time.monotonic() - started < 30
+
+
+def test_the_registry_refuses_writes_without_credentials(registry: Settings) -> None:
+    """@champion decides what every user is served: moving it, or registering a model, takes the
+    credentials; a wrong password is named as such, not as an unreachable server."""
+    s, url = registry, registry.mlflow.tracking_uri
+    connect(s).create_registered_model("guarded")
+    anonymous = {"create": ("registered-models/create", {"name": "intruder"}),
+                 "alias": ("registered-models/alias", {"name": "guarded", "alias": CHAMPION, "version": "1"})}
+    for path, body in anonymous.values():
+        assert httpx.post(f"{url}/api/2.0/mlflow/{path}", json=body, timeout=10).status_code == 401
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # probes need no credentials
+    wrong = replace(s, mlflow=replace(s.mlflow, password="not-the-password"))
+    with pytest.raises(RegistryError, match="refused user 'admin'"):
+        connect(wrong)
+    names = [m.name for m in connect(s).search_registered_models()]
+    assert "guarded" in names and "intruder" not in names
 
 
 def test_a_version_continuing_a_former_champion_is_refused(registry: Settings, tmp_path: Path) -> None:

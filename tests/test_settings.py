@@ -78,7 +78,7 @@ def test_the_documented_example_config_for_real_clusters_loads() -> None:
 
 
 def test_the_airflow_password_comes_from_the_environment_or_is_generated_once(tmp_path: Path) -> None:
-    from infra.services import airflow_password
+    from infra.settings import airflow_password
 
     given = load_settings({"FLYWHEEL_AIRFLOW_PASSWORD": "from-env", "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path)},
                           config_file=None)
@@ -90,6 +90,14 @@ def test_the_airflow_password_comes_from_the_environment_or_is_generated_once(tm
     assert len(generated) >= 16 and airflow_password(local) == generated  # kept across calls
     secret = tmp_path / "airflow" / "admin-password"
     assert secret.read_text() == generated and secret.stat().st_mode & 0o077 == 0
+
+
+def test_mlflow_credentials_come_from_mlflows_own_variables_unless_ours_are_set() -> None:
+    theirs = {"MLFLOW_TRACKING_USERNAME": "ana", "MLFLOW_TRACKING_PASSWORD": "theirs"}
+    s = load_settings(theirs, config_file=None)
+    assert (s.mlflow.username, s.mlflow.password) == ("ana", "theirs")
+    assert load_settings(theirs | {"FLYWHEEL_MLFLOW_PASSWORD": "ours"}, config_file=None).mlflow.password == "ours"
+    assert load_settings({}, config_file=None).mlflow.password == ""
 
 
 def test_settings_reach_a_child_process_through_the_environment(tmp_path: Path) -> None:

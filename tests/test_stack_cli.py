@@ -49,7 +49,7 @@ def test_up_is_idempotent_status_reports_health_and_down_leaves_nothing(tmp_path
         first = run_cli(environ, "up")
         assert first.returncode == 0, first.stdout + first.stderr
         services = ["kafka", "redis", "mlflow", "airflow-api-server", "airflow-scheduler", "airflow-dag-processor",
-                    "stream-job", "feast-ingestor", "event-log", "ranking-server"]
+                    "stream-job", "feast-ingestor", "event-log", "prediction-archive", "ranking-server"]
         assert sorted(pids(first.stdout)) == sorted(services)
 
         again = run_cli(environ, "up")
@@ -59,14 +59,20 @@ def test_up_is_idempotent_status_reports_health_and_down_leaves_nothing(tmp_path
         status = run_cli(environ, "status")
         assert status.returncode == 0
         assert pids(status.stdout) == pids(first.stdout)
-        # Where the password is, not what it is: terminal output ends up in logs.
-        password_file = settings.paths.data_dir / "airflow" / "admin-password"
-        assert f"password in {password_file}" in status.stdout
-        assert password_file.read_text().strip() not in first.stdout + status.stdout
-        assert oct(password_file.stat().st_mode & 0o777) == "0o600"
+        # Where the passwords are, not what they are: terminal output ends up in logs.
+        for service in ("airflow", "mlflow", "redis"):
+            password_file = settings.paths.data_dir / service / "admin-password"
+            assert service == "redis" or f"password in {password_file}" in status.stdout
+            assert password_file.read_text().strip() not in first.stdout + status.stdout
+            assert oct(password_file.stat().st_mode & 0o777) == "0o600"
         status = run_cli(environ, "status", "--show-secrets")
         login = re.search(r"Airflow UI: (\S+)\s+login: (\S+) / (\S+)", status.stdout)
         assert login and login.group(1) == settings.airflow.api_url
+        mlflow_login = re.search(r"MLflow UI: +(\S+)\s+login: (\S+) / (\S+)", status.stdout)
+        assert mlflow_login and mlflow_login.group(1) == settings.mlflow.tracking_uri
+        search = f"{settings.mlflow.tracking_uri}/api/2.0/mlflow/registered-models/search"
+        assert httpx.get(search, auth=(mlflow_login.group(2), mlflow_login.group(3))).status_code == 200
+        assert httpx.get(search).status_code == 401
         token = httpx.post(f"{settings.airflow.api_url}/auth/token",
                            json={"username": login.group(2), "password": login.group(3)})
         assert token.status_code in (200, 201) and token.json()["access_token"]
@@ -74,11 +80,10 @@ def test_up_is_idempotent_status_reports_health_and_down_leaves_nothing(tmp_path
                            json={"username": login.group(2), "password": "not-the-password"})
         assert wrong.status_code == 401
 
-        # Redis wants the password generated into the data directory (mode 600); every client has it.
+        # Redis wants its generated password; every client has it.
         with pytest.raises(redis.AuthenticationError):
             redis.Redis.from_url(settings.redis.url).ping()
         assert redis.Redis.from_url(settings.redis.url, password=redis_password(settings)).ping()
-        assert oct((settings.paths.data_dir / "redis" / "password").stat().st_mode & 0o777) == "0o600"
 
         logs = run_cli(environ, "logs", "mlflow", "-n", "5")
         assert logs.returncode == 0 and logs.stdout.strip()

@@ -408,10 +408,10 @@ def test_down_knows_the_events_the_event_log_has_not_written(pipeline: Settings,
         with EventProducer(s) as producer:
             for i in range(10):
                 producer.send(event(600 + i, "user-unarchived", "i1", IMP, t0 + i))
-        wait_for(lambda: assert_positive(stack.unarchived_events(s, wait_s=0)), timeout_s=30)
+        wait_for(lambda: assert_positive(stack.unarchived(s, wait_s=0).get("event-log")), timeout_s=30)
     finally:
         os.kill(pid, signal.SIGCONT)
-    assert stack.unarchived_events(s, wait_s=30) == 0  # caught up once resumed: nothing to lose
+    assert stack.unarchived(s, wait_s=30) == {}  # caught up once resumed: nothing to lose
 
 
 def assert_positive(n: int | None) -> None:

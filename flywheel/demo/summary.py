@@ -1,5 +1,5 @@
-"""The loop's outcome: what was served and learned, gathered from the registry, the prediction log and
-Kafka (`report`), and printed (`summary_lines`)."""
+"""The loop's outcome: what was served and learned, gathered from the registry, the prediction archive,
+the event log and Kafka (`report`), and printed (`summary_lines`)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ from datetime import datetime
 from flywheel.demo.plan import Summary
 from infra.settings import Settings
 from models.registry import list_versions, version_tags
-from serving.outcomes import Period, auc_by_version, auc_over_time, percentiles, served_outcomes
+from infra.stack import unarchived
+from serving.outcomes import auc_by_version, auc_over_time, percentiles, served_outcomes
 from streaming.topics import end_offsets
 
 
-def report(s: Settings, period: Period, summary: Summary) -> None:
-    outcomes = served_outcomes(s, period)
+def report(s: Settings, since_ms: int, summary: Summary) -> None:
+    """What was served since `since_ms` and what it led to, once the archives hold the period's end."""
+    unarchived(s, wait_s=30)
+    outcomes = served_outcomes(s, since_ms)
     summary.predictions_logged = outcomes["request_id"].nunique() if len(outcomes) else 0
     by_version = auc_by_version(outcomes)
     summary.served = by_version.to_dict("records")
@@ -72,7 +75,8 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
     lines += [f"whole loop: {summary.seconds / 60:.1f} min",
               f"Airflow UI: {s.airflow.api_url} (user {s.airflow.username}; "
               f"its password: `flywheel status --show-secrets`)",
-              f"MLflow UI:  {s.mlflow.tracking_uri}/#/models/{s.models.name}",
+              f"MLflow UI:  {s.mlflow.tracking_uri}/#/models/{s.models.name} (user {s.mlflow.username}; "
+              f"its password: `flywheel status --show-secrets`)",
               f"Ranking API: http://{s.serving.host}:{s.serving.port}/docs",
               f"Summary as JSON: {s.paths.data_dir / 'demo' / 'summary.json'}",
               "The stack keeps running (incremental_training on its cadence); stop it with `make down`."]
