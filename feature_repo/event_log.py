@@ -11,6 +11,7 @@ import json
 import logging
 import signal
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -64,20 +65,27 @@ def last_write(s: Settings) -> datetime | None:
     return last_day_write(event_log_dir(s))
 
 
+def archive(s: Settings, service: str, consumer: EventConsumer, write: Callable[[Settings, list[Consumed]], int],
+            max_records: int) -> None:
+    """Until SIGTERM: poll, write the batch, then commit (at-least-once; files named by their first record
+    make a replayed batch overwrite itself), reporting progress as `service` (infra/progress.py)."""
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    progress = ProgressReport(s, service, consumer.group, [consumer.topic])
+    while not stopping:
+        batch = consumer.poll(timeout_ms=500, max_records=max_records)
+        if batch:
+            write(s, batch)
+        consumer.commit()
+        progress.beat(wrote=bool(batch))
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     s = get_settings()
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     with EventConsumer(s, GROUP, dead_letter=False) as consumer:
         log.info("logging %s to %s", consumer.topic, event_log_dir(s))
-        progress = ProgressReport(s, "event-log", GROUP, [consumer.topic])
-        while not stopping:
-            batch = consumer.poll(timeout_ms=500, max_records=20_000)
-            if batch:
-                write_batch(s, batch)
-            consumer.commit()
-            progress.beat(wrote=bool(batch))
+        archive(s, "event-log", consumer, write_batch, max_records=20_000)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,8 @@ import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from feature_repo.event_log import archive
 from feature_repo.files import day, offline_dir, part_name, read_days, write_atomic
-from infra.progress import ProgressReport
 from infra.settings import Settings, get_settings
 from streaming.consumer import Consumed, EventConsumer
 from streaming.events import InvalidEvent
@@ -85,19 +84,11 @@ def read_predictions(s: Settings, start_ms: int | None = None, end_ms: int | Non
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     s = get_settings()
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     topic = s.serving.predictions_topic
     ensure_topics(s, [topic])
     with EventConsumer(s, GROUP, topic, decoder=decode_prediction) as consumer:
         log.info("archiving %s to %s", topic, archive_dir(s))
-        progress = ProgressReport(s, "prediction-archive", GROUP, [topic])
-        while not stopping:
-            batch = consumer.poll(timeout_ms=500, max_records=1_000)
-            if batch:
-                write_batch(s, batch)
-            consumer.commit()
-            progress.beat(wrote=bool(batch))
+        archive(s, "prediction-archive", consumer, write_batch, max_records=1_000)
 
 
 if __name__ == "__main__":

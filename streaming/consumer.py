@@ -51,7 +51,7 @@ class EventConsumer:
         """`dead_letter=False` skips invalid records (counted in `invalid`) for a reader that is not
         their owner: the stream job dead-letters the events topic, so the event log only skips.
         `decoder` reads another topic's records (raising InvalidEvent); events by default."""
-        self.topic = topic or s.kafka.events_topic
+        self.topic, self.group = topic or s.kafka.events_topic, group_id
         self.dead_letter = dead_letter
         self.invalid = 0
         self.dlq_topic = s.kafka.dlq_topic(self.topic)
