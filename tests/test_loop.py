@@ -122,6 +122,10 @@ def test_the_rollback_is_followed_by_serving(loop) -> None:
     assert version_tags(s, r["from"])["rolled_back_reason"]
     served = {row["model_version"]: row for row in summary.served}
     assert served[r["to"]]["last_served"] > served[r["from"]]["first_served"]  # served again after it
+    # Learning resumed from the rolled-back-to version before the demo ended: the stack it leaves is caught up.
+    c = summary.catch_up
+    assert c["from"] == r["to"] and c["state"] == "success" and c["train"] in ("success", "skipped"), c
+    assert c["train"] == "skipped" or version_tags(s, c["version"])["parent_version"] == r["to"]
 
 
 def _assert(condition: bool) -> None:

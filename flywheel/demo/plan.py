@@ -47,4 +47,5 @@ class Summary:
     incremental_promoted: list[str] = field(default_factory=list)
     refused_drill: dict[str, str] = field(default_factory=dict)
     rollback: dict[str, object] = field(default_factory=dict)
+    catch_up: dict[str, object] = field(default_factory=dict)  # incremental_training after the rollback
     seconds: float = 0.0

@@ -72,6 +72,10 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
         r = summary.rollback
         lines.append(f"rollback drill: model_rollback DAG v{r['from']} -> v{r['to']} in {r['dag_s']:.1f}s, served "
                      f"{r['served_after_dag_s']:.1f}s later")
+    if summary.catch_up:
+        c = summary.catch_up
+        lines.append(f"after the rollback: incremental_training from v{c['from']} {c['state']} (train {c['train']})"
+                     + (f", v{c['version']} {c['gate']} by the gate" if c["version"] else ""))
     lines += [f"whole loop: {summary.seconds / 60:.1f} min",
               f"Airflow UI: {s.airflow.api_url} (user {s.airflow.username}; "
               f"its password: `flywheel status --show-secrets`)",
