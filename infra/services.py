@@ -187,7 +187,8 @@ def _mlflow(s: Settings) -> Service:
         }
 
     return Service(name="mlflow", group="mlflow", url=s.mlflow.tracking_uri, ports=((host, port),),
-                   command=command, env=env, check=health)
+                   command=command, env=env, check=health,
+                   setup=lambda: [str(BIN_DIR / "python"), "-m", "infra.mlflow_admin"])
 
 
 # --- Airflow: api-server, scheduler, dag-processor (SQLite, LocalExecutor) ---------------------

@@ -168,6 +168,23 @@ def test_the_registry_refuses_writes_without_credentials(registry: Settings) -> 
     assert "guarded" in names and "intruder" not in names
 
 
+def test_a_changed_password_setting_is_the_admins_after_a_restart(tmp_path: Path) -> None:
+    """MLflow takes its admin password only when it creates its user store; the local stack makes the
+    setting the admin's on every start, so changing it never locks the platform out of its registry."""
+    first = running_stack(tmp_path, "mlflow", FLYWHEEL_MLFLOW_PASSWORD="first-password-0")
+    s = next(first)
+    connect(s).create_registered_model("kept")
+    next(first, None)  # stopped
+    again = running_stack(tmp_path, "mlflow", FLYWHEEL_MLFLOW_PASSWORD="second-password-0")
+    s2 = next(again)
+    try:
+        assert [m.name for m in connect(s2).search_registered_models()] == ["kept"]
+        with pytest.raises(RegistryError, match="refused user 'admin'"):
+            connect(replace(s2, mlflow=replace(s2.mlflow, password=s.mlflow.password)))
+    finally:
+        next(again, None)
+
+
 def test_a_version_continuing_a_former_champion_is_refused(registry: Settings, tmp_path: Path) -> None:
     """An incremental version whose parent was rolled back (or replaced) while it trained never
     undoes that: the gate refuses it, however good its AUC."""
