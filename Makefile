@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 FLYWHEEL := .venv/bin/flywheel
 
-.PHONY: setup demo test test-fast up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-report lock clean
+.PHONY: setup demo test test-fast up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-retrieval bench-report lock clean
 
 setup:  ## install both environments and the Flink connector jars from the lock files
 	@bash infra/setup.sh
@@ -42,6 +42,9 @@ bench-dags: setup  ## edges/s into the graph store; with ARGS=--training (after 
 
 bench-serving: setup  ## model limit vs server throughput at p99 <= 50 ms; batching, buckets, executors on/off; swap time
 	.venv/bin/python -m benchmarks.serving $(ARGS)
+
+bench-retrieval: setup  ## recall@20 / NDCG@20 of two-tower, graph, merged and popular candidates on MovieLens (no stack)
+	.venv/bin/python -m benchmarks.retrieval $(ARGS)
 
 bench-report: setup  ## every suite and the demo, one run: docs/benchmarks.md and docs/plots/*.png (~35 min)
 	.venv/bin/python -m benchmarks.report $(ARGS)

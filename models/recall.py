@@ -1,0 +1,85 @@
+"""Candidate sources for recommendation and their merge, with the offline measures of a candidate list.
+
+Sources: the two-tower model's nearest items (models/retrieval.py), item neighbours of the user's recent
+positives (the behavior graph's co-interaction score, models/graph.py), and popularity, the fallback for
+a user the other two know nothing of. Merged by reciprocal-rank fusion: an item's score is the sum over
+the sources that list it of 1 / (60 + its rank there), so an item two sources agree on rises, and no
+source's score scale has to be comparable to another's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+RRF_K = 60  # the usual constant of reciprocal-rank fusion (Cormack et al., 2009)
+
+
+def top_k(scores: np.ndarray, item_ids: Sequence[str], k: int, exclude: set[str] = frozenset()) -> list[str]:
+    """The k best-scored items, skipping `exclude`."""
+    out = []
+    for j in np.argsort(-scores, kind="stable"):
+        if item_ids[j] not in exclude:
+            out.append(item_ids[j])
+            if len(out) == k:
+                break
+    return out
+
+
+def popular(positives: Iterable[str]) -> list[str]:
+    """Items by number of positives, most first (ties by id)."""
+    counts = Counter(positives)
+    return sorted(counts, key=lambda i: (-counts[i], i))
+
+
+def co_interaction(weighted: Iterable[tuple[str, str, float]], keep: int) -> dict[str, list[tuple[str, float]]]:
+    """Per item, its `keep` best neighbours by score(i, j) = sum over users u of w(u, i) * w(u, j), from
+    (user, item, weight) rows: the graph store's item_neighbours, computed in memory."""
+    by_user: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for user, item, w in weighted:
+        by_user[user][item] += w
+    scores: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for items in by_user.values():
+        for i, wi in items.items():
+            for j, wj in items.items():
+                if i != j:
+                    scores[i][j] += wi * wj
+    return {i: sorted(row.items(), key=lambda kv: (-kv[1], kv[0]))[:keep] for i, row in scores.items()}
+
+
+def neighbours_of(recent: Sequence[str], neighbours: Mapping[str, Sequence[tuple[str, float]]], k: int,
+                  exclude: set[str] = frozenset()) -> list[str]:
+    """Graph recall: items neighbouring the user's recent positives, by summed neighbour score."""
+    scores: dict[str, float] = defaultdict(float)
+    for item in recent:
+        for other, score in neighbours.get(item, ()):
+            if other not in exclude:
+                scores[other] += score
+    return sorted(scores, key=lambda i: (-scores[i], i))[:k]
+
+
+def merge(sources: Mapping[str, Sequence[str]], k: int) -> list[tuple[str, float, list[str]]]:
+    """Reciprocal-rank fusion of the sources' lists: (item, fused score, the sources that listed it), best
+    first, at most k."""
+    fused: dict[str, float] = defaultdict(float)
+    named: dict[str, list[str]] = defaultdict(list)
+    for name, items in sources.items():
+        for rank, item in enumerate(items):
+            fused[item] += 1.0 / (RRF_K + rank + 1)
+            named[item].append(name)
+    best = sorted(fused, key=lambda i: (-fused[i], i))[:k]
+    return [(i, fused[i], named[i]) for i in best]
+
+
+def recall_at_k(listed: Sequence[str], relevant: set[str], k: int) -> float:
+    """Share of the relevant items among the first k listed."""
+    return len(set(listed[:k]) & relevant) / len(relevant) if relevant else 0.0
+
+
+def ndcg_at_k(listed: Sequence[str], relevant: set[str], k: int) -> float:
+    """Discounted cumulative gain of the first k listed (binary relevance), over the best possible."""
+    gain = sum(1.0 / np.log2(r + 2) for r, item in enumerate(listed[:k]) if item in relevant)
+    ideal = sum(1.0 / np.log2(r + 2) for r in range(min(k, len(relevant))))
+    return gain / ideal if ideal else 0.0

@@ -1,0 +1,204 @@
+"""Two-tower retrieval: a user tower (id, recent positive items, profile) and an item tower (id, genres,
+release year, popularity) map into one space; a user's candidates are the catalogue items nearest to
+its embedding (cosine), so retrieval covers the whole catalogue, not a list the caller brings.
+
+Trained on positives (clicks) with in-batch negatives: the other items of a batch are each example's
+negatives. Items enter a batch in proportion to their popularity, so each logit is corrected by the log
+of that probability (logQ, Yi et al., RecSys 2019); uncorrected, the model learns to push popular
+items away. The recent-items input shares the item id embedding with the item tower.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from models.layers import MLP
+from streaming.movielens import Rating
+
+PAD = 0  # index 0 of every vocabulary: padding and ids not seen in training
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    """The items the model can retrieve and their side inputs, row k = item k + 1 of the vocabulary."""
+
+    item_ids: list[str]
+    genres: np.ndarray  # (n, G) multi-hot
+    dense: np.ndarray  # (n, 2): release year (standardized), log popularity (standardized)
+
+    @classmethod
+    def build(cls, items: list[dict[str, str]], counts: dict[str, int]) -> Catalogue:
+        """From the `.item` rows (item_id, release_year, class) and positives per item in training."""
+        genres = sorted({g for row in items for g in row.get("class", "").split()})
+        ids = [row["item_id"] for row in items]
+        hot = np.array([[g in row.get("class", "").split() for g in genres] for row in items], dtype="float32")
+        year = np.array([_number(row.get("release_year", "")) for row in items], dtype="float32")
+        year = np.nan_to_num(year, nan=float(np.nanmean(year)))
+        pop = np.log1p(np.array([counts.get(i, 0) for i in ids], dtype="float32"))
+        dense = np.stack([year, pop], axis=1)
+        return cls(ids, hot, (dense - dense.mean(0)) / (dense.std(0) + 1e-6))
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:  # MovieLens spells a missing year "unkonwn"
+        return float("nan")
+
+
+@dataclass(frozen=True)
+class Profiles:
+    """User id -> (age bucket, gender, occupation) indices; unknown users get PAD."""
+
+    index: dict[str, tuple[int, int, int]]
+    sizes: tuple[int, int, int]
+
+    @classmethod
+    def build(cls, users: list[dict[str, str]]) -> Profiles:
+        genders = {g: k + 1 for k, g in enumerate(sorted({u["gender"] for u in users}))}
+        jobs = {o: k + 1 for k, o in enumerate(sorted({u["occupation"] for u in users}))}
+        index = {u["user_id"]: (min(int(u["age"]) // 10, 7) + 1, genders[u["gender"]], jobs[u["occupation"]])
+                 for u in users}
+        return cls(index, (9, len(genders) + 1, len(jobs) + 1))
+
+    def of(self, user_ids: Sequence[str]) -> np.ndarray:
+        return np.array([self.index.get(u, (PAD, PAD, PAD)) for u in user_ids], dtype="int32")
+
+
+class UserTower(keras.layers.Layer):
+    """(user (B,) int, recent (B, L) int with PAD, profile (B, 3) int) -> (B, D) unit vectors."""
+
+    def __init__(self, users: int, item_embedding: keras.layers.Embedding, profile_sizes: Sequence[int], dim: int,
+                 **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.user = keras.layers.Embedding(users, dim)
+        self.items = item_embedding
+        self.profile = [keras.layers.Embedding(n, 8) for n in profile_sizes]
+        self.mlp = MLP([2 * dim, dim])
+
+    def call(self, user, recent, profile):
+        mask = tf.cast(recent != PAD, "float32")[..., None]
+        pooled = tf.reduce_sum(self.items(recent) * mask, 1) / tf.maximum(tf.reduce_sum(mask, 1), 1.0)
+        parts = [self.user(user), pooled] + [e(profile[:, k]) for k, e in enumerate(self.profile)]
+        return tf.math.l2_normalize(self.mlp(tf.concat(parts, -1)), -1)
+
+
+class ItemTower(keras.layers.Layer):
+    """(item (B,) int, genres (B, G), dense (B, 2)) -> (B, D) unit vectors."""
+
+    def __init__(self, item_embedding: keras.layers.Embedding, dim: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.items = item_embedding
+        self.mlp = MLP([2 * dim, dim])
+
+    def call(self, item, genres, dense):
+        return tf.math.l2_normalize(self.mlp(tf.concat([self.items(item), genres, dense], -1)), -1)
+
+
+def in_batch_loss(users: tf.Tensor, items: tf.Tensor, item_index: tf.Tensor, log_q: tf.Tensor,
+                  temperature: float) -> tf.Tensor:
+    """Softmax over the batch's items, each row's own item the label. users, items (B, D); item_index,
+    log_q (B,). A row's other copies of its own item are masked: they are not negatives."""
+    logits = tf.matmul(users, items, transpose_b=True) / temperature - log_q[None, :]
+    same = tf.equal(item_index[:, None], item_index[None, :])
+    logits = tf.where(same & ~tf.eye(tf.shape(users)[0], dtype=tf.bool), -1e9, logits)
+    labels = tf.range(tf.shape(users)[0])
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+
+
+@dataclass
+class Positives:
+    """Training examples: a user's state just before a click, and the clicked item (vocabulary indices)."""
+
+    users: np.ndarray  # (N,)
+    recent: np.ndarray  # (N, L)
+    items: np.ndarray  # (N,)
+    user_ids: list[str]
+
+
+def recent_positives(ratings: Sequence[Rating], click_min_rating: float, length: int) -> dict[str, list[str]]:
+    """Each user's last `length` clicked items at the end of `ratings` (time order), newest last."""
+    recent: dict[str, deque] = defaultdict(lambda: deque(maxlen=length))
+    for r in ratings:
+        if r.rating >= click_min_rating:
+            recent[r.user_id].append(r.item_id)
+    return {u: list(q) for u, q in recent.items()}
+
+
+class TwoTower:
+    """The retrieval model over a fixed vocabulary of training users and the catalogue's items."""
+
+    def __init__(self, catalogue: Catalogue, profiles: Profiles, user_ids: Sequence[str], dim: int = 32,
+                 sequence_length: int = 20, temperature: float = 0.1) -> None:
+        self.catalogue, self.profiles, self.length, self.temperature = catalogue, profiles, sequence_length, temperature
+        self.item_index = {i: k + 1 for k, i in enumerate(catalogue.item_ids)}
+        self.user_index = {u: k + 1 for k, u in enumerate(user_ids)}
+        shared = keras.layers.Embedding(len(catalogue.item_ids) + 1, dim)
+        self.user_tower = UserTower(len(user_ids) + 1, shared, profiles.sizes, dim)
+        self.item_tower = ItemTower(shared, dim)
+        self.genres = np.vstack([np.zeros((1, catalogue.genres.shape[1]), "float32"), catalogue.genres])
+        self.dense = np.vstack([np.zeros((1, 2), "float32"), catalogue.dense]).astype("float32")
+
+    def positives(self, ratings: Sequence[Rating], click_min_rating: float) -> Positives:
+        """Every click in `ratings` (time order) with the user's clicks before it."""
+        history: dict[str, deque] = defaultdict(lambda: deque(maxlen=self.length))
+        users, recent, items, ids = [], [], [], []
+        for r in ratings:
+            if r.rating < click_min_rating or r.item_id not in self.item_index:
+                continue
+            users.append(self.user_index.get(r.user_id, PAD))
+            recent.append(self._pad(history[r.user_id]))
+            items.append(self.item_index[r.item_id])
+            ids.append(r.user_id)
+            history[r.user_id].append(r.item_id)
+        return Positives(np.array(users, "int32"), np.array(recent, "int32").reshape(-1, self.length),
+                         np.array(items, "int32"), ids)
+
+    def _pad(self, items: Sequence[str]) -> list[int]:
+        idx = [self.item_index.get(i, PAD) for i in list(items)[-self.length:]]
+        return [PAD] * (self.length - len(idx)) + idx
+
+    def fit(self, data: Positives, epochs: int = 8, batch_size: int = 512, seed: int = 7) -> list[float]:
+        """Adam on the in-batch softmax with logQ; returns the mean loss per epoch."""
+        counts = np.bincount(data.items, minlength=len(self.item_index) + 1).astype("float64")
+        log_q = np.log(counts / counts.sum() + 1e-12).astype("float32")
+        profiles = self.profiles.of(data.user_ids)
+        optimizer = keras.optimizers.Adam(0.003)
+        towers = (self.user_tower, self.item_tower)
+
+        @tf.function(reduce_retracing=True)
+        def step(u, rec, prof, it):
+            with tf.GradientTape() as tape:
+                loss = in_batch_loss(self.user_tower(u, rec, prof),
+                                     self.item_tower(it, tf.gather(self.genres, it), tf.gather(self.dense, it)),
+                                     it, tf.gather(log_q, it), self.temperature)
+            variables = [v for t in towers for v in t.trainable_variables]
+            variables = list({id(v): v for v in variables}.values())  # the shared item table once
+            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+            return loss
+
+        rng, losses = np.random.default_rng(seed), []
+        for _ in range(epochs):
+            order, total = rng.permutation(len(data.items)), []
+            for b in range(0, len(order) - batch_size + 1, batch_size):
+                k = order[b:b + batch_size]
+                total.append(float(step(data.users[k], data.recent[k], profiles[k], data.items[k])))
+            losses.append(float(np.mean(total)))
+        return losses
+
+    def item_embeddings(self) -> np.ndarray:
+        """(n, D): row k is catalogue item k."""
+        idx = np.arange(1, len(self.catalogue.item_ids) + 1, dtype="int32")
+        return self.item_tower(idx, self.genres[idx], self.dense[idx]).numpy()
+
+    def user_embeddings(self, user_ids: Sequence[str], recent: Sequence[Sequence[str]]) -> np.ndarray:
+        """(B, D) for users with their recent clicked items (oldest first); a new user is PAD everywhere."""
+        users = np.array([self.user_index.get(u, PAD) for u in user_ids], "int32")
+        rec = np.array([self._pad(r) for r in recent], "int32").reshape(-1, self.length)
+        return self.user_tower(users, rec, self.profiles.of(user_ids)).numpy()

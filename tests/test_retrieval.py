@@ -1,0 +1,65 @@
+"""Retrieval: the two-tower model finds what a user's behavior points to, graph recall follows
+co-interaction, the merge favours what sources agree on, and the offline measures."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from models.recall import co_interaction, merge, ndcg_at_k, neighbours_of, popular, recall_at_k, top_k
+from models.retrieval import Catalogue, Profiles, TwoTower
+from streaming.movielens import Rating
+
+ITEMS = [{"item_id": str(i), "release_year": str(1990 + i % 10), "class": "Drama" if i < 20 else "Comedy"}
+         for i in range(40)]
+USERS = [{"user_id": f"u{n}", "age": str(20 + n % 40), "gender": "MF"[n % 2], "occupation": "other"}
+         for n in range(60)]
+
+
+def _ratings(seed: int = 3) -> list[Rating]:
+    """Users u0..u29 click only items 0..19, u30..u59 only 20..39; item 0 and 20 are each side's favourite."""
+    rng, out, t = np.random.default_rng(seed), [], 0
+    for _ in range(30):
+        for n in range(60):
+            base = 0 if n < 30 else 20
+            item = base if rng.random() < 0.3 else base + int(rng.integers(1, 20))
+            t += 1
+            out.append(Rating(f"u{n}", str(item), 5.0, t))
+    return out
+
+
+def test_the_two_tower_model_retrieves_from_the_users_side_of_the_catalogue() -> None:
+    ratings = _ratings()
+    catalogue = Catalogue.build(ITEMS, dict(zip(*np.unique([r.item_id for r in ratings], return_counts=True))))
+    model = TwoTower(catalogue, Profiles.build(USERS), [u["user_id"] for u in USERS], dim=16)
+    losses = model.fit(model.positives(ratings, 4), epochs=6, batch_size=64)
+    assert losses[-1] < losses[0]
+    users = ["u1", "u40", "new-user"]
+    recent = [["3", "5", "7"], ["25", "33"], ["4", "9"]]  # the new user's recent clicks alone place them
+    scores = model.user_embeddings(users, recent) @ model.item_embeddings().T
+    sides = [[int(i) < 20 for i in top_k(row, catalogue.item_ids, 10)] for row in scores]
+    assert sum(sides[0]) >= 9 and sum(sides[1]) <= 1 and sum(sides[2]) >= 8, sides
+
+
+def test_graph_recall_follows_co_interaction_and_popularity_counts() -> None:
+    rows = [("a", "1", 1.0), ("a", "2", 1.0), ("b", "1", 1.0), ("b", "2", 1.0), ("b", "3", 1.0), ("c", "3", 2.0),
+            ("c", "4", 1.0)]
+    neighbours = co_interaction(rows, keep=2)
+    assert neighbours["1"] == [("2", 2.0), ("3", 1.0)]
+    assert neighbours_of(["1"], neighbours, 5, exclude={"2"}) == ["3"]
+    assert neighbours_of(["3"], neighbours, 5) == ["4", "1"]  # 2 ties with 1 and falls outside `keep`
+    assert popular(["b", "a", "b", "c", "a", "b"]) == ["b", "a", "c"]
+
+
+def test_the_merge_favours_agreement_and_names_the_sources() -> None:
+    merged = merge({"two-tower": ["x", "y", "z"], "graph": ["y", "w"], "popularity": ["p", "x"]}, k=3)
+    assert [m[0] for m in merged] == ["x", "y", "p"]  # x and y: two sources each (tied, by id); then a first place
+    named = {item: sources for item, _, sources in merged}
+    assert named["y"] == ["two-tower", "graph"] and named["x"] == ["two-tower", "popularity"]
+    assert len(merged) == 3 and len({m[0] for m in merged}) == 3
+
+
+def test_recall_and_ndcg() -> None:
+    assert recall_at_k(["a", "b", "c"], {"a", "c", "d", "e"}, 2) == 0.25
+    assert ndcg_at_k(["a", "b"], {"a"}, 2) == 1.0
+    assert abs(ndcg_at_k(["b", "a"], {"a"}, 2) - 1 / np.log2(3)) < 1e-9
+    assert recall_at_k(["a"], set(), 5) == 0.0
