@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 
+import keras
 import numpy as np
 import psutil
 
 from infra.settings import get_settings
 from models.recall import co_interaction, merge, ndcg_at_k, neighbours_of, popular, recall_at_k, top_k
-from models.retrieval import Catalogue, Profiles, TwoTower, recent_positives
+from models.retrieval import Catalogue, Profiles, TwoTower, recent_clicks
 from streaming.movielens import dataset_dir, load_ratings, load_side_table
 
 
@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=20)
     parser.add_argument("--next", type=int, default=10, help="test items: each user's next N clicks")
     parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--seeds", type=int, default=5)
     args = parser.parse_args()
     s = get_settings()
     click, k = s.movielens.click_min_rating, args.k
@@ -42,43 +43,50 @@ def main() -> None:
     seen: dict[str, set[str]] = {}
     for r in train:
         seen.setdefault(r.user_id, set()).add(r.item_id)
-    recent = recent_positives(train, click, 20)
+    clicks = [(r.user_id, r.item_id) for r in train if r.rating >= click]
+    recent = recent_clicks(clicks, 20)
     users = sorted(u for u in test if u in recent)
 
-    positives = [r.item_id for r in train if r.rating >= click]
+    positives = [item for _, item in clicks]
     catalogue = Catalogue.build(load_side_table(data / "ml-100k.item"), dict(zip(*np.unique(positives, return_counts=True))))
-    model = TwoTower(catalogue, Profiles.build(load_side_table(data / "ml-100k.user")), sorted(seen))
-    started = time.perf_counter()
-    losses = model.fit(model.positives(train, click), epochs=args.epochs)
-    train_s = time.perf_counter() - started
-    scores = model.user_embeddings(users, [recent[u] for u in users]) @ model.item_embeddings().T
-
+    profiles = Profiles.build(load_side_table(data / "ml-100k.user"))
     half_life = s.graph.half_life_days * 86_400
     neighbours = co_interaction(((r.user_id, r.item_id, s.graph.click_weight * 2 ** (-(split - r.timestamp) / half_life))
                                  for r in train if r.rating >= click), keep=s.graph.neighbours)
     by_popularity = popular(positives)
+    names = ("two-tower", "graph", "merged", "popularity")
+    runs: list[dict[str, tuple[float, float]]] = []  # per seed: source -> (recall, ndcg) over users
+    for seed in range(args.seeds):  # the two-tower model's initialisation moves its figures: several seeds
+        keras.utils.set_random_seed(seed)
+        model = TwoTower(catalogue, profiles, sorted(seen))
+        started = time.perf_counter()
+        losses = model.fit(model.positives(clicks), epochs=args.epochs, seed=seed)
+        train_s = time.perf_counter() - started
+        scores = model.user_embeddings(users, [recent[u] for u in users]) @ model.item_embeddings().T
 
-    def sources(n: int, u: str, row: int) -> dict[str, list[str]]:
-        return {"two-tower": top_k(scores[row], catalogue.item_ids, n, seen[u]),
-                "graph": neighbours_of(recent[u][-5:], neighbours, n, seen[u]),
-                "popularity": [i for i in by_popularity if i not in seen[u]][:n]}
+        def sources(n: int, u: str, row: int) -> dict[str, list[str]]:
+            return {"two-tower": top_k(scores[row], catalogue.item_ids, n, seen[u]),
+                    "graph": neighbours_of(recent[u][-5:], neighbours, n, seen[u]),
+                    "popularity": [i for i in by_popularity if i not in seen[u]][:n]}
 
-    measures: dict[str, list[tuple[float, float]]] = {name: [] for name in ("two-tower", "graph", "merged", "popularity")}
-    for row, u in enumerate(users):
-        relevant, lists = set(test[u]), sources(k, u, row)
-        lists["merged"] = [i for i, _, _ in merge(sources(3 * k, u, row), k)]
-        for name, listed in lists.items():
-            measures[name].append((recall_at_k(listed, relevant, k), ndcg_at_k(listed, relevant, k)))
+        per_user: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+        for row, u in enumerate(users):
+            relevant, lists = set(test[u]), sources(k, u, row)
+            lists["merged"] = [i for i, _, _ in merge(sources(3 * k, u, row), k)]
+            for name, listed in lists.items():
+                per_user[name].append((recall_at_k(listed, relevant, k), ndcg_at_k(listed, relevant, k)))
+        runs.append({name: tuple(np.mean(v, axis=0)) for name, v in per_user.items()})
 
     cpu = f"{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
     print(f"Machine: {cpu}. MovieLens-100k, train before {args.split} ({len(train):,} ratings), test: {len(users)} users' "
-          f"next {args.next} clicks after it. Two-tower: {args.epochs} epochs in {train_s:.0f} s, in-batch loss "
-          f"{losses[0]:.3f} -> {losses[-1]:.3f}. Merged: reciprocal-rank fusion of each source's top {3 * k}.\n")
-    print(f"| source | recall@{k} | NDCG@{k} | users |")
-    print("|---|---:|---:|---:|")
-    mean: Callable[[list[float]], float] = lambda v: float(np.mean(v)) if v else float("nan")  # noqa: E731
-    for name, values in measures.items():
-        print(f"| {name} | {mean([r for r, _ in values]):.4f} | {mean([n for _, n in values]):.4f} | {len(values)} |")
+          f"next {args.next} clicks after it. Two-tower: {args.epochs} epochs in {train_s:.0f} s (last seed), in-batch "
+          f"loss {losses[0]:.3f} -> {losses[-1]:.3f}. Merged: reciprocal-rank fusion of each source's top {3 * k}. "
+          f"Mean over {args.seeds} seeds of the two-tower model (sd: across seeds).\n")
+    print(f"| source | recall@{k} | NDCG@{k} | recall sd | users |")
+    print("|---|---:|---:|---:|---:|")
+    for name in names:
+        recall, ndcg = (np.array([run[name][m] for run in runs]) for m in (0, 1))
+        print(f"| {name} | {recall.mean():.4f} | {ndcg.mean():.4f} | {recall.std():.4f} | {len(users)} |")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import numpy as np
 import tensorflow as tf
 
 from models.layers import MLP
-from streaming.movielens import Rating
 
 PAD = 0  # index 0 of every vocabulary: padding and ids not seen in training
 
@@ -122,12 +121,11 @@ class Positives:
     user_ids: list[str]
 
 
-def recent_positives(ratings: Sequence[Rating], click_min_rating: float, length: int) -> dict[str, list[str]]:
-    """Each user's last `length` clicked items at the end of `ratings` (time order), newest last."""
+def recent_clicks(clicks: Sequence[tuple[str, str]], length: int) -> dict[str, list[str]]:
+    """Each user's last `length` clicked items after `clicks` (user, item; time order), newest last."""
     recent: dict[str, deque] = defaultdict(lambda: deque(maxlen=length))
-    for r in ratings:
-        if r.rating >= click_min_rating:
-            recent[r.user_id].append(r.item_id)
+    for user, item in clicks:
+        recent[user].append(item)
     return {u: list(q) for u, q in recent.items()}
 
 
@@ -145,18 +143,18 @@ class TwoTower:
         self.genres = np.vstack([np.zeros((1, catalogue.genres.shape[1]), "float32"), catalogue.genres])
         self.dense = np.vstack([np.zeros((1, 2), "float32"), catalogue.dense]).astype("float32")
 
-    def positives(self, ratings: Sequence[Rating], click_min_rating: float) -> Positives:
-        """Every click in `ratings` (time order) with the user's clicks before it."""
+    def positives(self, clicks: Sequence[tuple[str, str]]) -> Positives:
+        """Every (user, item) click, in time order, with the user's clicks before it."""
         history: dict[str, deque] = defaultdict(lambda: deque(maxlen=self.length))
         users, recent, items, ids = [], [], [], []
-        for r in ratings:
-            if r.rating < click_min_rating or r.item_id not in self.item_index:
+        for user, item in clicks:
+            if item not in self.item_index:
                 continue
-            users.append(self.user_index.get(r.user_id, PAD))
-            recent.append(self._pad(history[r.user_id]))
-            items.append(self.item_index[r.item_id])
-            ids.append(r.user_id)
-            history[r.user_id].append(r.item_id)
+            users.append(self.user_index.get(user, PAD))
+            recent.append(self._pad(history[user]))
+            items.append(self.item_index[item])
+            ids.append(user)
+            history[user].append(item)
         return Positives(np.array(users, "int32"), np.array(recent, "int32").reshape(-1, self.length),
                          np.array(items, "int32"), ids)
 
