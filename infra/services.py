@@ -146,8 +146,9 @@ def _http_health(url: str, expect: Callable[[httpx.Response], Health]) -> Health
 
 
 def _mlflow_auth_config(s: Settings) -> Path:
-    """MLflow's basic-auth config (mode 600: it holds the admin's password, used once, when the user
-    store is created). Unauthenticated calls get 401; the admin may do everything, other users read."""
+    """MLflow's basic-auth config (mode 600: it holds the admin's password, which MLflow reads when it
+    creates its user store; infra/mlflow_admin.py keeps it the admin's after that). Unauthenticated
+    calls get 401; the admin may do everything, other users read."""
     data = s.paths.service_dir("mlflow")
     config = data / "basic_auth.ini"
     data.mkdir(parents=True, exist_ok=True)

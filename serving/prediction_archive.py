@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import msgspec.structs
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -43,16 +44,30 @@ def archive_dir(s: Settings) -> Path:
     return offline_dir(s) / "predictions"
 
 
+class Prediction(msgspec.Struct, forbid_unknown_fields=False):
+    """A prediction record's fields, as serving/inference.py logs them (their types checked on decode)."""
+
+    request_id: str
+    user_id: str
+    model_name: str
+    model_version: str | int
+    route: str
+    shadow: bool
+    tier: str
+    served_at: int
+    items: list[str]
+    categories: list[str | None]
+    scores: list[float | None]
+    features: dict[str, Any]
+
+
 def decode_prediction(value: bytes | None) -> dict[str, Any]:
-    """A prediction record as the server wrote it, or InvalidEvent (dead-lettered with the reason)."""
+    """A prediction record as the server wrote it, or InvalidEvent (dead-lettered with the reason): a
+    record the archive could not write must not stop it."""
     try:
-        record = msgspec.json.decode(value or b"")
-    except msgspec.DecodeError as exc:
+        return msgspec.structs.asdict(msgspec.json.decode(value or b"", type=Prediction))
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise InvalidEvent(f"malformed prediction record: {exc}") from None
-    missing = [f for f in _FIELDS if f not in record] if isinstance(record, dict) else _FIELDS
-    if missing:
-        raise InvalidEvent(f"prediction record without {', '.join(missing)}")
-    return record
 
 
 def write_batch(s: Settings, batch: list[Consumed]) -> int:
