@@ -10,14 +10,14 @@ source's score scale has to be comparable to another's.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 
 import numpy as np
 
 RRF_K = 60  # the usual constant of reciprocal-rank fusion (Cormack et al., 2009)
 
 
-def top_k(scores: np.ndarray, item_ids: Sequence[str], k: int, exclude: set[str] = frozenset()) -> list[str]:
+def top_k(scores: np.ndarray, item_ids: Sequence[str], k: int, exclude: Set[str] = frozenset()) -> list[str]:
     """The k best-scored items, skipping `exclude`."""
     out = []
     for j in np.argsort(-scores, kind="stable"):
@@ -50,7 +50,7 @@ def co_interaction(weighted: Iterable[tuple[str, str, float]], keep: int) -> dic
 
 
 def neighbours_of(recent: Sequence[str], neighbours: Mapping[str, Sequence[tuple[str, float]]], k: int,
-                  exclude: set[str] = frozenset()) -> list[str]:
+                  exclude: Set[str] = frozenset()) -> list[str]:
     """Graph recall: items neighbouring the user's recent positives, by summed neighbour score."""
     scores: dict[str, float] = defaultdict(float)
     for item in recent:
