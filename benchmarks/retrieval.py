@@ -17,8 +17,8 @@ import numpy as np
 import psutil
 
 from infra.settings import get_settings
-from models.recall import co_interaction, merge, ndcg_at_k, neighbours_of, popular, recall_at_k, top_k
-from models.retrieval import Catalogue, Profiles, TwoTower, recent_clicks
+from models.recall import co_interaction, merge, neighbours_of
+from models.retrieval import Catalogue, Profiles, Split, TwoTower, judge, two_tower_lists
 from streaming.movielens import dataset_dir, load_ratings, load_side_table
 
 
@@ -32,50 +32,34 @@ def main() -> None:
     args = parser.parse_args()
     s = get_settings()
     click, k = s.movielens.click_min_rating, args.k
-    split = int(datetime.fromisoformat(args.split).replace(tzinfo=UTC).timestamp())
+    split_s = int(datetime.fromisoformat(args.split).replace(tzinfo=UTC).timestamp())
     data = dataset_dir(s)
     ratings = load_ratings(data / "ml-100k.inter")
-    train = [r for r in ratings if r.timestamp < split]
-    test: dict[str, list[str]] = {}
-    for r in ratings:
-        if r.timestamp >= split and r.rating >= click and len(test.setdefault(r.user_id, [])) < args.next:
-            test[r.user_id].append(r.item_id)
-    seen: dict[str, set[str]] = {}
-    for r in train:
-        seen.setdefault(r.user_id, set()).add(r.item_id)
-    clicks = [(r.user_id, r.item_id) for r in train if r.rating >= click]
-    recent = recent_clicks(clicks, 20)
-    users = sorted(u for u in test if u in recent)
-
-    positives = [item for _, item in clicks]
+    split = Split.at(((r.user_id, r.item_id, r.timestamp, r.rating >= click) for r in ratings), split_s, args.next,
+                     s.retrieval.sequence_length)
+    train = [r for r in ratings if r.timestamp < split_s]
+    positives = [item for _, item in split.clicks]
     catalogue = Catalogue.build(load_side_table(data / "ml-100k.item"), dict(zip(*np.unique(positives, return_counts=True))))
     profiles = Profiles.build(load_side_table(data / "ml-100k.user"))
     half_life = s.graph.half_life_days * 86_400
-    neighbours = co_interaction(((r.user_id, r.item_id, s.graph.click_weight * 2 ** (-(split - r.timestamp) / half_life))
+    neighbours = co_interaction(((r.user_id, r.item_id, s.graph.click_weight * 2 ** (-(split_s - r.timestamp) / half_life))
                                  for r in train if r.rating >= click), keep=s.graph.neighbours)
-    by_popularity = popular(positives)
+    users, n = split.users, 3 * k  # the merge takes each source's top 3k, as /recommend does
+    graph = {u: neighbours_of(split.recent[u][-s.retrieval.graph_seeds:], neighbours, n, split.seen[u]) for u in users}
+    by_popularity = {u: [i for i in catalogue.popular if i not in split.seen[u]][:n] for u in users}
     names = ("two-tower", "graph", "merged", "popularity")
     runs: list[dict[str, tuple[float, float]]] = []  # per seed: source -> (recall, ndcg) over users
     for seed in range(args.seeds):  # the two-tower model's initialisation moves its figures: several seeds
         keras.utils.set_random_seed(seed)
-        model = TwoTower(catalogue, profiles, sorted(seen))
+        model = TwoTower(catalogue, profiles, sorted(split.seen), s.retrieval.dim, s.retrieval.sequence_length)
         started = time.perf_counter()
-        losses = model.fit(model.positives(clicks), epochs=args.epochs, seed=seed)
+        losses = model.fit(model.positives(split.clicks), epochs=args.epochs, seed=seed)
         train_s = time.perf_counter() - started
-        scores = model.user_embeddings(users, [recent[u] for u in users]) @ model.item_embeddings().T
-
-        def sources(n: int, u: str, row: int) -> dict[str, list[str]]:
-            return {"two-tower": top_k(scores[row], catalogue.item_ids, n, seen[u]),
-                    "graph": neighbours_of(recent[u][-5:], neighbours, n, seen[u]),
-                    "popularity": [i for i in by_popularity if i not in seen[u]][:n]}
-
-        per_user: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
-        for row, u in enumerate(users):
-            relevant, lists = set(test[u]), sources(k, u, row)
-            lists["merged"] = [i for i, _, _ in merge(sources(3 * k, u, row), k)]
-            for name, listed in lists.items():
-                per_user[name].append((recall_at_k(listed, relevant, k), ndcg_at_k(listed, relevant, k)))
-        runs.append({name: tuple(np.mean(v, axis=0)) for name, v in per_user.items()})
+        ann = two_tower_lists(model, split, n)
+        lists = {"two-tower": ann, "graph": graph, "popularity": by_popularity,
+                 "merged": {u: [i for i, _, _ in merge({"two-tower": ann[u], "graph": graph[u],
+                                                        "popularity": by_popularity[u]}, k)] for u in users}}
+        runs.append({name: judge(lists[name], split, k) for name in names})
 
     cpu = f"{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
     print(f"Machine: {cpu}. MovieLens-100k, train before {args.split} ({len(train):,} ratings), test: {len(users)} users' "

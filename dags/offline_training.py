@@ -16,12 +16,7 @@ from airflow.sdk import Param, dag, task
 
 from infra.settings import setting_from_environ
 from promotion import gate_if_asked  # dags/ is on sys.path
-from task_settings import task_settings
-
-
-def _moment(text: str) -> datetime:
-    moment = datetime.fromisoformat(text)
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+from task_settings import moment, task_settings
 
 
 @dag(
@@ -53,8 +48,8 @@ def offline_training():
         from models.train import train_full
 
         s = task_settings(params)
-        end = _moment(params["data_end"]) if params["data_end"] else data_interval_end or datetime.now(UTC)
-        start = (_moment(params["data_start"]) if params["data_start"]
+        end = moment(params["data_end"]) if params["data_end"] else data_interval_end or datetime.now(UTC)
+        start = (moment(params["data_start"]) if params["data_start"]
                  else end - timedelta(days=s.airflow.full_training_days))
         try:
             outcome = train_full(s, Window(start, end), kind=params["kind"], promote=False, progress=False)

@@ -334,6 +334,12 @@ def _serving(s: Settings) -> list[Service]:
                 ports=(), command=lambda: [str(BIN_DIR / "python"), "-m", "serving.prediction_archive"],
                 env=_base_env, check=_progressing(s, "prediction-archive"), phase=1,
                 nice=s.serving.archive_niceness),
+        # The near-line tier of /recommend: user embeddings, recent positives, the ANN index of the
+        # retrieval @champion (serving/nearline.py).
+        Service(name="user-embedder", group="serving", url=s.redis.url, ports=(),
+                command=lambda: [str(BIN_DIR / "python"), "-m", "serving.nearline"], env=_base_env,
+                check=_progressing(s, "user-embedder"), phase=1,
+                setup=lambda: [str(BIN_DIR / "python"), "-m", "streaming.topics"]),
         Service(name="ranking-server", group="serving", url=url, ports=((s.serving.host, s.serving.port),),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "serving.supervisor"], env=_base_env,
                 check=lambda: _http_health(f"{url}/healthz", lambda r: Health(

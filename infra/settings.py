@@ -251,6 +251,34 @@ class GraphSettings:
 
 
 @dataclass(frozen=True)
+class RetrievalSettings:
+    """Candidate retrieval for `POST /recommend`: the two-tower model (models/retrieval.py), its ANN index
+    and the near-line user embeddings (serving/nearline.py), the merge of the candidate sources."""
+
+    name: str = "flywheel-retrieval"  # the registered model (its own @champion, rollback like the ranker's)
+    experiment: str = "flywheel-retrieval"
+    training_schedule: str = "@daily"  # the retrieval_training DAG; empty: only when triggered
+    training_days: int = 180  # the DAG's default window: the days before the run
+    dim: int = 32
+    sequence_length: int = 20  # recent positive items the user tower reads
+    epochs: int = 8
+    # The gate: recall@gate_k on each user's next clicks in the last eval_days of the window (the model is
+    # trained on what came before), against @champion on the same window; promoted unless worse by more
+    # than max_recall_drop, and only with at least gate_min_users users to judge on.
+    eval_days: float = 14.0
+    gate_k: int = 20
+    gate_min_users: int = 30
+    max_recall_drop: float = 0.01
+    # Serving: each source's top `per_source` items are merged (reciprocal-rank fusion) into at most
+    # `candidates`, which the ranker scores; graph recall follows the newest `graph_seeds` positives.
+    per_source: int = 60
+    candidates: int = 100
+    graph_seeds: int = 5
+    key_prefix: str = "retrieval"  # Redis keys of the index, the user embeddings, recent positives
+    poll_interval_s: float = 1.0  # the near-line embedder's look at the retrieval @champion
+
+
+@dataclass(frozen=True)
 class ServingSettings:
     """The ranking server (serving/): its endpoint, batching, shape buckets, traffic policy, model
     following. docs: README "Serving"."""
@@ -318,6 +346,7 @@ class Settings:
     streaming: StreamingSettings = field(default_factory=StreamingSettings)
     models: ModelsSettings = field(default_factory=ModelsSettings)
     graph: GraphSettings = field(default_factory=GraphSettings)
+    retrieval: RetrievalSettings = field(default_factory=RetrievalSettings)
     serving: ServingSettings = field(default_factory=ServingSettings)
 
 

@@ -186,12 +186,20 @@ def gate(s: Settings, version: str, candidate: CtrModel, evaluation: Examples, w
             verdict = f"not shown worse beyond the tolerance {m.max_auc_drop}: {p_text} >= {m.gate_alpha}"
         reason = (f"AUC {candidate_auc:.4f} vs champion v{champion}'s {champion_auc:.4f}, difference "
                   f"{difference:+.4f} +- {se:.4f} (DeLong), {verdict} on {window}")
+    return decide(s, version, guardrail, reason, candidate_auc, champion, champion_auc,
+                  {"gate_auc": f"{candidate_auc:.6f}"})
+
+
+def decide(s: Settings, version: str, guardrail: str | None, reason: str, score: float, champion: str | None,
+           champion_score: float | None, tags: dict[str, str]) -> Decision:
+    """Record a gate's decision on `version` of `s.models.name` (tags: decision, reason, guardrail, the
+    champion it replaces) and move the alias: @champion unless a guardrail refused it, else @challenger."""
+    client, name = connect(s), s.models.name
     promoted = guardrail is None
     if guardrail:
         reason = f"{guardrail} guardrail: {reason}"
-    tags = {"gate_decision": "promoted" if promoted else "refused", "gate_reason": reason,
-            "gate_auc": f"{candidate_auc:.6f}", "gate_at": datetime.now(UTC).isoformat()} | \
-        ({"gate_guardrail": guardrail} if guardrail else {})
+    tags = tags | {"gate_decision": "promoted" if promoted else "refused", "gate_reason": reason,
+                   "gate_at": datetime.now(UTC).isoformat()} | ({"gate_guardrail": guardrail} if guardrail else {})
     if promoted and champion not in (None, version):
         tags["previous_champion"] = champion
     for key, value in tags.items():
@@ -199,7 +207,7 @@ def gate(s: Settings, version: str, candidate: CtrModel, evaluation: Examples, w
     client.set_registered_model_alias(name, CHAMPION if promoted else CHALLENGER, version)
     if promoted and alias_version(client, name, CHALLENGER) == version:
         client.delete_registered_model_alias(name, CHALLENGER)
-    return Decision(version, promoted, reason, candidate_auc, champion, champion_auc, guardrail)
+    return Decision(version, promoted, reason, score, champion, champion_score, guardrail)
 
 
 def rollback(s: Settings, why: str, to: str = "previous", who: str | None = None) -> tuple[str, str]:

@@ -10,15 +10,18 @@ items away. The recent-items input shares the item id embedding with the item to
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from models.layers import MLP
+from models.recall import ndcg_at_k, recall_at_k, top_k
 
 PAD = 0  # index 0 of every vocabulary: padding and ids not seen in training
 
@@ -30,6 +33,8 @@ class Catalogue:
     item_ids: list[str]
     genres: np.ndarray  # (n, G) multi-hot
     dense: np.ndarray  # (n, 2): release year (standardized), log popularity (standardized)
+    categories: list[str]  # each item's first genre: the category the ranker's affinity features use
+    popular: list[str]  # items by positives in training, most first: the fallback source
 
     @classmethod
     def build(cls, items: list[dict[str, str]], counts: dict[str, int]) -> Catalogue:
@@ -38,10 +43,13 @@ class Catalogue:
         ids = [row["item_id"] for row in items]
         hot = np.array([[g in row.get("class", "").split() for g in genres] for row in items], dtype="float32")
         year = np.array([_number(row.get("release_year", "")) for row in items], dtype="float32")
-        year = np.nan_to_num(year, nan=float(np.nanmean(year)))
+        year = np.nan_to_num(year, nan=float(np.nanmean(year)) if np.isfinite(year).any() else 0.0)
         pop = np.log1p(np.array([counts.get(i, 0) for i in ids], dtype="float32"))
         dense = np.stack([year, pop], axis=1)
-        return cls(ids, hot, (dense - dense.mean(0)) / (dense.std(0) + 1e-6))
+        categories = [(row.get("class", "").split() or [""])[0] for row in items]
+        popular = sorted((i for i in ids if counts.get(i, 0) > 0), key=lambda i: (-counts[i], i))
+        return cls(ids, hot.reshape(len(ids), len(genres)), (dense - dense.mean(0)) / (dense.std(0) + 1e-6),
+                   categories, popular)
 
 
 def _number(text: str) -> float:
@@ -135,6 +143,7 @@ class TwoTower:
     def __init__(self, catalogue: Catalogue, profiles: Profiles, user_ids: Sequence[str], dim: int = 32,
                  sequence_length: int = 20, temperature: float = 0.1) -> None:
         self.catalogue, self.profiles, self.length, self.temperature = catalogue, profiles, sequence_length, temperature
+        self.dim, self.user_ids = dim, list(user_ids)
         self.item_index = {i: k + 1 for k, i in enumerate(catalogue.item_ids)}
         self.user_index = {u: k + 1 for k, u in enumerate(user_ids)}
         shared = keras.layers.Embedding(len(catalogue.item_ids) + 1, dim)
@@ -181,6 +190,7 @@ class TwoTower:
             optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
             return loss
 
+        batch_size = min(batch_size, len(data.items))  # a small window is one batch
         rng, losses = np.random.default_rng(seed), []
         for _ in range(epochs):
             order, total = rng.permutation(len(data.items)), []
@@ -200,3 +210,80 @@ class TwoTower:
         users = np.array([self.user_index.get(u, PAD) for u in user_ids], "int32")
         rec = np.array([self._pad(r) for r in recent], "int32").reshape(-1, self.length)
         return self.user_tower(users, rec, self.profiles.of(user_ids)).numpy()
+
+    # --- export ---------------------------------------------------------------------------------
+
+    def save(self, path: Path) -> None:
+        """The model as a directory: its vocabularies and side inputs (JSON) and both towers' weights."""
+        path.mkdir(parents=True, exist_ok=True)
+        self.item_embeddings(), self.user_embeddings([""], [[]])  # builds the towers if never called
+        c, p = self.catalogue, self.profiles
+        (path / "model.json").write_text(json.dumps({
+            "dim": self.dim, "sequence_length": self.length, "temperature": self.temperature,
+            "user_ids": self.user_ids, "profiles": {"index": p.index, "sizes": p.sizes},
+            "catalogue": {"item_ids": c.item_ids, "genres": c.genres.tolist(), "dense": c.dense.tolist(),
+                          "categories": c.categories, "popular": c.popular}}))
+        weights = [*self.user_tower.get_weights(), *self.item_tower.get_weights()]
+        np.savez(path / "weights.npz", *weights)
+
+    @classmethod
+    def load(cls, path: Path) -> TwoTower:
+        meta = json.loads((path / "model.json").read_text())
+        c = meta["catalogue"]
+        n = len(c["item_ids"])
+        catalogue = Catalogue(c["item_ids"], np.array(c["genres"], "float32").reshape(n, -1),
+                              np.array(c["dense"], "float32").reshape(n, 2), c["categories"], c["popular"])
+        profiles = Profiles({u: tuple(v) for u, v in meta["profiles"]["index"].items()},
+                            tuple(meta["profiles"]["sizes"]))
+        model = cls(catalogue, profiles, meta["user_ids"], meta["dim"], meta["sequence_length"], meta["temperature"])
+        model.item_embeddings(), model.user_embeddings([""], [[]])  # builds the towers
+        with np.load(path / "weights.npz") as stored:
+            weights = [stored[f"arr_{k}"] for k in range(len(stored.files))]
+        users = len(model.user_tower.get_weights())
+        model.user_tower.set_weights(weights[:users])
+        model.item_tower.set_weights(weights[users:])
+        return model
+
+
+# --- judging candidates offline ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Split:
+    """Behavior split at a moment for judging candidate lists: what came before trains, each user's next
+    clicks after it are what a list should have held."""
+
+    clicks: list[tuple[str, str]]  # (user, item) positives before the cut, in time order
+    seen: dict[str, set[str]]  # every item a user touched before the cut: never a candidate
+    recent: dict[str, list[str]]  # each user's last positives before the cut, newest last
+    test: dict[str, list[str]]  # each judged user's next positives after the cut
+    users: list[str]  # the judged users: positives on both sides
+
+    @classmethod
+    def at(cls, behavior: Iterable[tuple[str, str, int, bool]], cut: int, next_n: int, length: int) -> Split:
+        """From (user, item, time, positive) rows in time order, split at time `cut`."""
+        clicks, seen, test = [], defaultdict(set), defaultdict(list)
+        for user, item, t, positive in behavior:
+            if t < cut:
+                seen[user].add(item)
+                if positive:
+                    clicks.append((user, item))
+            elif positive and len(test[user]) < next_n and item not in test[user]:
+                test[user].append(item)
+        recent = recent_clicks(clicks, length)
+        return cls(clicks, dict(seen), recent, dict(test), sorted(u for u in test if u in recent))
+
+
+def judge(lists: dict[str, Sequence[str]], split: Split, k: int) -> tuple[float, float]:
+    """Mean recall@k and NDCG@k of each judged user's list against their next positives."""
+    scores = [(recall_at_k(lists[u], set(split.test[u]), k), ndcg_at_k(lists[u], set(split.test[u]), k))
+              for u in split.users]
+    return tuple(float(x) for x in np.mean(scores, axis=0)) if scores else (0.0, 0.0)
+
+
+def two_tower_lists(model: TwoTower, split: Split, k: int) -> dict[str, list[str]]:
+    """Each judged user's top k by the model, from their recent positives, never an item seen before."""
+    if not split.users:
+        return {}
+    scores = model.user_embeddings(split.users, [split.recent[u] for u in split.users]) @ model.item_embeddings().T
+    return {u: top_k(scores[row], model.catalogue.item_ids, k, split.seen.get(u, set()))
+            for row, u in enumerate(split.users)}

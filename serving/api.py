@@ -2,6 +2,8 @@
 (serving/supervisor.py); a connection is answered by one of them.
 
     POST /rank     scores for a user's candidates, the version that scored them, defaulted features
+    POST /recommend  a user's best k items from the whole catalogue (serving/recommend.py): each with its
+                   ranker score and the candidate sources that retrieved it, and the versions used
     GET  /healthz  the worker is up
     GET  /readyz   200 once every worker has a champion loaded and every shape bucket compiled and warm
     GET  /models   the answering worker's versions serving each route, warm ones, refused ones and why;
@@ -39,6 +41,7 @@ from infra.process import exit_with_parent
 from infra.settings import Settings
 from serving import metrics
 from serving.inference import Inference, NotReady, RankRequest, Shed
+from serving.recommend import Recommender
 from serving.supervisor import ConnectionShares, listening_socket
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,30 @@ class RankOut(BaseModel):
     degraded: list[str] = Field(description="`sequence` (shortened behavior sequence), `candidates`.")
 
 
+class RecommendIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    user_id: str = Field(min_length=1, max_length=256)
+    k: int = Field(20, ge=1, le=100, description="Items to return.")
+    exclude_seen: bool = Field(True, description="Leave out every item the user already clicked (or bought).")
+    tier: Literal["high", "normal", "low"] = "normal"
+    deadline_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
+    request_id: str | None = Field(None, min_length=1, max_length=128)
+
+
+class RecommendedItem(BaseModel):
+    item_id: str
+    score: float = Field(description="The ranker's click probability.")
+    sources: list[Literal["two-tower", "graph", "popularity"]]
+
+
+class RecommendOut(BaseModel):
+    request_id: str
+    items: list[RecommendedItem] = Field(description="Best first; fewer than k only while the platform knows "
+                                                     "fewer items.")
+    model_versions: dict[str, str | None] = Field(description="`ranker` and `retrieval` (null: no retrieval "
+                                                              "version yet, graph and popularity only).")
+
+
 class Refusal(BaseModel):
     reason: str
     detail: str
@@ -83,10 +110,13 @@ def _printable(part: object) -> object:
 
 
 def create_app(s: Settings, inference: Inference) -> FastAPI:
+    recommender = Recommender(s, inference)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.inference = inference  # started by run_worker
         yield
+        recommender.close()
         app.state.inference.close()
 
     app = FastAPI(title="Flywheel ranking API", version="1", lifespan=lifespan,
@@ -138,6 +168,28 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
                        scores=result.scores, defaulted=bool(result.defaulted_features),
                        defaulted_features=result.defaulted_features, degraded=result.degraded)
 
+    @app.post("/recommend", response_model=RecommendOut, responses={503: {"model": Refusal}},
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": {"$ref": "#/components/schemas/RecommendIn"}}}}})
+    async def recommend(request: Request):
+        raw = await request.body()
+        started = time.monotonic()
+        try:
+            body = RecommendIn.model_validate_json(raw)
+        except ValidationError as exc:
+            return invalid(exc.errors(include_input=False))
+        try:
+            out = await recommender.recommend(body.user_id, body.k, body.exclude_seen, body.tier, body.deadline_ms,
+                                              body.request_id)
+        except NotReady as exc:
+            return refuse("not_ready", str(exc), started)
+        except Shed as exc:
+            return refuse(exc.reason, str(exc), started)
+        metrics.REQUESTS.labels("recommend", "200").inc()
+        return RecommendOut(request_id=out.request_id, model_versions=out.model_versions,
+                            items=[RecommendedItem(item_id=i, score=score, sources=names)
+                                   for i, score, names in out.items])
+
     @app.get("/healthz")
     async def healthz() -> dict:
         return {"status": "ok"}
@@ -170,10 +222,12 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict:
-        if app.openapi_schema is None:  # the body /rank parses itself, documented as if FastAPI did
+        if app.openapi_schema is None:  # the bodies the routes parse themselves, documented as if FastAPI did
             schema = FastAPI.openapi(app)
-            body = RankIn.model_json_schema(ref_template="#/components/schemas/{model}")
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(body.pop("$defs", {}), RankIn=body)
+            for model in (RankIn, RecommendIn):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schema.setdefault("components", {}).setdefault("schemas", {}).update(body.pop("$defs", {}),
+                                                                                     **{model.__name__: body})
         return app.openapi_schema
 
     app.openapi = openapi

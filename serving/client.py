@@ -28,10 +28,15 @@ class Served:
         return len(self.request["candidates"])
 
 
+def endpoint(request: dict) -> str:
+    """The route a request body is for: a list of candidates is ranked, a user alone gets recommendations."""
+    return "/rank" if "candidates" in request else "/recommend"
+
+
 async def rank(http: httpx.AsyncClient, url: str, request: dict) -> Served:
     sent = time.monotonic()
     try:
-        r = await http.post(f"{url}/rank", json=request)
+        r = await http.post(f"{url}{endpoint(request)}", json=request)
     except httpx.TransportError as exc:  # counted as a failure, never raised: load keeps its shape
         return Served(request, sent, time.monotonic() - sent, -1, {"error": repr(exc)})
     try:

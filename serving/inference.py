@@ -50,16 +50,24 @@ class NotReady(RuntimeError):
     """No champion is loaded yet."""
 
 
+def new_request_id() -> str:
+    # 128 random bits as 32 hex digits, like uuid4().hex, without its getrandom(2) call: a system call
+    # releases the GIL, and the event loop then waits up to a switch interval (5 ms) to take it back
+    # from the batch and feature threads (2 % of a loaded worker's samples were that wait).
+    return f"{random.getrandbits(128):032x}"
+
+
 @dataclass
 class RankRequest:
     user_id: str
     candidates: Sequence[Candidate]
     tier: str = "normal"
     deadline_ms: float | None = None
-    # 128 random bits as 32 hex digits, like uuid4().hex, without its getrandom(2) call: a system call
-    # releases the GIL, and the event loop then waits up to a switch interval (5 ms) to take it back
-    # from the batch and feature threads (2 % of a loaded worker's samples were that wait).
-    request_id: str = field(default_factory=lambda: f"{random.getrandbits(128):032x}")
+    request_id: str = field(default_factory=lambda: new_request_id())
+    # Recommendation (serving/recommend.py): only the best `top_k` are served, so only they are logged,
+    # each with the candidate sources that retrieved it.
+    top_k: int | None = None
+    sources: Sequence[Sequence[str]] | None = None
 
 
 @dataclass
@@ -70,6 +78,12 @@ class RankResult:
     scores: list[float | None]  # per candidate, in request order; None = not scored (degraded)
     defaulted_features: list[str]
     degraded: list[str]
+    top: list[int] | None = None  # with top_k: the served candidates' indices, best first
+
+
+def best(scores: Sequence[float | None], k: int) -> list[int]:
+    """Indices of the k best scores, best first (ties by position); unscored candidates never."""
+    return sorted((i for i, v in enumerate(scores) if v is not None), key=lambda i: (-scores[i], i))[:k]
 
 
 @dataclass(frozen=True)
@@ -163,12 +177,13 @@ class Inference:
         scores, version = await self._score(_Job(route, fetched.examples), req.tier, deadline)
         if route == CHAMPION and access.shadowed(req.request_id, self.s.serving.shadow_percent):
             self._shadow(req, fetched)
-        self._log(req, scored, scores, version, route, fetched.snapshot, shadow=False)
+        top = None if req.top_k is None else best(scores.tolist(), req.top_k)
+        self._log(req, scored, scores, version, route, fetched.snapshot, shadow=False, only=top)
         degraded = [what for what, on in (("sequence", allocation.sequence_length is not None),
                                           ("candidates", len(scored) < len(req.candidates))) if on]
         return RankResult(req.request_id, version, route,
                           scores.tolist() + [None] * (len(req.candidates) - len(scored)),
-                          fetched.defaulted, degraded)
+                          fetched.defaulted, degraded, top)
 
     async def _score(self, job: _Job, tier: str, deadline: float) -> tuple[np.ndarray, str]:
         remaining = deadline - time.monotonic()
@@ -206,12 +221,19 @@ class Inference:
         future.add_done_callback(logged)
 
     def _log(self, req: RankRequest, candidates: Sequence[Candidate], scores: np.ndarray, version: str, route: str,
-             snapshot: dict, shadow: bool) -> None:
+             snapshot: dict, shadow: bool, only: list[int] | None = None) -> None:
+        """One prediction record; `only`: the candidates served (the rest were scored, never shown)."""
+        extra = {}
+        if only is not None:
+            candidates, scores = [candidates[i] for i in only], scores[only]
+            snapshot = {name: (values if name == "sequence" else [values[i] for i in only])
+                        for name, values in snapshot.items()}
+            extra = {"sources": [list(req.sources[i]) for i in only]} if req.sources is not None else {}
         self.predictions.write(req.user_id, {
             "request_id": req.request_id, "user_id": req.user_id, "items": [c.item_id for c in candidates],
             "categories": [c.category for c in candidates], "scores": scores.tolist(),
             "model_name": self.s.models.name, "model_version": version, "route": route, "shadow": shadow,
-            "tier": req.tier, "served_at": int(time.time() * 1000), "features": snapshot})
+            "tier": req.tier, "served_at": int(time.time() * 1000), "features": snapshot} | extra)
 
     # --- the executors --------------------------------------------------------------------------
 

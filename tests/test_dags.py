@@ -61,7 +61,7 @@ def test_dags_parse_fast_without_heavy_imports(tmp_path: Path) -> None:
     parsed = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert parsed["errors"] == {}
     assert parsed["dags"] == ["feature_materialization", "graph_update", "incremental_training", "model_rollback",
-                              "offline_training"]
+                              "offline_training", "retrieval_training"]
     assert parsed["heavy"] == []  # TensorFlow, MLflow, Feast, ... load in tasks, not while parsing
     assert parsed["settings_loaded"] is False  # nor are the settings: no config file is read while parsing
 
@@ -216,6 +216,36 @@ def test_model_rollback_moves_the_alias_back_or_refuses(platform: Platform, late
     assert alias_version(connect(s), s.models.name, CHAMPION) == "1"
     tags = version_tags(s, "2")
     assert tags["rolled_back_reason"] == "CTR dropped in the canary" and tags["rolled_back_by"].startswith("airflow:")
+
+
+@pytest.mark.stack
+def test_retrieval_training_registers_gates_on_recall_and_rolls_back(platform: Platform, first_window,
+                                                                     later_traffic: int) -> None:
+    s, name = platform.s, platform.s.retrieval.name
+    end = later_traffic + 31 * MINUTE
+    conf = {"data_start": iso(first_window[0]), "data_end": iso(end)}
+    judged_on_later = {"FLYWHEEL_RETRIEVAL_EVAL_DAYS": str(32 / 1440), "FLYWHEEL_RETRIEVAL_GATE_MIN_USERS": "10"}
+    run = run_dag(platform.environ, "retrieval_training", conf, **judged_on_later)
+    assert run["tasks"] == {"train": "success", "promotion_asked": "success", "gate": "success"}, run
+    trained = run["values"]["train"]
+    assert trained["version"] == "1" and trained["users"] >= 10 and trained["recall"] > 0
+    assert run["values"]["gate"]["promoted"] and alias_version(connect(s), name, CHAMPION) == "1"
+    tags = connect(s).get_model_version(name, "1").tags
+    assert datetime.fromisoformat(tags["eval_start"]).timestamp() * 1000 < later_traffic
+    assert tags["kind"] == "two-tower" and tags["gate_decision"] == "promoted"
+
+    # The gate compares with the champion on the same window: no tolerance refuses a worse version.
+    again = run_dag(platform.environ, "retrieval_training", conf, **judged_on_later,
+                    FLYWHEEL_RETRIEVAL_MAX_RECALL_DROP="-1.0")
+    assert again["values"]["gate"]["promoted"] is False and "champion v1's" in again["values"]["gate"]["reason"]
+    promoted = run_dag(platform.environ, "retrieval_training", conf, **judged_on_later,
+                       FLYWHEEL_RETRIEVAL_MAX_RECALL_DROP="1.0")
+    assert promoted["values"]["gate"]["promoted"] and alias_version(connect(s), name, CHAMPION) == "3"
+    assert connect(s).get_model_version(name, "3").tags["previous_champion"] == "1"
+
+    back = run_dag(platform.environ, "model_rollback", {"model_name": name, "reason": "recall dropped online"})
+    assert back["values"]["rollback"] == {"from": "3", "to": "1"}
+    assert alias_version(connect(s), name, CHAMPION) == "1" and alias_version(connect(s), s.models.name, CHAMPION) == "1"
 
 
 @pytest.mark.stack

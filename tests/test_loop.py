@@ -4,6 +4,7 @@ only in the summary the loop returns."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime
@@ -20,7 +21,9 @@ from flywheel.demo import LoopPlan, Summary, run_loop, summary_lines
 from infra.settings import Settings, load_settings
 from models.registry import CHAMPION, alias_version, connect, version_tags
 from serving.outcomes import served_outcomes
+from streaming.events import Event, EventType
 from streaming.produce import count_landed
+from streaming.producer import EventProducer
 from streaming.topics import end_offsets
 from tests.conftest import stack_environ, wait_for
 
@@ -32,7 +35,9 @@ PLAN = LoopPlan(history_limit=8000, sessions=900, rate=5.0, tail_s=10.0)
 def loop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, Summary]]:
     data_dir: Path = tmp_path_factory.mktemp("loop")
     s = load_settings(stack_environ(data_dir, FLYWHEEL_AIRFLOW_INCREMENTAL_TRAINING_MINUTES="1",
-                                    FLYWHEEL_AIRFLOW_FULL_TRAINING_SCHEDULE="", FLYWHEEL_SERVING_POLL_INTERVAL_S="1"))
+                                    FLYWHEEL_AIRFLOW_FULL_TRAINING_SCHEDULE="", FLYWHEEL_SERVING_POLL_INTERVAL_S="1",
+                                    FLYWHEEL_RETRIEVAL_TRAINING_SCHEDULE="",
+                                    FLYWHEEL_RETRIEVAL_GATE_MIN_USERS="5"))  # a shortened history: fewer users
     stack.up(s)
     try:
         summary = run_loop(s, PLAN)
@@ -126,6 +131,48 @@ def test_the_rollback_is_followed_by_serving(loop) -> None:
     c = summary.catch_up
     assert c["from"] == r["to"] and c["state"] == "success" and c["train"] in ("success", "skipped"), c
     assert c["train"] == "skipped" or version_tags(s, c["version"])["parent_version"] == r["to"]
+
+
+def test_recommend_answers_from_the_whole_catalogue_and_follows_a_fresh_users_clicks(loop) -> None:
+    s, summary = loop
+    assert summary.retrieval["promoted"], summary.retrieval
+    retrieval = summary.retrieval["version"]
+    assert summary.recommend_sources["popularity"]["impressions"] > 0, summary.recommend_sources
+    assert sum(c["clicks"] for c in summary.recommend_sources.values()) > 0
+    api = f"http://{s.serving.host}:{s.serving.port}/recommend"
+    user = served_outcomes(s).user_id.iloc[0]
+    body = httpx.post(api, json={"user_id": user, "k": 20}, timeout=10).json()
+    items = [x["item_id"] for x in body["items"]]
+    assert len(items) == len(set(items)) == 20 and body["model_versions"]["retrieval"] == retrieval
+    assert {src for x in body["items"] for src in x["sources"]} >= {"two-tower"}, body
+    scores = [x["score"] for x in body["items"]]
+    assert scores == sorted(scores, reverse=True) and all(0 < p < 1 for p in scores)
+    for bad in ({"user_id": user, "k": 0}, {"user_id": "", "k": 5}, {"user_id": user, "k": 20, "x": 1}):
+        r = httpx.post(api, json=bad, timeout=10)
+        assert r.status_code == 422 and r.json()["detail"], (bad, r.text)
+
+    fresh = f"fresh-{time.time_ns()}"
+    before = [x["item_id"] for x in httpx.post(api, json={"user_id": fresh, "k": 20}, timeout=10).json()["items"]]
+    assert len(before) == 20  # a user nobody knows anything of: popular items
+    clicked = before[:3] + items[:2]
+    now = int(time.time() * 1000)
+    with EventProducer(s) as producer:
+        for n, item in enumerate(clicked):
+            for kind, dt in ((EventType.IMPRESSION, 0), (EventType.CLICK, 1)):
+                producer.send(Event(event_id=f"{fresh}-{item}-{kind.value}", user_id=fresh, item_id=item,
+                                    event_type=kind, request_id=f"{fresh}-r{item}", event_time=now + 10 * n + dt,
+                                    context={}))
+
+    def followed() -> None:
+        got = httpx.post(api, json={"user_id": fresh, "k": 20}, timeout=10).json()
+        after = [x["item_id"] for x in got["items"]]
+        assert len(after) == 20 and not set(after) & set(clicked), after
+        assert any("two-tower" in x["sources"] for x in got["items"])  # the near-line embedding exists
+        assert any("graph" in x["sources"] for x in got["items"])  # neighbours of the clicked items
+
+    wait_for(followed, timeout_s=30)
+    kept = httpx.post(api, json={"user_id": fresh, "k": 20, "exclude_seen": False}, timeout=10).json()
+    assert len(kept["items"]) == 20
 
 
 def _assert(condition: bool) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from models.recall import co_interaction, merge, ndcg_at_k, neighbours_of, popular, recall_at_k, top_k
-from models.retrieval import Catalogue, Profiles, TwoTower
+from models.retrieval import Catalogue, Profiles, Split, TwoTower, judge
 
 ITEMS = [{"item_id": str(i), "release_year": str(1990 + i % 10), "class": "Drama" if i < 20 else "Comedy"}
          for i in range(40)]
@@ -61,3 +61,25 @@ def test_recall_and_ndcg() -> None:
     assert ndcg_at_k(["a", "b"], {"a"}, 2) == 1.0
     assert abs(ndcg_at_k(["b", "a"], {"a"}, 2) - 1 / np.log2(3)) < 1e-9
     assert recall_at_k(["a"], set(), 5) == 0.0
+
+
+def test_a_saved_model_loads_to_the_same_embeddings(tmp_path) -> None:
+    clicks = _clicks()
+    catalogue = Catalogue.build(ITEMS, dict(zip(*np.unique([item for _, item in clicks], return_counts=True))))
+    model = TwoTower(catalogue, Profiles.build(USERS), [u["user_id"] for u in USERS], dim=8)
+    model.fit(model.positives(clicks), epochs=1, batch_size=64)
+    model.save(tmp_path / "m")
+    loaded = TwoTower.load(tmp_path / "m")
+    users, recent = ["u3", "someone-new"], [["1", "2"], ["30"]]
+    np.testing.assert_allclose(loaded.user_embeddings(users, recent), model.user_embeddings(users, recent), atol=1e-6)
+    np.testing.assert_allclose(loaded.item_embeddings(), model.item_embeddings(), atol=1e-6)
+    assert sorted(loaded.catalogue.popular[:2]) == ["0", "20"] and loaded.catalogue.categories[25] == "Comedy"
+
+
+def test_the_split_judges_each_users_next_positives_and_never_what_they_saw() -> None:
+    rows = [("a", "1", 1, True), ("a", "2", 2, False), ("b", "3", 3, True), ("a", "4", 10, True),
+            ("a", "4", 11, True), ("a", "5", 12, False), ("c", "6", 13, True)]
+    split = Split.at(rows, cut=10, next_n=5, length=20)
+    assert split.clicks == [("a", "1"), ("b", "3")] and split.seen == {"a": {"1", "2"}, "b": {"3"}}
+    assert split.test == {"a": ["4"], "c": ["6"]} and split.users == ["a"]  # c has nothing before the cut
+    assert judge({"a": ["9", "4"]}, split, k=2) == (1.0, 1 / np.log2(3))

@@ -49,7 +49,8 @@ def test_up_is_idempotent_status_reports_health_and_down_leaves_nothing(tmp_path
         first = run_cli(environ, "up")
         assert first.returncode == 0, first.stdout + first.stderr
         services = ["kafka", "redis", "mlflow", "airflow-api-server", "airflow-scheduler", "airflow-dag-processor",
-                    "stream-job", "feast-ingestor", "event-log", "prediction-archive", "ranking-server"]
+                    "stream-job", "feast-ingestor", "event-log", "prediction-archive", "user-embedder",
+                    "ranking-server"]
         assert sorted(pids(first.stdout)) == sorted(services)
 
         again = run_cli(environ, "up")

@@ -7,17 +7,19 @@ import json
 import time
 from collections import Counter
 from dataclasses import asdict
+from datetime import UTC, datetime
 
 from feature_repo.catalog import load_movielens, materialize
 from feature_repo.store import feature_store
 from flywheel.demo.drills import drills
 from flywheel.demo.plan import LoopError, LoopPlan, Say, Summary
-from flywheel.demo.probes import await_features, online_user, serving, wait_serving
+from flywheel.demo.probes import await_features, online_user, serving, wait_retrieval, wait_serving
 from flywheel.demo.summary import report
 from flywheel.demo.traffic import Traffic
 from infra.airflow_api import AirflowClient
 from infra.settings import Settings
 from models.registry import CHAMPION, alias_version, connect, list_versions
+from serving.client import endpoint
 from serving.outcomes import percentiles
 from streaming.movielens import replay_events
 from streaming.produce import count_landed, produce
@@ -29,10 +31,11 @@ def run_loop(s: Settings, plan: LoopPlan, say: Say = print) -> Summary:
     """The whole loop on the running stack; raises LoopError naming the stage that failed."""
     started, summary = time.monotonic(), Summary()
     server = f"http://{s.serving.host}:{s.serving.port}"
-    history_events(s, plan, summary, say)
+    history_end = history_events(s, plan, summary, say)
     airflow = AirflowClient(s)
     champion = first_champion(s, plan, airflow, summary, say)
     summary.first_served_s = wait_serving(server, champion, 300, say)
+    first_retrieval(s, plan, history_end, airflow, summary, say)
     since_ms = int(time.time() * 1000)
     live(s, plan, server, airflow, summary, say)
     report(s, since_ms, summary)
@@ -45,7 +48,8 @@ def run_loop(s: Settings, plan: LoopPlan, say: Say = print) -> Summary:
 
 # --- 1. history ---------------------------------------------------------------------------------
 
-def history_events(s: Settings, plan: LoopPlan, summary: Summary, say: Say) -> None:
+def history_events(s: Settings, plan: LoopPlan, summary: Summary, say: Say) -> datetime:
+    """Replays the history; returns the end of its event times (exclusive)."""
     topic = s.kafka.events_topic
     ensure_topics(s, [topic])
     events = list(replay_events(s, plan.history_limit, int(plan.split.timestamp())))
@@ -74,6 +78,7 @@ def history_events(s: Settings, plan: LoopPlan, summary: Summary, say: Say) -> N
             newest = name.startswith("seq_")
             value = f"{value[-5:] if newest else value[:5]} ({'newest' if newest else 'top'} 5 of {len(value)})"
         say(f"  {name:24} {value}")
+    return datetime.fromtimestamp((max(e.event_time for e in events) + 1) / 1000, UTC)
 
 
 # --- 2. the first champion ------------------------------------------------------------------------
@@ -97,6 +102,39 @@ def first_champion(s: Settings, plan: LoopPlan, airflow: AirflowClient, summary:
     say(f"offline_training: v{trained['version']} registered in {summary.offline_training_s:.0f}s "
         f"(test AUC {trained.get('test_auc', float('nan')):.4f}); @champion is v{champion}")
     return champion
+
+
+def first_retrieval(s: Settings, plan: LoopPlan, history_end: datetime, airflow: AirflowClient, summary: Summary,
+                    say: Say) -> None:
+    """The recall sources of /recommend, from the history: graph_update (the behavior graph and its item
+    neighbours; unpaused, it runs every `airflow.graph_update_minutes` after) and retrieval_training,
+    side by side. A promoted retrieval version is indexed by the near-line embedder, then /recommend uses
+    it; one the gate refuses leaves /recommend on graph and popularity recall."""
+    conf = {"data_start": plan.history_from.isoformat(), "data_end": history_end.isoformat()}
+    t0 = time.monotonic()
+    runs = {"graph_update": airflow.trigger("graph_update"),
+            "retrieval_training": airflow.trigger("retrieval_training", conf)}
+    for dag_id, run_id in runs.items():
+        state = airflow.wait(dag_id, run_id, plan.training_timeout_s)
+        if state != "success":
+            raise LoopError(f"{dag_id} run {run_id} {state}: {airflow.task_states(dag_id, run_id)}; see its task logs "
+                            "in the Airflow UI")
+    edges, neighbours = (airflow.xcom("graph_update", runs["graph_update"], task)
+                         for task in ("add_edges", "refresh_neighbours"))
+    say(f"graph_update: {edges['edges']:,} user-item edges from {edges['events']:,} events, neighbours of "
+        f"{neighbours['items']:,} items published ({s.airflow.api_url}/dags/graph_update)")
+    run_id = runs["retrieval_training"]
+    trained, gate = (airflow.xcom("retrieval_training", run_id, task) for task in ("train", "gate"))
+    summary.retrieval = {"version": trained["version"], "recall": trained["recall"], "ndcg": trained["ndcg"],
+                         "users": trained["users"], "promoted": gate["promoted"], "reason": gate["reason"],
+                         "seconds": time.monotonic() - t0}
+    say(f"retrieval_training: v{trained['version']} of {s.retrieval.name} in {time.monotonic() - t0:.0f}s, "
+        f"recall@{s.retrieval.gate_k} {trained['recall']:.4f} on {trained['users']} users' next clicks; gate: "
+        f"{'promoted' if gate['promoted'] else 'refused'} ({gate['reason']})")
+    if gate["promoted"]:
+        summary.retrieval["current_s"] = wait_retrieval(s, trained["version"], 300)
+        say(f"  the user embedder indexed it and embedded the users: /recommend uses v{trained['version']} "
+            f"{summary.retrieval['current_s']:.0f}s after the gate")
 
 
 # --- 3. live traffic and the drills -----------------------------------------------------------------
@@ -151,7 +189,13 @@ def live(s: Settings, plan: LoopPlan, server: str, airflow: AirflowClient, summa
     summary.requests = len(traffic.results)
     summary.statuses = {str(k): v for k, v in Counter(
         r.status if r.status != 503 else f"503 {r.body.get('reason')}" for r in traffic.results).items()}
-    summary.latency_ms = percentiles([r.seconds for r in traffic.results if r.status == 200])
+    summary.latency_ms = percentiles([r.seconds for r in traffic.results if r.status == 200
+                                      and endpoint(r.request) == "/rank"])
+    summary.recommend_latency_ms = percentiles([r.seconds for r in traffic.results if r.status == 200
+                                                and endpoint(r.request) == "/recommend"])
+    summary.recommend_sources = {source: {"impressions": c["impression"], "clicks": c["click"],
+                                          "ctr": c["click"] / c["impression"] if c["impression"] else 0.0}
+                                 for source, c in sorted(traffic.by_source.items())}
 
 
 def catch_up(s: Settings, airflow: AirflowClient, summary: Summary, say: Say) -> None:

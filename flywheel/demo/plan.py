@@ -20,6 +20,7 @@ class LoopPlan:
     history_limit: int | None = None  # replay at most this many history ratings (a shortened loop)
     sessions: int | None = None  # the first N live sessions (None: all after `split`), replayed in a cycle
     rate: float = 2.0  # live requests per second
+    recommend_every: int = 4  # every Nth live request asks /recommend for the session's user (0: none)
     tail_s: float = 30.0  # live traffic kept up after the rollback is served
     feature_timeout_s: float = 900.0
     training_timeout_s: float = 1800.0
@@ -38,7 +39,11 @@ class Summary:
     offline_training_s: float = 0.0
     first_served_s: float = 0.0  # offline_training run finished -> its champion served
     statuses: dict[str, int] = field(default_factory=dict)
-    latency_ms: dict[str, float] = field(default_factory=dict)
+    latency_ms: dict[str, float] = field(default_factory=dict)  # POST /rank
+    recommend_latency_ms: dict[str, float] = field(default_factory=dict)
+    # What users did with /recommend's lists, per candidate source: impressions, clicks, CTR
+    recommend_sources: dict[str, dict[str, float]] = field(default_factory=dict)
+    retrieval: dict[str, object] = field(default_factory=dict)  # the first retrieval version and its gate
     requests: int = 0
     versions: list[dict] = field(default_factory=list)  # registry rows, newest first
     served: list[dict] = field(default_factory=list)  # per version on live traffic: requests, items, auc, ...

@@ -11,6 +11,7 @@ import httpx
 
 from feature_repo.store import online_row
 from flywheel.demo.plan import LoopError, Say
+from infra.settings import Settings
 from streaming.features import STREAM_VIEWS
 
 # What the demo shows of a user after the history: every user-keyed stream feature and the profile.
@@ -62,6 +63,19 @@ def wait_serving(server: str, version: str, timeout_s: float, say: Say | None = 
         time.sleep(0.2)
     if say:
         say(f"ranking server: serving v{version} as @champion ({time.monotonic() - t0:.1f}s after it was set)")
+    return time.monotonic() - t0
+
+
+def wait_retrieval(s: Settings, version: str, timeout_s: float) -> float:
+    """Seconds until /recommend uses retrieval `version` (the user embedder made it current)."""
+    from serving.nearline import Keys, redis_client
+
+    t0, current, client = time.monotonic(), Keys(s.retrieval.key_prefix).current, redis_client(s)
+    while (client.get(current) or b"").decode() != version:
+        if time.monotonic() - t0 > timeout_s:
+            raise LoopError(f"retrieval v{version} is not current after {timeout_s:.0f}s; see `flywheel logs "
+                            "user-embedder`")
+        time.sleep(0.2)
     return time.monotonic() - t0
 
 

@@ -47,7 +47,9 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
         f"feature freshness (live events sent -> the user's running total online): p50 {fresh['p50'] / 1000:.2f}s, "
         f"p99 {fresh['p99'] / 1000:.2f}s ({len(summary.feature_freshness_s)} probes; "
         f"{summary.feature_probes_timed_out} not online within 60 s)",
-        "serving latency (client side, 200s): " + ", ".join(f"{q} {ms:.1f} ms" for q, ms in summary.latency_ms.items()),
+        "serving latency (client side, 200s): /rank " + ", ".join(f"{q} {ms:.1f} ms" for q, ms in
+                                                                 summary.latency_ms.items())
+        + "; /recommend " + ", ".join(f"{q} {ms:.1f} ms" for q, ms in summary.recommend_latency_ms.items()),
         f"offline_training (Airflow) -> first @champion v{summary.first_champion}: {summary.offline_training_s:.0f}s; "
         f"served {summary.first_served_s:.1f}s after the run finished",
         "model versions (newest first):"]
@@ -65,6 +67,14 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
                          f"AUC on the traffic it served {row['auc']:.4f}"
                          + (f"; model freshness (newest event in its data -> served) {fresh_s:.0f}s"
                             if fresh_s is not None else ""))
+    if r := summary.retrieval:
+        lines.append(f"retrieval: v{r['version']} of {s.retrieval.name} (two-tower) recall@{s.retrieval.gate_k} "
+                     f"{r['recall']:.4f}, NDCG {r['ndcg']:.4f} on {r['users']} users; gate "
+                     f"{'promoted' if r['promoted'] else 'refused'}: {r['reason']}")
+    if summary.recommend_sources:
+        lines.append("/recommend, served CTR per candidate source (an item two sources listed counts for both): " +
+                     "; ".join(f"{src} {c['clicks']:,}/{c['impressions']:,} = {c['ctr']:.3f}"
+                               for src, c in summary.recommend_sources.items()))
     if summary.refused_drill:
         d = summary.refused_drill
         lines.append(f"bad-model drill: v{d['version']} (output inverted) {d['gate']} by the gate: {d['reason']}")

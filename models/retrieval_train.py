@@ -1,0 +1,189 @@
+"""Retrieval training from the platform's own data, its MLflow versions and its gate.
+
+A run reads the offline event log's behavior in [start, end) (test traffic left out) and the catalogue's
+batch views (item attributes, user profiles), splits it at end - `retrieval.eval_days`, trains the
+two-tower model on what came before and judges it by recall@K on each user's next positives after the
+cut. The version is registered as `retrieval.name`; the gate (its own task) recomputes that split from
+the version's tags and compares it with `@champion` on the same window: promoted unless its recall is
+lower by more than `retrieval.max_recall_drop`, and never on fewer than `retrieval.gate_min_users`
+judged users. Rollback is the ranker's (models/registry.py, the model_rollback DAG with this model's name).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from feature_repo.definitions import ITEM_ATTRIBUTES, TIMESTAMP_FIELD, USER_PROFILE
+from feature_repo.event_log import read_event_log
+from feature_repo.files import view_dir
+from infra.settings import Settings, override
+from models.registry import CHAMPION, Decision, alias_version, connect, decide
+from models.retrieval import Catalogue, Profiles, Split, TwoTower, judge, two_tower_lists
+from streaming.events import TEST_TRAFFIC
+
+POSITIVE = ("click", "add_to_cart", "purchase")
+NEXT_N = 10  # a judged user's next positives
+
+
+class NoBehavior(RuntimeError):
+    """The window holds too little behavior to train or judge a retrieval model."""
+
+
+@dataclass(frozen=True)
+class RetrievalOutcome:
+    version: str
+    recall: float
+    ndcg: float
+    users: int  # judged
+    clicks: int  # trained on
+    seconds: float
+
+
+def behavior(s: Settings, start_ms: int, end_ms: int) -> list[tuple[str, str, int, bool]]:
+    """(user, item, time, positive) of every logged event in [start_ms, end_ms), time order, each once."""
+    log = read_event_log(s, start_ms, end_ms)
+    log = log.filter(pc.field("event_time") >= start_ms).filter(pc.field("event_time") < end_ms)
+    df = log.select(["event_id", "user_id", "item_id", "event_type", "event_time", "context"]).to_pandas()
+    df = df.drop_duplicates("event_id")
+    df = df[[TEST_TRAFFIC not in c or json.loads(c).get(TEST_TRAFFIC) is not True for c in df["context"]]]
+    df = df.sort_values("event_time", kind="stable")
+    return list(zip(df["user_id"], df["item_id"], df["event_time"].astype(int), df["event_type"].isin(POSITIVE)))
+
+
+def _latest(s: Settings, view: str, key: str) -> pd.DataFrame:
+    """The newest row per entity of a batch view's offline files."""
+    files = sorted(view_dir(s, view).glob("*.parquet"))
+    if not files:
+        return pd.DataFrame()
+    df = pd.concat([pq.read_table(f).to_pandas() for f in files])
+    return df.sort_values(TIMESTAMP_FIELD, kind="stable").drop_duplicates(key, keep="last")
+
+
+def catalogue_rows(s: Settings) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """The catalogue's items and users as the model's side tables read them (`.item`, `.user` rows)."""
+    items = _latest(s, ITEM_ATTRIBUTES.name, "item_id")
+    users = _latest(s, USER_PROFILE.name, "user_id")
+    item_rows = [{"item_id": i, "class": " ".join(g if g is not None else []),
+                  "release_year": "" if pd.isna(y) else str(int(y))}
+                 for i, g, y in zip(items.get("item_id", []), items.get("item_genres", []),
+                                    items.get("item_release_year", []))]
+    user_rows = [{"user_id": u, "age": str(int(a)) if not pd.isna(a) else "0", "gender": g or "", "occupation": o or ""}
+                 for u, a, g, o in zip(users.get("user_id", []), users.get("user_age", []),
+                                       users.get("user_gender", []), users.get("user_occupation", []))]
+    return item_rows, user_rows
+
+
+def split_of(s: Settings, start: datetime, end: datetime) -> Split:
+    """The window's behavior split at end - eval_days."""
+    ms = [int(t.timestamp() * 1000) for t in (start, end - timedelta(days=s.retrieval.eval_days), end)]
+    rows = behavior(s, ms[0], ms[2])
+    return Split.at(rows, ms[1], NEXT_N, s.retrieval.sequence_length)
+
+
+def build_model(s: Settings, split: Split) -> TwoTower:
+    """An untrained model over the catalogue, with the items that only behavior names added to it."""
+    items, users = catalogue_rows(s)
+    known = {row["item_id"] for row in items}
+    items += [{"item_id": i} for i in sorted({i for _, i in split.clicks} - known)]
+    counts = pd.Series([i for _, i in split.clicks]).value_counts().to_dict()
+    r = s.retrieval
+    return TwoTower(Catalogue.build(items, counts), Profiles.build(users), sorted(split.seen), r.dim,
+                    r.sequence_length)
+
+
+class RetrievalPyfunc(mlflow.pyfunc.PythonModel):
+    """`models:/<retrieval>@champion` as a pyfunc: a frame of user_id and recent (item ids, oldest first)
+    -> their user-tower embeddings."""
+
+    def load_context(self, context) -> None:
+        self.model = TwoTower.load(Path(context.artifacts["model"]))
+
+    def predict(self, context, model_input: pd.DataFrame, params=None):
+        return self.model.user_embeddings(list(model_input["user_id"]), list(model_input["recent"]))
+
+
+def load_retrieval(s: Settings, version: str) -> TwoTower:
+    connect(s)
+    return mlflow.pyfunc.load_model(f"models:/{s.retrieval.name}/{version}").unwrap_python_model().model
+
+
+def train_retrieval(s: Settings, start: datetime, end: datetime, seed: int = 7) -> RetrievalOutcome:
+    """Train on [start, end - eval_days), judge on the rest, register the version (no promotion)."""
+    import keras
+
+    connect(s)  # fail before any work when the registry is unreachable
+    started, r = time.perf_counter(), s.retrieval
+    split = split_of(s, start, end)
+    if len(split.clicks) < 100 or not split.users:
+        raise NoBehavior(f"{len(split.clicks)} positives before and {len(split.users)} users with positives on both "
+                         f"sides of the cut in [{start.isoformat()}, {end.isoformat()}): nothing to train or judge on")
+    keras.utils.set_random_seed(seed)
+    model = build_model(s, split)
+    losses = model.fit(model.positives(split.clicks), epochs=r.epochs, seed=seed)
+    recall, ndcg = judge(two_tower_lists(model, split, r.gate_k), split, r.gate_k)
+    cut = end - timedelta(days=r.eval_days)
+    mlflow.set_experiment(r.experiment)
+    with mlflow.start_run(run_name="two-tower"), tempfile.TemporaryDirectory() as tmp:
+        mlflow.log_params({"data_start": start.isoformat(), "data_end": end.isoformat(), "eval_start": cut.isoformat(),
+                           "dim": r.dim, "sequence_length": r.sequence_length, "epochs": r.epochs,
+                           "items": len(model.catalogue.item_ids), "users": len(model.user_ids)})
+        for epoch, loss in enumerate(losses):
+            mlflow.log_metric("in_batch_loss", loss, step=epoch)
+        mlflow.log_metrics({f"recall_at_{r.gate_k}": recall, f"ndcg_at_{r.gate_k}": ndcg,
+                            "judged_users": float(len(split.users)), "positives": float(len(split.clicks))})
+        model.save(Path(tmp) / "model")
+        import tensorflow as tf
+
+        info = mlflow.pyfunc.log_model(
+            name="model", python_model=RetrievalPyfunc(), artifacts={"model": str(Path(tmp) / "model")},
+            pip_requirements=[f"tensorflow-cpu=={tf.__version__}", f"mlflow=={mlflow.__version__}"],
+            registered_model_name=r.name)
+    version = str(info.registered_model_version)
+    client = connect(s)
+    for key, value in {"kind": "two-tower", "data_start": start.isoformat(), "data_end": end.isoformat(),
+                       "eval_start": cut.isoformat(), "eval_end": end.isoformat(),
+                       "gate_recall": f"{recall:.6f}"}.items():
+        client.set_model_version_tag(r.name, version, key, value)
+    return RetrievalOutcome(version, recall, ndcg, len(split.users), len(split.clicks), time.perf_counter() - started)
+
+
+def gate_retrieval(s: Settings, version: str) -> Decision:
+    """Promote `version` to the retrieval @champion, or make it @challenger, by recall@K on its own
+    evaluation window against the champion's on the same window."""
+    r, client = s.retrieval, connect(s)
+    tags = client.get_model_version(r.name, version).tags
+    start, end = (datetime.fromisoformat(tags[k]) for k in ("data_start", "data_end"))
+    split = split_of(s, start, end)
+    window = f"{len(split.users)} users' next positives in [{tags['eval_start']}, {tags['eval_end']})"
+    recall, _ = judge(two_tower_lists(load_retrieval(s, version), split, r.gate_k), split, r.gate_k)
+    champion, champion_recall, guardrail = alias_version(client, r.name, CHAMPION), None, None
+    if champion == version:
+        reason = f"v{version} is already the champion"
+    elif len(split.users) < r.gate_min_users:
+        guardrail, reason = "evidence", f"{len(split.users)} judged users; the gate needs {r.gate_min_users}"
+    elif champion is None:
+        reason = f"first champion (recall@{r.gate_k} {recall:.4f} on {window})"
+    else:
+        champion_recall, _ = judge(two_tower_lists(load_retrieval(s, champion), split, r.gate_k), split, r.gate_k)
+        worse = recall < champion_recall - r.max_recall_drop
+        guardrail = "recall" if worse else None
+        reason = (f"recall@{r.gate_k} {recall:.4f} vs champion v{champion}'s {champion_recall:.4f} on {window}: "
+                  f"{'worse' if worse else 'not worse'} beyond the tolerance {r.max_recall_drop}")
+    return decide(override(s, "models", name=r.name), version, guardrail, reason, recall, champion,
+                  champion_recall, {"gate_recall": f"{recall:.6f}"})
+
+
+def retrieval_window(s: Settings, end: datetime | None) -> tuple[datetime, datetime]:
+    end = end or datetime.now(UTC)
+    return end - timedelta(days=s.retrieval.training_days), end
+

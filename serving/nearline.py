@@ -1,0 +1,211 @@
+"""The near-line retrieval tier: the user embedder (a stack service) keeps in Redis what `POST /recommend`
+reads, so a request computes nothing that depends on history length.
+
+It consumes the stream job's behavior-sequence updates (`features.user_sequence`: a user's last positive
+actions, one row per action) and, per user who acted, stores their recent positives, adds the newest
+to their clicked set and the live popularity, and recomputes their user-tower embedding with the
+retrieval @champion, all within one poll of the action reaching the topic. It follows the retrieval
+model's @champion: a new version gets its ANN index of item embeddings (a Redis vector set, cosine)
+and every known user's embedding under keys of its own, and only then becomes `current`, so a
+request never pairs a user vector of one version with the index of another. The previous version's
+keys stay until the next switch (a rollback has them); older ones are deleted.
+
+Keys (prefix `retrieval.key_prefix`):
+    {p}:current          the version /recommend uses
+    {p}:v{V}:items       vector set: item id -> item-tower embedding of version V
+    {p}:v{V}:users       hash: user id -> user-tower embedding (float32 bytes) of version V
+    {p}:v{V}:categories  hash: item id -> its category (the ranker's user x category features)
+    {p}:recent           hash: user id -> JSON list of their recent positive items, newest last
+    {p}:clicked:{user}   set: every item the user acted on positively (never recommended again)
+    {p}:popular          sorted set: positive actions per item (the fallback source)
+
+Why a vector set and not an index in each server process: every server worker and replica shares the
+one index, the embedder refreshes it once per promotion, and a query is one round trip that the
+request makes anyway (docs/benchmarks.md compares it with exact search in process).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+import redis
+from confluent_kafka import Consumer, KafkaException
+
+from infra.progress import ProgressReport
+from infra.settings import Settings, get_settings, redis_password
+from streaming.features import row_schema, topics
+
+log = logging.getLogger("flywheel.user-embedder")
+GROUP = "flywheel-user-embedder"
+SEQUENCE_TOPIC = "features.user_sequence"
+BATCH = 1024  # users embedded per model call when a version is switched in
+_decode_row = msgspec.json.Decoder(list).decode
+
+
+class Keys:
+    """The near-line keys of one deployment (see the module docstring)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.current, self.recent, self.popular = f"{prefix}:current", f"{prefix}:recent", f"{prefix}:popular"
+
+    def items(self, version: str) -> str:
+        return f"{self.prefix}:v{version}:items"
+
+    def users(self, version: str) -> str:
+        return f"{self.prefix}:v{version}:users"
+
+    def categories(self, version: str) -> str:
+        return f"{self.prefix}:v{version}:categories"
+
+    def clicked(self, user_id: str) -> str:
+        return f"{self.prefix}:clicked:{user_id}"
+
+
+def redis_client(s: Settings, timeout_s: float | None = None) -> redis.Redis:
+    return redis.Redis.from_url(s.redis.url, password=redis_password(s), socket_timeout=timeout_s,
+                                socket_connect_timeout=timeout_s)
+
+
+class Embedder:
+    def __init__(self, s: Settings, max_records: int = 10_000) -> None:
+        from models.registry import connect
+
+        self.s, self.max_records = s, max_records
+        self.keys = Keys(s.retrieval.key_prefix)
+        self.redis = redis_client(s)
+        self.registry = connect(s)
+        self.model = None  # the TwoTower of `self.version`
+        self.version: str | None = None
+        self.fields = tuple(name for name, _ in row_schema(topics()[SEQUENCE_TOPIC]))
+        self.consumer = Consumer(s.kafka.client_options("librdkafka") | {
+            "group.id": GROUP, "enable.auto.commit": False, "auto.offset.reset": "earliest", "fetch.wait.max.ms": 20,
+            "session.timeout.ms": s.kafka.session_timeout_ms, "heartbeat.interval.ms": s.kafka.heartbeat_interval_ms})
+        self.consumer.subscribe([SEQUENCE_TOPIC])
+        self._followed_at = 0.0
+
+    # --- following the retrieval @champion ------------------------------------------------------
+
+    def follow(self) -> None:
+        """Switch to the retrieval @champion if it moved (at most every `retrieval.poll_interval_s`)."""
+        if time.monotonic() - self._followed_at < self.s.retrieval.poll_interval_s:
+            return
+        self._followed_at = time.monotonic()
+        from models.registry import CHAMPION, alias_version
+
+        try:
+            champion = alias_version(self.registry, self.s.retrieval.name, CHAMPION)
+        except Exception as exc:  # noqa: BLE001 - the registry away: keep serving the version we have
+            log.warning("retrieval @champion not read: %s", exc)
+            return
+        if champion is not None and champion != self.version:
+            try:
+                self.switch(champion)
+            except Exception:  # a version that cannot be loaded: the current one stays
+                log.exception("retrieval v%s not switched in; v%s stays", champion, self.version)
+
+    def switch(self, version: str) -> None:
+        """Index version `version`, embed every known user with it, then make it current."""
+        from models.retrieval_train import load_retrieval
+
+        started = time.perf_counter()
+        model = load_retrieval(self.s, version)
+        k, vectors = self.keys, model.item_embeddings().astype("float32")
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(k.items(version), k.users(version), k.categories(version))
+        for item, vector in zip(model.catalogue.item_ids, vectors):
+            pipe.execute_command("VADD", k.items(version), "FP32", vector.tobytes(), item, "NOQUANT")
+        categories = {i: c for i, c in zip(model.catalogue.item_ids, model.catalogue.categories) if c}
+        if categories:
+            pipe.hset(k.categories(version), mapping=categories)
+        pipe.execute()
+        recent = {u.decode(): json.loads(v) for u, v in self.redis.hgetall(k.recent).items()}
+        users = list(recent)
+        for b in range(0, len(users), BATCH):
+            self._embed(model, version, {u: recent[u] for u in users[b:b + BATCH]})
+        previous = self.redis.get(k.current)
+        self.redis.set(k.current, version)
+        self._drop_older(keep={version, previous.decode() if previous else version})
+        self.model, self.version = model, version
+        log.info("retrieval v%s current: %d items indexed, %d users embedded in %.1fs", version, len(vectors),
+                 len(users), time.perf_counter() - started)
+
+    def _drop_older(self, keep: set[str]) -> None:
+        for key in self.redis.scan_iter(f"{self.keys.prefix}:v*"):
+            if key.decode().split(":")[-2][1:] not in keep:
+                self.redis.delete(key)
+
+    def _embed(self, model, version: str, recent: dict[str, list[str]]) -> None:
+        users = list(recent)
+        vectors = model.user_embeddings(users, [recent[u] for u in users]).astype("float32")
+        self.redis.hset(self.keys.users(version), mapping={u: v.tobytes() for u, v in zip(users, vectors)})
+
+    # --- behavior updates -----------------------------------------------------------------------
+
+    def run_once(self) -> int:
+        """One poll: the users who acted, stored and re-embedded; offsets committed after. Returns users."""
+        first = self.consumer.poll(0.1)
+        polled = [] if first is None else [first, *self.consumer.consume(self.max_records - 1, 0)]
+        newest: dict[str, list[str]] = {}  # user -> recent positives, from their newest row in the batch
+        acted: list[tuple[str, str]] = []  # (user, item) of each row's own action
+        for record in polled:
+            if record.error():
+                if record.error().fatal():
+                    raise KafkaException(record.error())
+                continue
+            try:
+                row = dict(zip(self.fields, _decode_row(record.value())))
+                user, items = row["user_id"], [str(i) for i in row["seq_item_ids"] or []]
+            except (TypeError, KeyError, msgspec.DecodeError):  # a tombstone or not a row of this view
+                continue
+            if items:
+                newest[user] = items[-self.s.retrieval.sequence_length:]
+                acted.append((user, items[-1]))
+        if newest:
+            self.store(newest, acted)
+        if polled:
+            self.consumer.commit(asynchronous=False)
+        return len(newest)
+
+    def store(self, recent: dict[str, list[str]], acted: Sequence[tuple[str, str]]) -> None:
+        k = self.keys
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(k.recent, mapping={u: json.dumps(items) for u, items in recent.items()})
+        for user, item in acted:
+            pipe.sadd(k.clicked(user), item)
+            pipe.zincrby(k.popular, 1, item)
+        pipe.execute()
+        if self.model is not None:
+            self._embed(self.model, self.version, recent)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def user_vector(raw: bytes | None) -> np.ndarray | None:
+    return None if raw is None else np.frombuffer(raw, dtype="float32")
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    s = get_settings()
+    embedder = Embedder(s)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    progress = ProgressReport(s, "user-embedder", GROUP, [SEQUENCE_TOPIC])
+    try:
+        while not stopping:
+            embedder.follow()
+            progress.beat(wrote=embedder.run_once() > 0)
+    finally:
+        embedder.close()
+
+
+if __name__ == "__main__":
+    main()
