@@ -9,16 +9,21 @@ are never candidates. No stack needed: `make bench-retrieval`. Prints Markdown f
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import keras
 import numpy as np
 import psutil
 
-from infra.settings import get_settings
+from infra import stack
+from infra.settings import get_settings, load_settings, override, redis_password
 from models.recall import co_interaction, merge, neighbours_of
 from models.retrieval import Catalogue, Profiles, Split, TwoTower, judge, two_tower_lists
+from serving.nearline import redis_client
 from streaming.movielens import dataset_dir, load_ratings, load_side_table
 
 
@@ -29,6 +34,8 @@ def main() -> None:
     parser.add_argument("--next", type=int, default=10, help="test items: each user's next N clicks")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--ann", action="store_true", help="also time the ANN index against exact search "
+                                                             "(starts a throwaway Redis)")
     args = parser.parse_args()
     s = get_settings()
     click, k = s.movielens.click_min_rating, args.k
@@ -71,6 +78,50 @@ def main() -> None:
     for name in names:
         recall, ndcg = (np.array([run[name][m] for run in runs]) for m in (0, 1))
         print(f"| {name} | {recall.mean():.4f} | {ndcg.mean():.4f} | {recall.std():.4f} | {len(users)} |")
+    if args.ann:
+        ann_table(model, split, n)
+
+
+def ann_table(model: TwoTower, split: Split, n: int, queries: int = 2000) -> None:
+    """The ANN index /recommend queries (a Redis 8 vector set, HNSW, as serving/nearline.py builds it)
+    against exact search in process (numpy, the same vectors): latency per query as a server sees it
+    (the vector set's includes its round trip) and the share of the exact top n the index returns."""
+    vectors = model.item_embeddings().astype("float32")
+    ids = model.catalogue.item_ids
+    rng = np.random.default_rng(0)
+    users = [split.users[i] for i in rng.integers(0, len(split.users), queries)]
+    queries_v = model.user_embeddings(users, [split.recent[u] for u in users]).astype("float32")
+    with tempfile.TemporaryDirectory() as tmp:
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+        s = load_settings(environ | stack.side_by_side_environ(Path(tmp)) | {"FLYWHEEL_STACK_SERVICES": "redis"})
+        s = override(s, "redis", password=redis_password(s))
+        stack.up(s)
+        try:
+            r, key = redis_client(s), "bench:items"
+            pipe = r.pipeline(transaction=False)
+            for item, v in zip(ids, vectors):
+                pipe.execute_command("VADD", key, "FP32", v.tobytes(), item, "NOQUANT")
+            pipe.execute()
+            rows = []
+            for name, search in (
+                    ("Redis vector set (VSIM, HNSW, one round trip)",
+                     lambda q: [i.decode() for i in r.execute_command("VSIM", key, "FP32", q.tobytes(), "COUNT", n)]),
+                    ("exact, in process (numpy, brute force)",
+                     lambda q: [ids[j] for j in np.argsort(-(vectors @ q))[:n]])):
+                seconds, overlap = [], []
+                for q in queries_v:
+                    t0 = time.perf_counter()
+                    got = search(q)
+                    seconds.append(time.perf_counter() - t0)
+                    overlap.append(len(set(got) & {ids[j] for j in np.argsort(-(vectors @ q))[:n]}) / n)
+                rows.append((name, *np.percentile(seconds, [50, 99]) * 1000, np.mean(overlap)))
+        finally:
+            stack.down(s)
+    print(f"\nANN: {len(ids):,} items, {vectors.shape[1]} dimensions, top {n}, {queries:,} queries (users' vectors).\n")
+    print(f"| index | p50 ms | p99 ms | share of the exact top {n} |")
+    print("|---|---:|---:|---:|")
+    for name, p50, p99, share in rows:
+        print(f"| {name} | {p50:.3f} | {p99:.3f} | {share:.3f} |")
 
 
 if __name__ == "__main__":

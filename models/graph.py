@@ -187,3 +187,11 @@ def refresh_neighbours(s: Settings) -> NeighbourUpdate:
         graph.query("UNWIND $items AS item MATCH (i:Item {id: item}) REMOVE i:Stale SET i.neighbours_at = $at",
                     {"items": list(batch), "at": at})
     return NeighbourUpdate(len(rows), sum(1 for r in rows if r["neighbour_ids"]), at, time.perf_counter() - started)
+
+
+def graph_size(s: Settings) -> tuple[int, int]:
+    """(user-item edges in the graph, items with neighbours published)."""
+    graph = connect(s)
+    edges = graph.query("MATCH ()-[e:BEHAVED]->() RETURN count(e)").result_set[0][0]
+    items = graph.query("MATCH (i:Item) WHERE i.neighbours_at IS NOT NULL RETURN count(i)").result_set[0][0]
+    return edges, items

@@ -10,8 +10,8 @@
     rank        the ranking path of `POST /rank` (features, batching, the @champion ranker, shedding),
                 the best k served and logged to the prediction log with their sources
 
-Everything read here was computed before the request (serving/nearline.py): three round trips to Redis,
-whatever the length of the user's history.
+Everything read here was computed before the request (serving/nearline.py): four round trips to Redis,
+each of a size that does not depend on the length of the user's history.
 """
 
 from __future__ import annotations
@@ -65,18 +65,17 @@ class Recommender:
         r, k = self.s.retrieval, self.keys
         seen = self._current  # one read: another thread may replace it meanwhile
         pipe = self.redis.pipeline(transaction=False)
-        pipe.get(k.current).hget(k.recent, user_id).smembers(k.clicked(user_id))
+        pipe.get(k.current).hget(k.recent, user_id)
         if seen is not None:
             pipe.hget(k.users(seen[0]), user_id)
-        current, recent, clicked, *vector = pipe.execute()
+        current, recent, *vector = pipe.execute()
         current, vector = (current.decode() if current else None), (vector[0] if vector else None)
         if current is not None and (seen is None or seen[0] != current):  # another version is current now
             vector = self.redis.hget(k.users(current), user_id)
             seen = self._current = (current, {i.decode(): c.decode() for i, c in
                                               self.redis.hgetall(k.categories(current)).items()})
-        exclude = {i.decode() for i in clicked} if exclude_seen else set()
         recent = json.loads(recent) if recent else []
-        n = r.per_source + len(exclude)
+        n = 2 * r.per_source  # room for the user's own positives, left out below
         pipe = self.redis.pipeline(transaction=False)
         pipe.zrevrange(k.popular, 0, n - 1)
         if current and vector:
@@ -85,10 +84,15 @@ class Recommender:
         seeds = list(dict.fromkeys(reversed(recent)))[: r.graph_seeds]  # newest first, each once
         rows = self.neighbours.read(("item_id",), [(i,) for i in seeds], NEIGHBOURS) if seeds else []
         graph = {i: list(zip(ids or [], scores or [])) for i, (ids, scores) in zip(seeds, rows)}
-        sources = {"two-tower": [i.decode() for i in nearest[0] if i.decode() not in exclude][: r.per_source]
-                   if nearest else [],
-                   "graph": neighbours_of(seeds, graph, r.per_source, exclude),
-                   "popularity": [i.decode() for i in popular if i.decode() not in exclude][: r.per_source]}
+        found = {"two-tower": [i.decode() for i in nearest[0]] if nearest else [],
+                 "graph": neighbours_of(seeds, graph, n),
+                 "popularity": [i.decode() for i in popular]}
+        # Only the candidates are looked up in the user's clicked set: the cost does not grow with history.
+        listed = list(dict.fromkeys(i for items in found.values() for i in items))
+        exclude = set()
+        if exclude_seen and listed:
+            exclude = {i for i, hit in zip(listed, self.redis.smismember(k.clicked(user_id), listed)) if hit}
+        sources = {name: [i for i in items if i not in exclude][: r.per_source] for name, items in found.items()}
         merged = merge(sources, r.candidates)
         categories = seen[1] if seen is not None and current is not None else {}
         return Retrieved([Item(i, categories.get(i, "")) for i, _, _ in merged], [names for _, _, names in merged],

@@ -37,7 +37,8 @@ def loop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, S
     s = load_settings(stack_environ(data_dir, FLYWHEEL_AIRFLOW_INCREMENTAL_TRAINING_MINUTES="1",
                                     FLYWHEEL_AIRFLOW_FULL_TRAINING_SCHEDULE="", FLYWHEEL_SERVING_POLL_INTERVAL_S="1",
                                     FLYWHEEL_RETRIEVAL_TRAINING_SCHEDULE="",
-                                    FLYWHEEL_RETRIEVAL_GATE_MIN_USERS="5"))  # a shortened history: fewer users
+                                    # a shortened history: about two weeks of it, fewer users to judge on
+                                    FLYWHEEL_RETRIEVAL_EVAL_DAYS="4", FLYWHEEL_RETRIEVAL_GATE_MIN_USERS="5"))
     stack.up(s)
     try:
         summary = run_loop(s, PLAN)
@@ -140,7 +141,8 @@ def test_recommend_answers_from_the_whole_catalogue_and_follows_a_fresh_users_cl
     assert summary.recommend_sources["popularity"]["impressions"] > 0, summary.recommend_sources
     assert sum(c["clicks"] for c in summary.recommend_sources.values()) > 0
     api = f"http://{s.serving.host}:{s.serving.port}/recommend"
-    user = served_outcomes(s).user_id.iloc[0]
+    log = read_event_log(s).to_pandas()
+    user = log[log.request_id.str.contains("@")].user_id.iloc[0]  # a live user (served sessions' request ids)
     body = httpx.post(api, json={"user_id": user, "k": 20}, timeout=10).json()
     items = [x["item_id"] for x in body["items"]]
     assert len(items) == len(set(items)) == 20 and body["model_versions"]["retrieval"] == retrieval

@@ -18,6 +18,7 @@ from flywheel.demo.summary import report
 from flywheel.demo.traffic import Traffic
 from infra.airflow_api import AirflowClient
 from infra.settings import Settings
+from models.graph import graph_size
 from models.registry import CHAMPION, alias_version, connect, list_versions
 from serving.client import endpoint
 from serving.outcomes import percentiles
@@ -119,10 +120,9 @@ def first_retrieval(s: Settings, plan: LoopPlan, history_end: datetime, airflow:
         if state != "success":
             raise LoopError(f"{dag_id} run {run_id} {state}: {airflow.task_states(dag_id, run_id)}; see its task logs "
                             "in the Airflow UI")
-    edges, neighbours = (airflow.xcom("graph_update", runs["graph_update"], task)
-                         for task in ("add_edges", "refresh_neighbours"))
-    say(f"graph_update: {edges['edges']:,} user-item edges from {edges['events']:,} events, neighbours of "
-        f"{neighbours['items']:,} items published ({s.airflow.api_url}/dags/graph_update)")
+    edges, items = graph_size(s)  # the run's own figures may be nothing: its scheduled run may come first
+    say(f"graph_update: the behavior graph holds {edges:,} user-item edges; neighbours of {items:,} items "
+        f"published ({s.airflow.api_url}/dags/graph_update)")
     run_id = runs["retrieval_training"]
     trained, gate = (airflow.xcom("retrieval_training", run_id, task) for task in ("train", "gate"))
     summary.retrieval = {"version": trained["version"], "recall": trained["recall"], "ndcg": trained["ndcg"],
@@ -142,7 +142,8 @@ def first_retrieval(s: Settings, plan: LoopPlan, history_end: datetime, airflow:
 def live(s: Settings, plan: LoopPlan, server: str, airflow: AirflowClient, summary: Summary, say: Say) -> None:
     traffic = Traffic(s, plan, server)
     say(f"live: {len(traffic.sessions):,} sessions after {plan.split:%Y-%m-%d} as ranking requests at "
-        f"{plan.rate:g}/s through {server}/rank; incremental_training every "
+        f"{plan.rate:g}/s through {server}/rank (every {plan.recommend_every}th: /recommend for the session's user); "
+        f"incremental_training every "
         f"{s.airflow.incremental_training_minutes} min")
     airflow.set_paused("incremental_training", False)
     traffic.thread.start()
