@@ -63,7 +63,7 @@ class RankRequest:
     candidates: Sequence[Candidate]
     tier: str = "normal"
     deadline_ms: float | None = None
-    request_id: str = field(default_factory=lambda: new_request_id())
+    request_id: str = field(default_factory=new_request_id)
     # Recommendation (serving/recommend.py): only the best `top_k` are served, so only they are logged,
     # each with the candidate sources that retrieved it.
     top_k: int | None = None

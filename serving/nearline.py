@@ -8,7 +8,9 @@ retrieval @champion, all within one poll of the action reaching the topic. It fo
 model's @champion: a new version gets its ANN index of item embeddings (a Redis vector set, cosine)
 and every known user's embedding under keys of its own, and only then becomes `current`, so a
 request never pairs a user vector of one version with the index of another. The previous version's
-keys stay until the next switch (a rollback has them); older ones are deleted.
+keys stay until the next switch (a rollback has them); older ones are deleted. Offsets are committed
+after the writes (at-least-once): a batch replayed after a crash rewrites the same recent lists and
+sets, and counts its actions in the live popularity twice.
 
 Keys (prefix `retrieval.key_prefix`):
     {p}:current          the version /recommend uses
@@ -33,12 +35,13 @@ import time
 from collections.abc import Sequence
 
 import msgspec
-import numpy as np
 import redis
 from confluent_kafka import Consumer, KafkaException
 
 from infra.progress import ProgressReport
 from infra.settings import Settings, get_settings, redis_password
+from models.registry import CHAMPION, alias_version, connect
+from models.retrieval_train import load_retrieval
 from streaming.features import row_schema, topics
 
 log = logging.getLogger("flywheel.user-embedder")
@@ -75,8 +78,6 @@ def redis_client(s: Settings, timeout_s: float | None = None) -> redis.Redis:
 
 class Embedder:
     def __init__(self, s: Settings, max_records: int = 10_000) -> None:
-        from models.registry import connect
-
         self.s, self.max_records = s, max_records
         self.keys = Keys(s.retrieval.key_prefix)
         self.redis = redis_client(s)
@@ -97,8 +98,6 @@ class Embedder:
         if time.monotonic() - self._followed_at < self.s.retrieval.poll_interval_s:
             return
         self._followed_at = time.monotonic()
-        from models.registry import CHAMPION, alias_version
-
         try:
             champion = alias_version(self.registry, self.s.retrieval.name, CHAMPION)
         except Exception as exc:  # noqa: BLE001 - the registry away: keep serving the version we have
@@ -112,8 +111,6 @@ class Embedder:
 
     def switch(self, version: str) -> None:
         """Index version `version`, embed every known user with it, then make it current."""
-        from models.retrieval_train import load_retrieval
-
         started = time.perf_counter()
         model = load_retrieval(self.s, version)
         k, vectors = self.keys, model.item_embeddings().astype("float32")
@@ -186,10 +183,6 @@ class Embedder:
 
     def close(self) -> None:
         self.consumer.close()
-
-
-def user_vector(raw: bytes | None) -> np.ndarray | None:
-    return None if raw is None else np.frombuffer(raw, dtype="float32")
 
 
 def main() -> None:

@@ -21,11 +21,13 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import redis
+
 from feature_repo.definitions import ITEM_NEIGHBOURS
 from feature_repo.online import OnlineReader
 from infra.settings import Settings
 from models.recall import merge, neighbours_of
-from serving.inference import Inference, RankRequest, new_request_id
+from serving.inference import Inference, RankRequest, Shed, new_request_id
 from serving.nearline import Keys, redis_client
 
 NEIGHBOURS = [(ITEM_NEIGHBOURS.name, "neighbour_ids"), (ITEM_NEIGHBOURS.name, "neighbour_scores")]
@@ -100,9 +102,12 @@ class Recommender:
 
     async def recommend(self, user_id: str, k: int, exclude_seen: bool, tier: str, deadline_ms: float | None,
                         request_id: str | None) -> Recommended:
-        """Raises what `Inference.rank` raises (NotReady, Shed)."""
-        retrieved = await asyncio.get_running_loop().run_in_executor(self._readers, self.retrieve, user_id,
-                                                                     exclude_seen)
+        """Raises what `Inference.rank` raises (NotReady, Shed); Shed("features") when Redis does not answer."""
+        try:
+            retrieved = await asyncio.get_running_loop().run_in_executor(self._readers, self.retrieve, user_id,
+                                                                         exclude_seen)
+        except redis.RedisError as exc:
+            raise Shed("features", f"candidates not read from the online store ({type(exc).__name__})") from None
         versions = {"retrieval": retrieved.version, "ranker": None}
         if not retrieved.items:  # nothing is known yet (an empty stack): an empty list, not an error
             return Recommended(request_id or new_request_id(), [], versions)
