@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import click
 
 from infra import process
-from infra.settings import Settings, SettingsError, get_settings
+from infra.settings import Settings, SettingsError, get_settings, override
 
 if TYPE_CHECKING:
     from streaming.produce import ProduceReport
@@ -351,14 +351,25 @@ def promote(version: str) -> None:
     click.echo(f"v{version} {'promoted to @champion' if decision.promoted else 'refused'}: {decision.reason}")
 
 
+_MODEL = click.option("--model", "model_name", default=None,
+                       help="Registered model (default: the ranker, models.name; the retrieval model is "
+                            "retrieval.name, flywheel-retrieval).")
+
+
+def _model_settings(model_name: str | None) -> Settings:
+    s = _settings()
+    return override(s, "models", name=model_name) if model_name else s
+
+
 @main.command()
 @click.option("--why", required=True, help="Reason, recorded on the version rolled back from.")
 @click.option("--to", "target", default="previous", show_default=True, help="Version, or 'previous'.")
-def rollback(why: str, target: str) -> None:
+@_MODEL
+def rollback(why: str, target: str, model_name: str | None) -> None:
     """Move @champion back to the previous champion (or a given version)."""
     from models.registry import rollback as run
 
-    old, new = _models_call(run, _settings(), why, target)
+    old, new = _models_call(run, _model_settings(model_name), why, target)
     click.echo(f"@champion: v{old} -> v{new}")
 
 
@@ -422,11 +433,12 @@ def serve() -> None:
 
 
 @main.command()
-def versions() -> None:
+@_MODEL
+def versions(model_name: str | None) -> None:
     """Registered versions, newest first, with aliases, lineage and gate decisions."""
     from models.registry import list_versions
 
-    rows = _models_call(list_versions, _settings())
+    rows = _models_call(list_versions, _model_settings(model_name))
     if not rows:
         click.echo("no registered versions")
     for r in rows:

@@ -246,6 +246,8 @@ def test_retrieval_training_registers_gates_on_recall_and_rolls_back(platform: P
     back = run_dag(platform.environ, "model_rollback", {"model_name": name, "reason": "recall dropped online"})
     assert back["values"]["rollback"] == {"from": "3", "to": "1"}
     assert alias_version(connect(s), name, CHAMPION) == "1" and alias_version(connect(s), s.models.name, CHAMPION) == "1"
+    listed = run_cli(platform.environ, "versions", "--model", name)
+    assert listed.returncode == 0 and "v1    @champion" in listed.stdout and "recall dropped online" in listed.stdout
 
 
 @pytest.mark.stack
