@@ -407,10 +407,11 @@ def features(user_id: str, item_id: str | None, category: str | None, as_json: b
 def outcomes(since: datetime | None, until: datetime | None, as_json: bool) -> None:
     """What each model version served and its AUC on that traffic, from the prediction archive and the
     event log (offline: survives a restart of the broker)."""
-    from serving.outcomes import auc_by_version, served_outcomes
+    from serving.outcomes import auc_by_version, ctr_by_source, served_outcomes
 
     ms = lambda d: None if d is None else int(_utc(d).timestamp() * 1000)  # noqa: E731
-    table = auc_by_version(served_outcomes(_settings(), ms(since), ms(until)))
+    served = served_outcomes(_settings(), ms(since), ms(until))
+    table = auc_by_version(served)
     if as_json:
         click.echo(table.to_json(orient="records") if len(table) else "[]")  # NaN (no AUC) -> null
         return
@@ -422,6 +423,9 @@ def outcomes(since: datetime | None, until: datetime | None, as_json: bool) -> N
                        for k in ("first_served", "last_served"))
         click.echo(f"v{r['model_version']:<4} served {r['requests']:,} requests / {r['items']:,} items "
                    f"{first} .. {last} UTC, clicks {r['clicks']:,}, CTR {r['ctr']:.4f}, AUC {r['auc']:.4f}")
+    for source, c in ctr_by_source(served).items():
+        click.echo(f"recommended by {source}: {c['impressions']:,} items shown, clicks {c['clicks']:,}, "
+                   f"CTR {c['ctr']:.4f}")
 
 
 @main.command()

@@ -124,10 +124,10 @@ class Decision:
     version: str
     promoted: bool
     reason: str
-    candidate_auc: float
+    score: float  # the gate's measure of the candidate: AUC for the ranker, recall@K for retrieval
     champion_version: str | None
-    champion_auc: float | None
-    guardrail: str | None = None  # what refused it: evidence, calibration, auc, lineage
+    champion_score: float | None  # the champion's, on the same window (None: not compared)
+    guardrail: str | None = None  # what refused it: evidence, calibration, auc (recall), lineage
 
 
 def lacking_evidence(s: Settings, evaluation: Examples) -> str | None:

@@ -16,23 +16,24 @@ from infra.settings import Settings
 from models.metrics import auc
 from serving.prediction_archive import read_predictions
 
-COLUMNS = ["request_id", "item_id", "model_version", "route", "served_at", "score", "label"]
+COLUMNS = ["request_id", "item_id", "model_version", "route", "served_at", "score", "label", "sources"]
 
 
 def served_outcomes(s: Settings, since_ms: int | None = None, until_ms: int | None = None) -> pd.DataFrame:
     """One row per scored item shown in since_ms <= served_at < until_ms (all archived when not given):
     request_id, item_id, model_version, route, served_at (ms), score, label (1.0 if the user clicked it
-    on that request)."""
+    on that request), sources (the candidate sources of a recommended item; None: a ranked one)."""
     log = read_event_log(s, since_ms)  # clicks follow what they click: none before the period
     log = log.filter(pc.field("event_type") == "click")
     clicks = set(zip(log.column("request_id").to_pylist(), log.column("item_id").to_pylist()))
     shown = read_predictions(s, since_ms, until_ms).filter(~pc.field("shadow"))
     rows = []
-    for p in shown.select(["request_id", "items", "scores", "model_version", "route", "served_at"]).to_pylist():
-        for item, score in zip(p["items"], p["scores"]):
+    columns = ["request_id", "items", "scores", "model_version", "route", "served_at", "sources"]
+    for p in shown.select(columns).to_pylist():
+        for item, score, sources in zip(p["items"], p["scores"], p["sources"] or [None] * len(p["items"])):
             if score is not None:
                 rows.append((p["request_id"], item, p["model_version"], p["route"], p["served_at"], score,
-                             float((p["request_id"], item) in clicks)))
+                             float((p["request_id"], item) in clicks), sources))
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -48,6 +49,15 @@ def auc_by_version(outcomes: pd.DataFrame) -> pd.DataFrame:
              "first_served": int(g["served_at"].min()), "last_served": int(g["served_at"].max())}
             for v, g in outcomes.groupby("model_version", sort=False)]
     return pd.DataFrame(rows).sort_values("first_served").reset_index(drop=True) if rows else pd.DataFrame()
+
+
+def ctr_by_source(outcomes: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """Recommended items shown and clicked per candidate source ({source: {impressions, clicks, ctr}}); an
+    item two sources listed counts for both."""
+    recommended = outcomes[outcomes["sources"].notna()] if len(outcomes) else outcomes
+    shown = recommended.explode("sources") if len(recommended) else recommended
+    return {source: {"impressions": len(g), "clicks": int(g["label"].sum()), "ctr": float(g["label"].mean())}
+            for source, g in (shown.groupby("sources") if len(shown) else [])}
 
 
 def auc_over_time(outcomes: pd.DataFrame, bucket_s: float) -> pd.DataFrame:

@@ -35,6 +35,7 @@ SCHEMA = pa.schema([
     ("served_at", pa.int64()), ("items", pa.list_(pa.string())), ("categories", pa.list_(pa.string())),
     ("scores", pa.list_(pa.float64())),  # null: a candidate the request's deadline left unscored
     ("features", pa.string()),  # the raw feature values as read (JSON): what the model saw
+    ("sources", pa.list_(pa.list_(pa.string()))),  # /recommend: per item, the candidate sources; null for /rank
     ("kafka_partition", pa.int32()), ("kafka_offset", pa.int64()),
 ])
 _FIELDS = [f.name for f in SCHEMA][:-2]  # the record's own; then where it was read
@@ -59,6 +60,7 @@ class Prediction(msgspec.Struct, forbid_unknown_fields=False):
     categories: list[str | None]
     scores: list[float | None]
     features: dict[str, Any]
+    sources: list[list[str]] | None = None
 
 
 def decode_prediction(value: bytes | None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from confluent_kafka import Producer
 from infra import stack
 from infra.progress import wait_caught_up
 from infra.settings import load_settings
-from serving.outcomes import auc_by_version, auc_over_time, percentiles, served_outcomes
+from serving.outcomes import auc_by_version, auc_over_time, ctr_by_source, percentiles, served_outcomes
 from serving.prediction_archive import read_predictions
 from serving.prediction_log import PredictionLog
 from streaming.consumer import read_dead_letter
@@ -31,10 +31,11 @@ def _outcomes() -> pd.DataFrame:
     rows = []
     for n in range(40):  # v1 ranks every click first; v2 ranks every click last; v2 starts after 60 s
         label = float(n % 2)
-        rows.append((f"r{n}", f"i{n}", "1", "champion", 1_000 + n * 1_000, 0.1 + 0.8 * label, label))
-        rows.append((f"s{n}", f"i{n}", "2", "champion", 61_000 + n * 1_000, 0.9 - 0.8 * label, label))
+        sources = (["graph", "popularity"] if n % 4 == 1 else ["graph"]) if n < 8 else None  # recommended
+        rows.append((f"r{n}", f"i{n}", "1", "champion", 1_000 + n * 1_000, 0.1 + 0.8 * label, label, sources))
+        rows.append((f"s{n}", f"i{n}", "2", "champion", 61_000 + n * 1_000, 0.9 - 0.8 * label, label, None))
     return pd.DataFrame(rows, columns=["request_id", "item_id", "model_version", "route", "served_at", "score",
-                                       "label"])
+                                       "label", "sources"])
 
 
 def test_each_version_is_judged_on_the_traffic_it_served() -> None:
@@ -52,6 +53,13 @@ def test_auc_over_time_buckets_by_serving_time_and_version() -> None:
     assert points["items"].sum() == 80
     one_label = auc_over_time(_outcomes().iloc[:2:2], bucket_s=30)  # a bucket with no click has no AUC
     assert math.isnan(one_label.auc.iloc[0])
+
+
+def test_recommended_items_count_for_each_source_that_listed_them() -> None:
+    # r0..r7 recommended; the odd ones (clicked) r1 and r5 also listed by popularity.
+    assert ctr_by_source(_outcomes()) == {"graph": {"impressions": 8, "clicks": 4, "ctr": 0.5},
+                                          "popularity": {"impressions": 2, "clicks": 2, "ctr": 1.0}}
+    assert ctr_by_source(_outcomes().iloc[:0]) == {}
 
 
 def test_no_traffic_is_no_figures() -> None:

@@ -61,7 +61,7 @@ def test_gate_promotes_refuses_and_rollback_restores(registry: Settings, tmp_pat
     worse.fit(replace(train, labels=np.random.default_rng(0).permutation(train.labels)), progress=False)
     v2 = register(s, worse, tmp_path, "worse")
     refused = gate(s, v2, worse, evaluation, "synthetic evaluation")
-    assert not refused.promoted and refused.candidate_auc < refused.champion_auc and refused.guardrail == "auc"
+    assert not refused.promoted and refused.score < refused.champion_score and refused.guardrail == "auc"
     assert champion(s) == v1 and alias_version(connect(s), s.models.name, CHALLENGER) == v2
     tags = connect(s).get_model_version(s.models.name, v2).tags
     assert tags["gate_decision"] == "refused" and f"champion v{v1}" in tags["gate_reason"]

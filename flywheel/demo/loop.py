@@ -194,9 +194,6 @@ def live(s: Settings, plan: LoopPlan, server: str, airflow: AirflowClient, summa
                                       and endpoint(r.request) == "/rank"])
     summary.recommend_latency_ms = percentiles([r.seconds for r in traffic.results if r.status == 200
                                                 and endpoint(r.request) == "/recommend"])
-    summary.recommend_sources = {source: {"impressions": c["impression"], "clicks": c["click"],
-                                          "ctr": c["click"] / c["impression"] if c["impression"] else 0.0}
-                                 for source, c in sorted(traffic.by_source.items())}
 
 
 def catch_up(s: Settings, airflow: AirflowClient, summary: Summary, say: Say) -> None:

@@ -41,7 +41,7 @@ class Summary:
     statuses: dict[str, int] = field(default_factory=dict)
     latency_ms: dict[str, float] = field(default_factory=dict)  # POST /rank
     recommend_latency_ms: dict[str, float] = field(default_factory=dict)
-    # What users did with /recommend's lists, per candidate source: impressions, clicks, CTR
+    # What users did with /recommend's lists, per candidate source: impressions, clicks, CTR (the archives)
     recommend_sources: dict[str, dict[str, float]] = field(default_factory=dict)
     retrieval: dict[str, object] = field(default_factory=dict)  # the first retrieval version and its gate
     requests: int = 0

@@ -9,7 +9,7 @@ from flywheel.demo.plan import Summary
 from infra.settings import Settings
 from models.registry import list_versions, version_tags
 from infra.stack import unarchived
-from serving.outcomes import auc_by_version, auc_over_time, percentiles, served_outcomes
+from serving.outcomes import auc_by_version, auc_over_time, ctr_by_source, percentiles, served_outcomes
 from streaming.topics import end_offsets
 
 
@@ -21,6 +21,7 @@ def report(s: Settings, since_ms: int, summary: Summary) -> None:
     by_version = auc_by_version(outcomes)
     summary.served = by_version.to_dict("records")
     summary.auc_over_time = auc_over_time(outcomes, 30).to_dict("records")
+    summary.recommend_sources = ctr_by_source(outcomes)
     summary.versions = list_versions(s)
     for row in summary.served:
         tags = version_tags(s, row["model_version"])

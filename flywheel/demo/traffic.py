@@ -34,7 +34,6 @@ class Traffic:
         for r in live:
             by_user[r.user_id].append(r)
         self.futures = {u: Session(u, split, tuple(ratings)) for u, ratings in by_user.items()}  # all they rate later
-        self.by_source: dict[str, Counter] = defaultdict(Counter)  # /recommend: impressions, clicks per source
         self.categories = load_item_categories(data / "ml-100k.item")
         self.s, self.plan, self.server = s, plan, server
         self.producer = EventProducer(s)
@@ -85,7 +84,7 @@ class Traffic:
         if served.status != 200:
             return  # nothing was shown
         body = served.body
-        if recommended := endpoint(served.request) == "/recommend":
+        if endpoint(served.request) == "/recommend":
             shown = [x["item_id"] for x in body["items"]]
         else:
             shown = [item for _, item in sorted(((-score, item) for item, score in zip(
@@ -99,11 +98,6 @@ class Traffic:
         for event in events:
             self.producer.send(event)
             self.events[event.event_type.value] += 1
-        if recommended:
-            sources = {x["item_id"]: x["sources"] for x in body["items"]}
-            for event in events:
-                for source in sources[event.item_id]:
-                    self.by_source[source][event.event_type.value] += 1
         self.probes.sent(sess.user_id)
         if probe:
             self.probes.start(sess.user_id, before + len(shown))
