@@ -448,7 +448,8 @@ def versions(model_name: str | None) -> None:
     for r in rows:
         flags = f"@{r['aliases']}" if r["aliases"] else ""
         parent = f" parent v{r['parent']}" if r["parent"] else ""
-        click.echo(f"v{r['version']:<4} {flags:<22} {r['kind']:<7} auc {r['auc'] or '-':<9} {r['gate'] or '-':<9}"
+        measure = f"recall {r['recall']:<9}" if r["recall"] else f"auc {r['auc'] or '-':<9}"  # retrieval / ranker
+        click.echo(f"v{r['version']:<4} {flags:<22} {r['kind']:<7} {measure} {r['gate'] or '-':<9}"
                    f" data {r['data']}{parent}")
         if r["reason"]:
             click.echo(f"      gate: {r['reason']}")

@@ -250,6 +250,7 @@ def list_versions(s: Settings) -> list[dict[str, str]]:
         rows.append({"version": str(v.version), "aliases": named, "kind": t.get("kind", ""),
                      "data": f"{t.get('data_start', '')} .. {t.get('data_end', '')}",
                      "parent": t.get("parent_version", ""), "auc": t.get("gate_auc", ""),
+                     "recall": t.get("gate_recall", ""),
                      "gate": t.get("gate_decision", ""), "reason": t.get("gate_reason", ""),
                      "rolled_back": t.get("rolled_back_reason", ""), "drill": t.get("drill", "")})
     return rows
