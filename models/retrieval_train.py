@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import keras
 import mlflow
 import pandas as pd
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import tensorflow as tf
 
 from feature_repo.definitions import ITEM_ATTRIBUTES, TIMESTAMP_FIELD, USER_PROFILE
 from feature_repo.event_log import read_event_log
@@ -119,8 +121,6 @@ def load_retrieval(s: Settings, version: str) -> TwoTower:
 
 def train_retrieval(s: Settings, start: datetime, end: datetime, seed: int = 7) -> RetrievalOutcome:
     """Train on [start, end - eval_days), judge on the rest, register the version (no promotion)."""
-    import keras
-
     connect(s)  # fail before any work when the registry is unreachable
     started, r = time.perf_counter(), s.retrieval
     split = split_of(s, start, end)
@@ -142,8 +142,6 @@ def train_retrieval(s: Settings, start: datetime, end: datetime, seed: int = 7) 
         mlflow.log_metrics({f"recall_at_{r.gate_k}": recall, f"ndcg_at_{r.gate_k}": ndcg,
                             "judged_users": float(len(split.users)), "positives": float(len(split.clicks))})
         model.save(Path(tmp) / "model")
-        import tensorflow as tf
-
         info = mlflow.pyfunc.log_model(
             name="model", python_model=RetrievalPyfunc(), artifacts={"model": str(Path(tmp) / "model")},
             pip_requirements=[f"tensorflow-cpu=={tf.__version__}", f"mlflow=={mlflow.__version__}"],
