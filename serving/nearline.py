@@ -41,7 +41,6 @@ from confluent_kafka import Consumer, KafkaException
 from infra.progress import ProgressReport
 from infra.settings import Settings, get_settings, redis_password
 from models.registry import CHAMPION, alias_version, connect
-from models.retrieval_train import load_retrieval
 from streaming.features import row_schema, topics
 
 log = logging.getLogger("flywheel.user-embedder")
@@ -111,6 +110,9 @@ class Embedder:
 
     def switch(self, version: str) -> None:
         """Index version `version`, embed every known user with it, then make it current."""
+        # TensorFlow loads here, not with the module: readers of the keys (the demo's probe) never need it.
+        from models.retrieval_train import load_retrieval
+
         started = time.perf_counter()
         model = load_retrieval(self.s, version)
         k, vectors = self.keys, model.item_embeddings().astype("float32")
