@@ -299,7 +299,7 @@ def _echo_outcome(outcome) -> None:
 @main.command()
 @click.option("--start", type=_DATE, required=True, help="First impression time of the training data (UTC).")
 @click.option("--end", type=_DATE, required=True, help="End of the training data (exclusive).")
-@click.option("--kind", type=click.Choice(["ranker", "logreg"]), default="ranker", show_default=True)
+@click.option("--kind", type=click.Choice(["ranker", "ranker-v1", "logreg"]), default="ranker", show_default=True)
 @click.option("--promote/--no-promote", default=True, show_default=True, help="Run the promotion gate.")
 def train(start: datetime, end: datetime, kind: str, promote: bool) -> None:
     """Full training on a window: chronological split, MLflow run, registered version, gate."""

@@ -203,6 +203,11 @@ class StreamingSettings:
     # under a burst it takes the cores the stream job and the ingestor leave and catches up after.
     event_log_niceness: int = 10
     sequence_length: int = 50  # last-N behaviors kept per user
+    # The long history: the newest N behaviors per user, condensed as they change into the user's most
+    # frequent categories, each with its newest items (a fixed-size input, SIM's search by category).
+    history_length: int = 1000
+    history_categories: int = 8
+    history_per_category: int = 20
     interest_half_life_hours: float = 168.0  # decay of the long-term category interest
     interest_top_k: int = 10
     interest_epoch_ms: int = 1_325_376_000_000  # 2012-01-01: weights are summed relative to it (streaming/features.py)

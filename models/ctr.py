@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -21,18 +21,24 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from models.examples import PAD, Examples  # noqa: E402
-from models.networks import LogisticRegression, Ranker  # noqa: E402
+from models.networks import LogisticRegression, Ranker, RankerV1  # noqa: E402
+from streaming.events import EventType  # noqa: E402
 from models.sparse import DEFAULT_ROW, SparseConfig, SparseTable, TableSnapshot, apply_delta  # noqa: E402
 
-TABLES = ("user", "item", "category")  # the behavior sequence shares the item table
-EMBEDDED = ("user", "item", "category", "sequence")
+TABLES = ("user", "item", "category", "attribute")  # behaviors share the item table; attribute: item and user tokens
+EMBEDDED = ("user", "item", "category", "sequence", "long_sequence", "item_tokens", "user_tokens")
+KINDS = ("ranker", "ranker-v1", "logreg")
+# Event types of behaviors as the network's type ids (0: padding or a type this list does not know).
+EVENT_TYPE_IDS = {kind.value: n + 1 for n, kind in enumerate(EventType)}
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    kind: str = "ranker"  # "ranker" (DIN) or "logreg" (the baseline)
+    kind: str = "ranker"  # "ranker", "ranker-v1" (the previous DIN) or "logreg" (the baseline)
     numeric_features: tuple[str, ...] = ()
     sequence_length: int = 50
+    long_length: int = 20  # behaviors of the candidate's category from the long history (0: none)
+    token_length: int = 8  # attribute tokens per item and per user
     sparse: SparseConfig = field(default_factory=SparseConfig)
     hidden: tuple[int, ...] = (128, 64)
     learning_rate: float = 1e-3  # the dense network's Adam
@@ -45,19 +51,37 @@ class ModelSpec:
     @classmethod
     def from_json(cls, text: str) -> ModelSpec:
         raw = json.loads(text)
+        if "long_length" not in raw:  # exported before the long history: its ranker is ranker-v1
+            raw |= {"kind": "ranker-v1" if raw["kind"] == "ranker" else raw["kind"], "long_length": 0}
         return cls(**raw | {"sparse": SparseConfig(**raw["sparse"]), "numeric_features": tuple(raw["numeric_features"]),
                             "hidden": tuple(raw["hidden"])})
 
 
+def _network(spec: ModelSpec) -> keras.Model:
+    if spec.kind == "ranker":
+        return Ranker(spec.sparse.dim, len(EVENT_TYPE_IDS) + 1, list(spec.hidden))
+    return RankerV1(list(spec.hidden)) if spec.kind == "ranker-v1" else LogisticRegression()
+
+
+def _fit(values: np.ndarray, width: int) -> np.ndarray:
+    """A padded list array cut or padded (PAD) to `width` columns (at least 1)."""
+    width = max(1, width)
+    if values.shape[1] >= width:
+        return values[:, :width]
+    out = np.full((len(values), width), PAD, dtype=object)
+    out[:, : values.shape[1]] = values
+    return out
+
+
 class CtrModel:
     def __init__(self, spec: ModelSpec, tables: dict[str, SparseTable] | None = None) -> None:
-        if spec.kind not in ("ranker", "logreg"):
-            raise ValueError(f"unknown model kind {spec.kind!r}: use 'ranker' or 'logreg'")
+        if spec.kind not in KINDS:
+            raise ValueError(f"unknown model kind {spec.kind!r}: use one of {', '.join(KINDS)}")
         if spec.kind == "logreg" and spec.sparse.dim != 1:
             raise ValueError("logreg learns one weight per id: its sparse dim must be 1")
         self.spec = spec
-        self.tables = tables or {name: SparseTable(name, spec.sparse) for name in TABLES}
-        self.network = Ranker(list(spec.hidden)) if spec.kind == "ranker" else LogisticRegression()
+        self.tables = {name: SparseTable(name, spec.sparse) for name in TABLES} | (tables or {})
+        self.network = _network(spec)
         self.optimizer = keras.optimizers.Adam(spec.learning_rate)
         # Build the variables eagerly: the compiled step must not create any.
         self.network(self._dense_inputs(self._lookup(_empty(spec), train=False), _empty(spec)))
@@ -67,54 +91,75 @@ class CtrModel:
 
     # --- inputs ----------------------------------------------------------------------------------
 
+    def _lists(self, ex: Examples) -> dict[str, np.ndarray]:
+        """The padded id lists of `ex` at this spec's widths (the long history's: none for a spec without)."""
+        long = ex.long_sequences if self.spec.long_length else ex.long_sequences[:, :0]
+        return {"sequence": ex.sequences[:, : self.spec.sequence_length], "long_sequence": _fit(long, self.spec.long_length),
+                "item_tokens": _fit(ex.item_tokens, self.spec.token_length),
+                "user_tokens": _fit(ex.user_tokens, self.spec.token_length)}
+
+    def _rows(self, table: str, ids: np.ndarray, train: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of a padded id list ([N, W]; padding -> the default row, never counted) and its mask."""
+        real = ids != PAD
+        rows = np.full(ids.shape, DEFAULT_ROW, np.int64)
+        rows[real] = self.tables[table].lookup(ids[real].tolist(), train)  # training: each occurrence counts
+        return rows, real.astype(np.float32)
+
+    @staticmethod
+    def _types(types: np.ndarray) -> np.ndarray:
+        """Event types [N, L] str as type ids [N, L] int32."""
+        if not types.size:
+            return np.zeros(types.shape, np.int32)
+        kinds, inverse = np.unique(types.astype(str), return_inverse=True)
+        return np.array([EVENT_TYPE_IDS.get(k, 0) for k in kinds], np.int32)[inverse].reshape(types.shape)
+
     def _lookup(self, ex: Examples, train: bool) -> dict[str, np.ndarray]:
-        """Rows of every id of the batch; sequence padding -> the default row, never counted. Only
-        the newest `sequence_length` behaviors are used."""
-        seq = ex.sequences[:, : self.spec.sequence_length]
-        real = seq != PAD
-        seq_rows = np.full(seq.shape, DEFAULT_ROW, np.int64)
-        seq_rows[real] = self.tables["item"].lookup(seq[real].tolist(), train)  # training: each occurrence counts
-        return {"user": self.tables["user"].lookup(ex.user_ids.tolist(), train),
+        """Rows of every id of the batch; list padding -> the default row, never counted. Only the newest
+        `sequence_length` behaviors are used."""
+        lists = self._lists(ex)
+        rows = {"user": self.tables["user"].lookup(ex.user_ids.tolist(), train),
                 "item": self.tables["item"].lookup(ex.item_ids.tolist(), train),
                 "category": self.tables["category"].lookup(ex.categories.tolist(), train),
-                "sequence": seq_rows, "sequence_mask": real.astype(np.float32)}
+                "sequence_types": self._types(ex.sequence_types[:, : self.spec.sequence_length])}
+        for name, table in (("sequence", "item"), ("long_sequence", "item"), ("item_tokens", "attribute"),
+                            ("user_tokens", "attribute")):
+            rows[name], rows[_MASKS[name]] = self._rows(table, lists[name], train)
+        return rows
 
     def _dense_inputs(self, rows: dict[str, np.ndarray], ex: Examples) -> dict[str, tf.Tensor]:
         """Inputs with the sequence padded to `spec.sequence_length`: one compiled shape per batch size."""
         return {k: tf.constant(v) for k, v in self._input_arrays(rows, ex, self.spec.sequence_length).items()}
 
     def _input_arrays(self, rows: dict[str, np.ndarray], ex: Examples, length: int) -> dict[str, np.ndarray]:
-        seq, mask = rows["sequence"][:, :length], rows["sequence_mask"][:, :length]
+        seq, mask, types = rows["sequence"][:, :length], rows["sequence_mask"][:, :length], rows["sequence_types"][:, :length]
         if seq.shape[1] < length:
             pad = ((0, 0), (0, length - seq.shape[1]))
-            seq, mask = np.pad(seq, pad), np.pad(mask, pad)
-        return {"user": self.tables["user"].gather(rows["user"]),
-                "item": self.tables["item"].gather(rows["item"]),
-                "category": self.tables["category"].gather(rows["category"]),
-                "sequence": self.tables["item"].gather(seq), "sequence_mask": mask,
-                "numeric": ex.numeric.astype(np.float32).reshape(len(ex), -1)}
+            seq, mask, types = np.pad(seq, pad), np.pad(mask, pad), np.pad(types, pad)
+        return self._gathered(rows | {"sequence": seq, "sequence_mask": mask, "sequence_types": types}, ex)
+
+    def _gathered(self, rows: dict[str, np.ndarray], ex: Examples) -> dict[str, np.ndarray]:
+        """The network's inputs from looked-up rows: embeddings gathered, masks and types as they are."""
+        out = {name: self.tables[_TABLE_OF[name]].gather(value) if name in _TABLE_OF else value
+               for name, value in rows.items()}
+        return out | {"numeric": ex.numeric_of(self.spec.numeric_features).astype(np.float32).reshape(len(ex), -1)}
 
     def scoring_inputs(self, ex: Examples) -> dict[str, np.ndarray]:
         """The dense network's inputs for scoring `ex`, each behavior sequence once: consecutive rows
         with the same sequence (a request's candidates) share one, `owner` [B] naming each row's
-        (`sequence` [U, L, D], `sequence_mask` [U, L]). L is the longest real sequence of the batch
-        (padding past it changes no score: the attention masks it out). Serving pads these to a
+        (`sequence` [U, L, D], `sequence_mask` and `sequence_types` [U, L]). L is the longest real
+        sequence of the batch (padding past it changes no score: the attention masks it out). The long
+        history's and the attributes' lists have their spec's fixed widths. Serving pads these to a
         compiled shape bucket."""
         seq = ex.sequences[:, : self.spec.sequence_length]
         starts = np.ones(len(ex), bool)
         starts[1:] = (seq[1:] != seq[:-1]).any(axis=1)
         distinct = seq[starts]  # [U, L]
-        real = distinct != PAD
-        longest = max(1, int(real.sum(axis=1).max(initial=0)))
-        distinct, real = distinct[:, :longest], real[:, :longest]
-        seq_rows = np.full(distinct.shape, DEFAULT_ROW, np.int64)
-        seq_rows[real] = self.tables["item"].lookup(distinct[real].tolist())
-        return {"user": self.tables["user"].gather(self.tables["user"].lookup(ex.user_ids.tolist())),
-                "item": self.tables["item"].gather(self.tables["item"].lookup(ex.item_ids.tolist())),
-                "category": self.tables["category"].gather(self.tables["category"].lookup(ex.categories.tolist())),
-                "sequence": self.tables["item"].gather(seq_rows), "sequence_mask": real.astype(np.float32),
-                "owner": (np.cumsum(starts) - 1).astype(np.int32),
-                "numeric": ex.numeric.astype(np.float32).reshape(len(ex), -1)}
+        longest = max(1, int((distinct != PAD).sum(axis=1).max(initial=0)))
+        rows = self._lookup(ex.take(np.flatnonzero(starts)), train=False)  # sequences: one per distinct one
+        shared = {"sequence": rows["sequence"][:, :longest], "sequence_mask": rows["sequence_mask"][:, :longest],
+                  "sequence_types": rows["sequence_types"][:, :longest]}
+        rows = self._lookup(_without_sequences(ex), train=False)
+        return self._gathered(rows | shared, ex) | {"owner": (np.cumsum(starts) - 1).astype(np.int32)}
 
     def dense_weights(self) -> list[np.ndarray]:
         """The dense network's weights in `network.trainable_variables` order (`stateless_call`'s)."""
@@ -143,13 +188,15 @@ class CtrModel:
         loss, grads = self._step(self._dense_inputs(rows, ex), tf.constant(ex.labels, tf.float32))
         # The rows get the gradient of the summed loss, not the mean: a row's update then does not
         # shrink with the batch size (each row is touched by a few examples of a batch).
-        user_grad, item_grad, category_grad, seq_grad = (g.numpy() * len(ex) for g in grads)
-        seq_rows = rows["sequence"]
-        seq_grad = seq_grad[:, : seq_rows.shape[1]]
-        self.tables["user"].apply_gradients(rows["user"], user_grad)
-        self.tables["item"].apply_gradients(np.concatenate([rows["item"], seq_rows.reshape(-1)]),
-                                            np.concatenate([item_grad, seq_grad.reshape(-1, item_grad.shape[1])]))
-        self.tables["category"].apply_gradients(rows["category"], category_grad)
+        grad = dict(zip(EMBEDDED, (g.numpy() * len(ex) for g in grads)))
+        by_table: dict[str, tuple[list, list]] = {name: ([], []) for name in TABLES}
+        for name in EMBEDDED:
+            used = rows[name]
+            g = grad[name][:, : used.shape[1]] if used.ndim == 2 else grad[name]
+            by_table[_TABLE_OF[name]][0].append(used.reshape(-1))
+            by_table[_TABLE_OF[name]][1].append(g.reshape(-1, g.shape[-1]))
+        for name, (used, g) in by_table.items():
+            self.tables[name].apply_gradients(np.concatenate(used), np.concatenate(g))
         return float(loss)
 
     def fit(self, ex: Examples, epochs: int = 1, progress: bool = True) -> list[float]:
@@ -206,7 +253,7 @@ class CtrModel:
         """A saved model; with `delta`, that export patched by a delta (its dense weights win)."""
         spec = ModelSpec.from_json((directory / "spec.json").read_text())
         tables = {name: SparseTable.restore(name, spec.sparse, load_snapshot(directory / f"sparse-{name}.npz"))
-                  for name in TABLES}
+                  for name in TABLES if (directory / f"sparse-{name}.npz").exists()}  # older exports: fewer
         model = cls(spec, tables)
         model.network.load_weights(directory / "dense.weights.h5")
         return model.with_delta(delta) if delta is not None else model
@@ -226,6 +273,18 @@ class CtrModel:
             for name, snap in base.items()})
         model.network.load_weights(delta / "dense.weights.h5")
         return model
+
+
+# The table each embedded input is gathered from, and the mask of each padded list.
+_TABLE_OF = {"user": "user", "item": "item", "category": "category", "sequence": "item", "long_sequence": "item",
+             "item_tokens": "attribute", "user_tokens": "attribute"}
+_MASKS = {"sequence": "sequence_mask", "long_sequence": "long_mask", "item_tokens": "item_token_mask",
+          "user_tokens": "user_token_mask"}
+
+
+def _without_sequences(ex: Examples) -> Examples:
+    """`ex` with empty behavior sequences (scoring looks them up once per distinct sequence instead)."""
+    return replace(ex, sequences=ex.sequences[:, :0], sequence_types=ex.sequence_types[:, :0])
 
 
 def _empty(spec: ModelSpec) -> Examples:

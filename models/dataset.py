@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from feature_repo.event_log import read_event_log
 from infra.settings import Settings
 from models.examples import PAD, Examples
-from models.inputs import COUNTS, NUMERIC_FEATURES, SEQUENCE
+from models.inputs import COUNTS, NUMERIC_FEATURES, RAW_FEATURES
 from streaming.events import TEST_TRAFFIC
 
 DAY_MS = 86_400_000
@@ -77,7 +77,7 @@ def training_set(s: Settings, window: Window, sequence_length: int) -> tuple[Exa
     joined = store.get_historical_features(
         entity_df=entity_df, features=store.get_feature_service("ranking_training")).to_df()
     joined = joined.sort_values("row").reset_index(drop=True)
-    missing = [c for c in (*NUMERIC_FEATURES, *SEQUENCE) if c not in joined.columns]
+    missing = [c for c in RAW_FEATURES if c not in joined.columns]
     if missing:
         raise ValueError(f"feature service ranking_training lacks {missing}")
     return to_examples(joined, imps["event_time"].to_numpy(), imps["label"].to_numpy(), sequence_length), \
@@ -98,32 +98,113 @@ def _strings(column: pd.Series | Sequence) -> np.ndarray:
     return np.array(["" if v is None or v != v else str(v) for v in column], dtype=object)  # v != v: NaN
 
 
+def _category_shares(categories: Sequence, keys: Sequence, values: Sequence) -> np.ndarray:
+    """Per row, the share of `values` (a row's list, aligned with its list `keys`) held by the row's
+    category; 0 where the row has no such list or its category is not in it."""
+    out, memo = np.zeros(len(categories), np.float32), {}
+    for r, (category, k, v) in enumerate(zip(categories, keys, values)):
+        if k is None or v is None or not len(k):
+            continue
+        shares = memo.get((id(k), id(v)))
+        if shares is None:  # serving: every row of a request holds the same lists
+            total = float(sum(v)) or 1.0
+            shares = memo[id(k), id(v)] = {c: w / total for c, w in zip(k, v)}
+        out[r] = shares.get(category, 0.0)
+    return out
+
+
+def _long_sequences(categories: Sequence, history_categories: Sequence, history_items: Sequence) -> np.ndarray:
+    """Per row, the user's newest behaviors in the row's category from the long history (its categories
+    each with an equal number of item slots, "" padding): [N, K], K the widest found (>= 1)."""
+    rows: list[list[str]] = []
+    memo: dict[tuple[int, int], dict[str, list[str]]] = {}
+    for category, cats, items in zip(categories, history_categories, history_items):
+        if cats is None or items is None or not len(cats):
+            rows.append([])
+            continue
+        by_category = memo.get((id(cats), id(items)))
+        if by_category is None:
+            k = len(items) // len(cats)
+            by_category = memo[id(cats), id(items)] = {
+                c: [i for i in items[j * k:(j + 1) * k] if i != PAD] for j, c in enumerate(cats)}
+        rows.append(by_category.get(category, []))
+    out = np.full((len(rows), max(1, max(map(len, rows), default=1))), PAD, dtype=object)
+    for r, items in enumerate(rows):
+        out[r, : len(items)] = items
+    return out
+
+
+def _entries(value: object) -> list:
+    """A stored value as a list of its non-empty entries: none for missing (None, NaN)."""
+    if value is None or isinstance(value, float) and value != value:
+        return []
+    return ([value] if value else []) if isinstance(value, str) else [v for v in value if v]  # type: ignore[union-attr]
+
+
+def _tokens(columns: list[tuple[str, Sequence]], n: int) -> np.ndarray:
+    """Per row, `prefix:value` tokens of the named columns (a list column gives one per entry): [N, T]."""
+    rows: list[list[str]] = [[] for _ in range(n)]
+    for prefix, column in columns:
+        for r, value in enumerate(column):
+            rows[r] += [f"{prefix}:{v}" for v in _entries(value)]
+    out = np.full((n, max(1, max(map(len, rows), default=1))), PAD, dtype=object)
+    for r, tokens in enumerate(rows):
+        out[r, : len(tokens)] = tokens
+    return out
+
+
+def _decade(column: pd.Series | Sequence) -> list[str | None]:
+    """A year or an age as its decade ("1990s", "20s"); None where missing or 0."""
+    return [f"{int(v) // 10 * 10}s" if v > 0 else None for v in _numbers(column)]
+
+
 def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, sequence_length: int) -> Examples:
     """Model inputs from feature rows (a frame as `get_historical_features` returns it, or columns of
-    values as the online store holds them) for requests at `times_ms`. Serving uses the same function."""
+    values as the online store holds them) for requests at `times_ms`, with every numeric feature of
+    NUMERIC_FEATURES (each model takes its own). Serving uses the same function."""
     n = len(labels)
+    categories = _strings(features["category"])
     numeric = np.zeros((n, len(NUMERIC_FEATURES)), np.float32)
     for j, name in enumerate(NUMERIC_FEATURES):
-        values = _numbers(features[name])
-        numeric[:, j] = np.log1p(np.maximum(values, 0.0)) if name in COUNTS else (
-            values / 100.0 if name == "user_age" else values)
+        if name == "history_category_share":
+            numeric[:, j] = _category_shares(categories, features["history_categories"],
+                                             features["history_category_counts"])
+        elif name == "interest_category_share":
+            numeric[:, j] = _category_shares(categories, features["interest_categories"], features["interest_weights"])
+        elif name == "item_release_year":  # 0 for a missing year, and for 1900
+            numeric[:, j] = np.maximum(_numbers(features[name]) - 1900.0, 0.0) / 100.0
+        else:
+            values = _numbers(features[name])
+            numeric[:, j] = np.log1p(np.maximum(values, 0.0)) if name in COUNTS else (
+                values / 100.0 if name == "user_age" else values)
     sequences = np.full((n, sequence_length), PAD, dtype=object)
-    runs: list[list] = []  # [first row, end row, behaviors]: consecutive rows with the same sequence
+    types = np.full((n, sequence_length), PAD, dtype=object)
+    runs: list[list] = []  # [first row, end row, behaviors, types]: consecutive rows with the same sequence
     last: tuple = (None, None, None)  # serving: every row of a request holds the same sequence object
-    for r, (items, times) in enumerate(zip(features["seq_item_ids"], features["seq_event_times"])):
+    for r, (items, kinds, times) in enumerate(zip(features["seq_item_ids"], features["seq_event_types"],
+                                                  features["seq_event_times"])):
         if items is None or times is None or not len(items):
             continue
         if items is last[0] and times is last[1] and times_ms[r] == last[2] and runs[-1][1] == r:
             runs[-1][1] = r + 1
         else:
-            before = [i for i, t in zip(items, times) if t < times_ms[r]][::-1][:sequence_length]  # newest first
-            last = (items, times, times_ms[r])
-            runs.append([r, r + 1, before])
-    for first, end, before in runs:
+            kinds = kinds if kinds is not None and len(kinds) == len(items) else [PAD] * len(items)
+            before = [(i, k) for i, k, t in zip(items, kinds, times) if t < times_ms[r]][::-1][:sequence_length]
+            last = (items, times, times_ms[r])  # newest first
+            runs.append([r, r + 1, [i for i, _ in before], [k for _, k in before]])
+    for first, end, before, kinds in runs:
         sequences[first:end, : len(before)] = before
+        types[first:end, : len(kinds)] = kinds
     return Examples(user_ids=_strings(features["user_id"]), item_ids=_strings(features["item_id"]),
-                    categories=_strings(features["category"]), sequences=sequences, numeric=numeric,
-                    labels=np.asarray(labels, np.float32))
+                    categories=categories, sequences=sequences, numeric=numeric,
+                    labels=np.asarray(labels, np.float32), sequence_types=types,
+                    long_sequences=_long_sequences(categories, features["history_categories"],
+                                                   features["history_item_ids"]),
+                    item_tokens=_tokens([("genre", features["item_genres"]),
+                                         ("year", _decade(features["item_release_year"]))], n),
+                    user_tokens=_tokens([("gender", features["user_gender"]), ("occupation", features["user_occupation"]),
+                                         ("age", _decade(features["user_age"]))], n),
+                    numeric_names=NUMERIC_FEATURES)
 
 
 def chronological_split(ex: Examples, times_ms: np.ndarray, validation: float = 0.1, test: float = 0.1

@@ -10,10 +10,15 @@ import pandas as pd
 PAD = ""  # a padding slot of a behavior sequence
 
 
+ARRAYS = ("user_ids", "item_ids", "categories", "sequences", "numeric", "labels", "sequence_types",
+          "long_sequences", "item_tokens", "user_tokens")
+
+
 @dataclass
 class Examples:
     """N examples, as numpy arrays. Ids are raw strings. A sequence holds the user's behaviors before
-    the example, newest first, padded with PAD at the end."""
+    the example, newest first, padded with PAD at the end; the token lists are padded the same way.
+    `numeric_names` names the numeric columns (empty: exactly the consuming model's features)."""
 
     user_ids: np.ndarray  # [N] str
     item_ids: np.ndarray  # [N] str
@@ -21,46 +26,79 @@ class Examples:
     sequences: np.ndarray  # [N, L] str
     numeric: np.ndarray  # [N, F] float32
     labels: np.ndarray  # [N] float32, 1.0 = clicked
+    sequence_types: np.ndarray | None = None  # [N, L] str: each behavior's event type
+    # [N, K] str: the user's newest behaviors in the candidate's category, from the long history
+    long_sequences: np.ndarray | None = None
+    item_tokens: np.ndarray | None = None  # [N, T] str: the candidate's attributes ("genre:Drama", ...)
+    user_tokens: np.ndarray | None = None  # [N, T] str: the user's ("gender:F", ...)
+    numeric_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.labels)
-        for name in ("user_ids", "item_ids", "categories", "sequences", "numeric"):
+        for name in ("sequence_types", "long_sequences", "item_tokens", "user_tokens"):
+            if getattr(self, name) is None:  # not given: no such input (all padding)
+                width = self.sequences.shape[1] if name == "sequence_types" else 1
+                setattr(self, name, np.full((n, width), PAD, dtype=object))
+        for name in ARRAYS:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"examples: {name} has {len(getattr(self, name))} rows, labels {n}")
+        if self.numeric_names and len(self.numeric_names) != self.numeric.shape[1]:
+            raise ValueError(f"examples: {self.numeric.shape[1]} numeric columns, {len(self.numeric_names)} names")
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def take(self, index: np.ndarray | slice) -> Examples:
-        return Examples(self.user_ids[index], self.item_ids[index], self.categories[index],
-                        self.sequences[index], self.numeric[index], self.labels[index])
+        return Examples(**{name: getattr(self, name)[index] for name in ARRAYS}, numeric_names=self.numeric_names)
+
+    def numeric_of(self, features: tuple[str, ...]) -> np.ndarray:
+        """The numeric columns of `features`, in that order: [N, len(features)] float32."""
+        if not self.numeric_names or self.numeric_names == features:
+            return self.numeric
+        missing = [f for f in features if f not in self.numeric_names]
+        if missing:
+            raise ValueError(f"examples lack numeric features {missing}")
+        return self.numeric[:, [self.numeric_names.index(f) for f in features]]
+
+
+# The scoring frame's list columns (each row's non-padding entries) and the Examples array of each.
+LIST_COLUMNS = {"sequence": "sequences", "sequence_types": "sequence_types", "long_sequence": "long_sequences",
+                "item_tokens": "item_tokens", "user_tokens": "user_tokens"}
 
 
 def to_frame(ex: Examples, numeric_features: tuple[str, ...]) -> pd.DataFrame:
-    """The scoring input of a registered model (`models:/<name>@champion`): one row per example,
-    `sequence` a list of item ids (newest first), one column per numeric feature."""
-    frame = pd.DataFrame({"user_id": ex.user_ids, "item_id": ex.item_ids, "category": ex.categories,
-                          "sequence": [[i for i in row if i != PAD] for row in ex.sequences]})
+    """The scoring input of a registered model (`models:/<name>@champion`): one row per example, the
+    list columns (`sequence`: item ids, newest first; `sequence_types`, `long_sequence`, `item_tokens`,
+    `user_tokens`) as lists, one column per numeric feature."""
+    frame = pd.DataFrame({"user_id": ex.user_ids, "item_id": ex.item_ids, "category": ex.categories} | {
+        column: [[i for i in row if i != PAD] for row in getattr(ex, name)] for column, name in LIST_COLUMNS.items()})
     for j, name in enumerate(numeric_features):
-        frame[name] = ex.numeric[:, j]
+        frame[name] = ex.numeric_of(numeric_features)[:, j]
     return frame
 
 
+def _padded(lists, width: int) -> np.ndarray:
+    out = np.full((len(lists), width), PAD, dtype=object)
+    for n, items in enumerate(lists):
+        items = list(items)[:width]
+        out[n, : len(items)] = items
+    return out
+
+
 def from_frame(frame: pd.DataFrame, numeric_features: tuple[str, ...], sequence_length: int) -> Examples:
+    """`to_frame`'s layout back as examples; list columns other than `sequence` may be left out."""
     missing = [c for c in ("user_id", "item_id", "category", "sequence", *numeric_features) if c not in frame]
     if missing:
         raise ValueError(f"scoring input lacks columns {missing}")
-    sequences = np.full((len(frame), sequence_length), PAD, dtype=object)
-    for n, items in enumerate(frame["sequence"]):
-        items = list(items)[:sequence_length]
-        sequences[n, : len(items)] = items
+    lists = {name: _padded(frame[column], sequence_length if name in ("sequences", "sequence_types") else max(
+        1, max((len(v) for v in frame[column]), default=1))) for column, name in LIST_COLUMNS.items() if column in frame}
     return Examples(frame["user_id"].astype(str).to_numpy(object), frame["item_id"].astype(str).to_numpy(object),
-                    frame["category"].astype(str).to_numpy(object), sequences,
+                    frame["category"].astype(str).to_numpy(object), lists.pop("sequences"),
                     frame[list(numeric_features)].to_numpy(np.float32).reshape(len(frame), -1),
-                    np.zeros(len(frame), np.float32))
+                    np.zeros(len(frame), np.float32), **lists)
 
 
 def concat(parts: list[Examples]) -> Examples:
-    """The examples of `parts`, in order (their sequences must have the same width)."""
-    return Examples(*(np.concatenate([getattr(p, name) for p in parts]) for name in
-                      ("user_ids", "item_ids", "categories", "sequences", "numeric", "labels")))
+    """The examples of `parts`, in order (their lists must have the same widths)."""
+    return Examples(**{name: np.concatenate([getattr(p, name) for p in parts]) for name in ARRAYS},
+                    numeric_names=parts[0].numeric_names)

@@ -74,3 +74,14 @@ class TargetAttention(keras.layers.Layer):
 
     def get_config(self) -> dict:
         return super().get_config() | {"hidden": self.hidden}
+
+
+class MaskedMean(keras.layers.Layer):
+    """The mean of the real entries of a padded list.
+
+    Inputs: x [B, T, D], mask [B, T] (1.0 real, 0.0 padding). Output [B, D]; zeros for an empty list.
+    """
+
+    def call(self, x, mask):
+        total = ops.einsum("btd,bt->bd", x, mask)
+        return total / ops.maximum(ops.sum(mask, axis=-1, keepdims=True), 1.0)

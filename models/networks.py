@@ -1,12 +1,19 @@
-"""The dense networks: the DIN-style ranker and the logistic-regression baseline.
+"""The dense networks: the ranker, the previous DIN ranker (ranker-v1) and the logistic-regression
+baseline.
 
-Both take the same inputs (a dict of tensors), so one training loop serves both:
+All take the same inputs (a dict of tensors), each using what it needs, so one training loop and one
+serving path serve them all:
   user, item, category  [B, D]     embeddings gathered from the sparse tables
   sequence              [B, L, D]  embeddings of the user's last L behaviors (item table)
   sequence_mask         [B, L]     1.0 for a real behavior, 0.0 for padding
+  sequence_types        [B, L] int each behavior's event type (0: padding or unknown)
   owner (optional)      [B] int    serving: row b's behaviors are sequence[owner[b]], which is then
-                                   [U, L, D] with its mask [U, L] (one per request, not per candidate)
-  numeric               [B, F]     real-time and profile features, already scaled
+                                   [U, L, D] with its mask and types [U, L] (one per request, not per candidate)
+  long_sequence         [B, K, D]  the user's newest behaviors in the candidate's category, from the long
+                                   history (item table); long_mask [B, K]
+  item_tokens           [B, T, D]  the candidate's attributes (attribute table); item_token_mask [B, T]
+  user_tokens           [B, T, D]  the user's profile attributes (attribute table); user_token_mask [B, T]
+  numeric               [B, F]     real-time, profile and long-history features, already scaled
 and return click logits [B].
 """
 
@@ -15,11 +22,46 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from models.layers import MLP, TargetAttention
+from models.layers import MLP, MaskedMean, TargetAttention
 
 
 class Ranker(keras.Model):
-    """Target attention over the behavior sequence, then an MLP over every input."""
+    """Target attention over the recent behaviors (with their event types) and, apart, over the long
+    history's behaviors in the candidate's category (SIM); pooled attributes of the candidate and of
+    the user; then an MLP over all of it, with the products of the pairs that meet (user x item, the
+    behaviors' interests x item, user attributes x item attributes), and the numeric features."""
+
+    def __init__(self, dim: int, event_types: int, hidden: list[int] | None = None,
+                 attention_hidden: list[int] | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.dim, self.event_types = dim, event_types
+        self.hidden = hidden or [128, 64]
+        self.attention_hidden = attention_hidden or [32]
+        self.types = keras.layers.Embedding(event_types, dim)
+        self.attention = TargetAttention(self.attention_hidden)
+        self.long_attention = TargetAttention(self.attention_hidden)
+        self.pool = MaskedMean()
+        self.head = MLP([*self.hidden, 1])
+
+    def call(self, inputs):
+        item = inputs["item"]
+        behaviors = inputs["sequence"] + self.types(inputs["sequence_types"])
+        recent = self.attention(item, behaviors, inputs["sequence_mask"], inputs.get("owner"))
+        long = self.long_attention(item, inputs["long_sequence"], inputs["long_mask"])
+        item_side = self.pool(inputs["item_tokens"], inputs["item_token_mask"])
+        user_side = self.pool(inputs["user_tokens"], inputs["user_token_mask"])
+        x = ops.concatenate([inputs["user"], item, inputs["category"], recent, long, item_side, user_side,
+                             inputs["user"] * item, recent * item, long * item, user_side * item_side,
+                             inputs["numeric"]], axis=-1)
+        return ops.squeeze(self.head(x), -1)
+
+    def get_config(self) -> dict:
+        return {"dim": self.dim, "event_types": self.event_types, "hidden": self.hidden,
+                "attention_hidden": self.attention_hidden}
+
+
+class RankerV1(keras.Model):
+    """The previous ranker: target attention over the behavior sequence, then an MLP over every input."""
 
     def __init__(self, hidden: list[int] | None = None, attention_hidden: list[int] | None = None, **kwargs):
         super().__init__(**kwargs)

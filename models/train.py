@@ -24,7 +24,7 @@ from infra.settings import Settings
 from models import plots
 from models.ctr import CtrModel, ModelSpec
 from models.dataset import Window, chronological_split, training_set
-from models.inputs import NUMERIC_FEATURES
+from models.inputs import LONG_HISTORY_FEATURES, NUMERIC_FEATURES, V1_NUMERIC_FEATURES
 from models.examples import Examples
 from models.metrics import auc, evaluate
 from models.registry import (Decision, champion_watermark, connect, gate, lacking_evidence, load_version, log_model,
@@ -43,10 +43,17 @@ class TrainOutcome:
     samples_per_s: float
 
 
-def model_spec(s: Settings, kind: str = "ranker") -> ModelSpec:
-    m = s.models
+def model_spec(s: Settings, kind: str = "ranker", long_history: bool = True) -> ModelSpec:
+    """The spec of a new model of `kind`: ranker-v1 takes the previous architecture's inputs (50 recent
+    behaviors, the stream's counts and rates, the age); without `long_history`, the ranker takes none of
+    the long history's inputs (the ablation)."""
+    m, st = s.models, s.streaming
     dim = 1 if kind == "logreg" else m.embedding_dim
-    return ModelSpec(kind=kind, numeric_features=NUMERIC_FEATURES, sequence_length=s.streaming.sequence_length,
+    numeric = V1_NUMERIC_FEATURES if kind == "ranker-v1" else NUMERIC_FEATURES
+    if not long_history:
+        numeric = tuple(f for f in numeric if f not in LONG_HISTORY_FEATURES)
+    return ModelSpec(kind=kind, numeric_features=numeric, sequence_length=st.sequence_length,
+                     long_length=st.history_per_category if kind == "ranker" and long_history else 0,
                      sparse=SparseConfig(dim=dim, admit_after=m.admit_after, evict_after_steps=m.evict_after_steps,
                                          learning_rate=m.sparse_learning_rate),
                      learning_rate=m.dense_learning_rate, batch_size=m.batch_size)
@@ -63,13 +70,13 @@ def _iso(t: datetime) -> str:
 
 
 def train_full(s: Settings, window: Window, kind: str = "ranker", promote: bool = True,
-               progress: bool = True) -> TrainOutcome:
+               progress: bool = True, long_history: bool = True) -> TrainOutcome:
     connect(s)  # fail before any work when the registry is unreachable
     ex, times = training_set(s, window, s.streaming.sequence_length)
     train, validation, test, spans = chronological_split(ex, times)
     for part, what in ((train, "train split"), (validation, "validation split"), (test, "test split")):
         check_labels(part, f"{what} of {window}")
-    model = CtrModel(model_spec(s, kind))
+    model = CtrModel(model_spec(s, kind, long_history))
     mlflow.set_experiment(s.models.experiment)
     with mlflow.start_run(run_name=f"full-{kind}"), tempfile.TemporaryDirectory() as tmp:
         mlflow.log_params({"kind": kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
@@ -158,7 +165,8 @@ def _spec_params(spec: ModelSpec) -> dict[str, object]:
     # The dense step runs where TensorFlow puts it (a GPU when one is visible); sparse rows stay on CPU.
     return {"dense_device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU", "embedding_dim": spec.sparse.dim, "admit_after": spec.sparse.admit_after,
             "sparse_learning_rate": spec.sparse.learning_rate, "dense_learning_rate": spec.learning_rate,
-            "batch_size": spec.batch_size, "sequence_length": spec.sequence_length,
+            "batch_size": spec.batch_size, "sequence_length": spec.sequence_length, "long_length": spec.long_length,
+            "numeric_features": len(spec.numeric_features),
             "hidden": ",".join(map(str, spec.hidden)), "xla": spec.jit_compile}
 
 

@@ -161,7 +161,7 @@ class DenseRunner:
         self._compiler.shutdown(wait=True, cancel_futures=True)
 
 
-_SEQUENCE_INPUTS = ("sequence", "sequence_mask")  # [U, L, ...]: one per distinct sequence, not per row
+_SEQUENCE_INPUTS = ("sequence", "sequence_mask", "sequence_types")  # [U, L, ...]: one per distinct sequence
 
 
 def _part(inputs: dict[str, np.ndarray], a: int, b: int, first_sequence: int) -> dict[str, np.ndarray]:
@@ -186,5 +186,8 @@ def _pad(inputs: dict[str, np.ndarray], rows: int, length: int, groups: int) -> 
     return out
 
 
+_INT_INPUTS = ("owner", "sequence_types")
+
+
 def _tensors(inputs: dict[str, np.ndarray]) -> dict[str, tf.Tensor]:
-    return {name: tf.constant(value, tf.int32 if name == "owner" else tf.float32) for name, value in inputs.items()}
+    return {name: tf.constant(value, tf.int32 if name in _INT_INPUTS else tf.float32) for name, value in inputs.items()}

@@ -26,7 +26,7 @@ import numpy as np
 
 from feature_repo.online import OnlineReader, served_features
 from infra.settings import Settings
-from models.inputs import NUMERIC_FEATURES, SEQUENCE
+from models.inputs import NUMERIC_FEATURES, RAW_FEATURES
 
 if TYPE_CHECKING:
     from models.examples import Examples
@@ -89,7 +89,7 @@ class SharedEntityCache:
 
 class OnlineFeatures:
     def __init__(self, s: Settings) -> None:
-        wanted = {*NUMERIC_FEATURES, *SEQUENCE}
+        wanted = set(RAW_FEATURES)
         self.reads: dict[tuple[str, ...], list[tuple[str, str]]] = {}  # join keys -> (view, feature) read
         for keys, view, features in served_features(s, SERVICE):  # as the registry holds it
             refs = [(view, name) for name in features if name in wanted]
@@ -141,7 +141,7 @@ class OnlineFeatures:
             names = self.names[keys]
             by_row = [found[e] for e in of_row] or [(None,) * len(names)]
             columns.update(zip(names, zip(*by_row)))  # one tuple of values per feature
-        defaulted = sorted(name for name in (*NUMERIC_FEATURES, *SEQUENCE) if None in columns[name])
+        defaulted = sorted(name for name in RAW_FEATURES if None in columns[name])
         n = len(candidates)
         # Imported here, once: pandas, which they load, is not needed to read features (`flywheel features`).
         from models.dataset import to_examples
@@ -150,6 +150,8 @@ class OnlineFeatures:
         ex = to_examples(columns, np.full(n, now_ms), np.zeros(n), sequence_length)
         if keep_behaviors is not None:
             ex.sequences[:, keep_behaviors:] = PAD
-        snapshot: dict[str, Sequence] = {name: columns[name] for name in NUMERIC_FEATURES}  # None: missing
+            ex.sequence_types[:, keep_behaviors:] = PAD
+        # the stored numeric features as read (None: missing)
+        snapshot: dict[str, Sequence] = {name: columns[name] for name in NUMERIC_FEATURES if name in columns}
         snapshot["sequence"] = [i for i in ex.sequences[0] if i != PAD]
         return Fetched(ex, defaulted, snapshot)

@@ -94,11 +94,16 @@ class _Job:
 
 def warm_examples(sequence_length: int, rows: int = 8) -> Examples:
     """Rows every new version must score finitely before it serves, with full-length sequences."""
-    seq = np.array([[f"warm-{(r + j) % 97}" for j in range(sequence_length)] for r in range(rows)], dtype=object)
+    def ids(prefix: str, width: int) -> np.ndarray:
+        return np.array([[f"{prefix}-{(r + j) % 97}" for j in range(width)] for r in range(rows)], dtype=object)
+
     return Examples(np.array([f"warm-user-{r}" for r in range(rows)], dtype=object),
                     np.array([f"warm-{r}" for r in range(rows)], dtype=object), np.full(rows, "", dtype=object),
-                    seq, np.linspace(0, 1, rows * len(NUMERIC_FEATURES), dtype=np.float32).reshape(rows, -1),
-                    np.zeros(rows, np.float32))
+                    ids("warm", sequence_length),
+                    np.linspace(0, 1, rows * len(NUMERIC_FEATURES), dtype=np.float32).reshape(rows, -1),
+                    np.zeros(rows, np.float32), sequence_types=np.full((rows, sequence_length), "click", dtype=object),
+                    long_sequences=ids("warm", 20), item_tokens=ids("genre:warm", 3), user_tokens=ids("gender:warm", 3),
+                    numeric_names=NUMERIC_FEATURES)
 
 
 class Inference:

@@ -56,7 +56,7 @@ class ServedModel:
 
 def architecture(spec: ModelSpec) -> tuple:
     """What fixes the dense network's shapes: versions alike in this share compiled functions."""
-    return spec.kind, spec.hidden, len(spec.numeric_features), spec.sparse.dim
+    return spec.kind, spec.hidden, len(spec.numeric_features), spec.sparse.dim, spec.long_length, spec.token_length
 
 
 class ModelFollower:
@@ -166,9 +166,9 @@ class ModelFollower:
         return served
 
     def _warmed(self, version: str, model: CtrModel, how: str) -> ServedModel:
-        if model.spec.numeric_features != NUMERIC_FEATURES:
-            raise ValueError(f"v{version} expects numeric features {list(model.spec.numeric_features)}; "
-                             f"the server provides {list(NUMERIC_FEATURES)}")
+        unknown = [f for f in model.spec.numeric_features if f not in NUMERIC_FEATURES]
+        if unknown:  # any subset, in any order, is served: each version takes its own columns
+            raise ValueError(f"v{version} expects numeric features the server does not compute: {unknown}")
         arch = architecture(model.spec)
         runner = self.runners.get(arch)
         if runner is None:

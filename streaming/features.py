@@ -140,6 +140,16 @@ def _sequence(s: Settings) -> str:
         WINDOW w AS (PARTITION BY user_id ORDER BY proctime ROWS BETWEEN {n - 1} PRECEDING AND CURRENT ROW)"""
 
 
+def _history(s: Settings) -> str:
+    st = s.streaming
+    return f"""
+        SELECT user_id, event_time, H.history_length, H.categories, H.counts, H.items
+        FROM (SELECT user_id, MAX(event_time) AS event_time,
+                     long_history(item_id, category, {st.history_length}, {st.history_categories},
+                                  {st.history_per_category}) AS H
+              FROM valid_events WHERE event_type <> 'impression' GROUP BY user_id)"""
+
+
 # --- the decayed interest histogram ------------------------------------------------------------
 # Each action adds 1 to its category; a weight halves every half-life. Summing exp(rate * (t - epoch))
 # is order-free and needs no Python: the job keeps one such sum per user and category, and the
@@ -183,6 +193,11 @@ STREAM_VIEWS: tuple[StreamView, ...] = (
     StreamView("user_sequence", ("user_id",), (
         ("seq_item_ids", STRING_ARRAY), ("seq_event_types", STRING_ARRAY), ("seq_event_times", BIGINT_ARRAY)),
         LONG_TTL, upsert=False, query=_sequence),
+    # The long history (streaming/java/flywheel/LongHistory.java): `history_categories` categories, and
+    # `history_per_category` item slots per category ("" pads), newest first.
+    StreamView("user_history", ("user_id",), (
+        ("history_length", BIGINT), ("history_categories", STRING_ARRAY), ("history_category_counts", BIGINT_ARRAY),
+        ("history_item_ids", STRING_ARRAY)), LONG_TTL, upsert=True, query=_history),
     StreamView("user_interest", ("user_id",), (
         ("interest_categories", STRING_ARRAY), ("interest_weights", DOUBLE_ARRAY)), LONG_TTL, upsert=True,
         query=_interest, emitted=(("interest_sums", STRING),), finish=_interest_top),

@@ -214,6 +214,7 @@ def build(s: Settings) -> StreamTableEnvironment:
     env.create_java_temporary_function("byte_length", "flywheel.ByteLength")
     env.create_java_temporary_function("window_counts", "flywheel.WindowCounts")
     env.create_java_temporary_function("json_row", "flywheel.JsonRow")
+    env.create_java_temporary_function("long_history", "flywheel.LongHistory")
     create_tables(env, s)
     return env
 

@@ -42,7 +42,8 @@ CLICK, IMP, BUY = EventType.CLICK, EventType.IMPRESSION, EventType.PURCHASE
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     yield from running_stack(tmp_path_factory.mktemp("pipeline"), "kafka,redis,pipeline",
-                             FLYWHEEL_STREAMING_SEQUENCE_LENGTH="3")
+                             FLYWHEEL_STREAMING_SEQUENCE_LENGTH="3", FLYWHEEL_STREAMING_HISTORY_LENGTH="4",
+                             FLYWHEEL_STREAMING_HISTORY_CATEGORIES="2", FLYWHEEL_STREAMING_HISTORY_PER_CATEGORY="3")
 
 
 class Timeline:
@@ -130,7 +131,9 @@ def test_known_events_give_exactly_the_expected_online_features(pipeline: Settin
                           "user_total:user_impressions_total", "user_total:user_clicks_total",
                           "user_category:category_impressions", "user_category:category_clicks",
                           "user_sequence:seq_item_ids", "user_sequence:seq_event_types",
-                          "user_sequence:seq_event_times",
+                          "user_sequence:seq_event_times", "user_history:history_length",
+                          "user_history:history_categories", "user_history:history_category_counts",
+                          "user_history:history_item_ids",
                           "user_interest:interest_categories", "user_interest:interest_weights"],
                       {"user_id": user, "category": category})
 
@@ -147,6 +150,11 @@ def test_known_events_give_exactly_the_expected_online_features(pipeline: Settin
         assert got["seq_item_ids"] == ["i1", "i2", "i9"]
         assert got["seq_event_types"] == ["click", "click", "click"]
         assert got["seq_event_times"] == [t0 + 21 * MINUTE + 2, t0 + 22 * MINUTE + 4, t0 + 5 * MINUTE]
+        # the long history keeps the newest 4 of 5 behaviors (i1 c1, i3 c1, i1 c1, i2 c2, i9 c2); c1 and c2
+        # have 2 each, c2 the newer: first; each with its newest 3 item slots, newest first, "" padding
+        assert got["history_length"] == 4
+        assert (got["history_categories"], got["history_category_counts"]) == (["c2", "c1"], [2, 2])
+        assert got["history_item_ids"] == ["i9", "i2", "", "i1", "i3", ""]
 
     wait_for(check_user_a)
     # interest: decayed category histogram of all actions (late one included), as of the newest
