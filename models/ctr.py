@@ -93,8 +93,9 @@ class CtrModel:
 
     def _lists(self, ex: Examples) -> dict[str, np.ndarray]:
         """The padded id lists of `ex` at this spec's widths (the long history's: none for a spec without)."""
-        long = ex.long_sequences if self.spec.long_length else ex.long_sequences[:, :0]
-        return {"sequence": ex.sequences[:, : self.spec.sequence_length], "long_sequence": _fit(long, self.spec.long_length),
+        k = self.spec.long_length
+        return {"sequence": ex.sequences[:, : self.spec.sequence_length],
+                "long_sequence": _fit(ex.long_sequences[:, :k], k), "long_types": _fit(ex.long_types[:, :k], k),
                 "item_tokens": _fit(ex.item_tokens, self.spec.token_length),
                 "user_tokens": _fit(ex.user_tokens, self.spec.token_length)}
 
@@ -120,7 +121,8 @@ class CtrModel:
         rows = {"user": self.tables["user"].lookup(ex.user_ids.tolist(), train),
                 "item": self.tables["item"].lookup(ex.item_ids.tolist(), train),
                 "category": self.tables["category"].lookup(ex.categories.tolist(), train),
-                "sequence_types": self._types(ex.sequence_types[:, : self.spec.sequence_length])}
+                "sequence_types": self._types(ex.sequence_types[:, : self.spec.sequence_length]),
+                "long_types": self._types(lists["long_types"])}
         for name, table in (("sequence", "item"), ("long_sequence", "item"), ("item_tokens", "attribute"),
                             ("user_tokens", "attribute")):
             rows[name], rows[_MASKS[name]] = self._rows(table, lists[name], train)

@@ -113,25 +113,31 @@ def _category_shares(categories: Sequence, keys: Sequence, values: Sequence) -> 
     return out
 
 
-def _long_sequences(categories: Sequence, history_categories: Sequence, history_items: Sequence) -> np.ndarray:
+def _long_sequences(categories: Sequence, history_categories: Sequence, history_items: Sequence,
+                    history_types: Sequence) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the user's newest behaviors in the row's category from the long history (its categories
-    each with an equal number of item slots, "" padding): [N, K], K the widest found (>= 1)."""
-    rows: list[list[str]] = []
-    memo: dict[tuple[int, int], dict[str, list[str]]] = {}
-    for category, cats, items in zip(categories, history_categories, history_items):
+    each with an equal number of item slots, "" padding), and their types: [N, K] each, K the widest
+    found (>= 1)."""
+    rows: list[list[tuple[str, str]]] = []
+    memo: dict[tuple[int, int], dict[str, list[tuple[str, str]]]] = {}
+    for category, cats, items, types in zip(categories, history_categories, history_items, history_types):
         if cats is None or items is None or not len(cats):
             rows.append([])
             continue
         by_category = memo.get((id(cats), id(items)))
         if by_category is None:
             k = len(items) // len(cats)
+            types = types if types is not None and len(types) == len(items) else [PAD] * len(items)
             by_category = memo[id(cats), id(items)] = {
-                c: [i for i in items[j * k:(j + 1) * k] if i != PAD] for j, c in enumerate(cats)}
+                c: [(i, t) for i, t in zip(items[j * k:(j + 1) * k], types[j * k:(j + 1) * k]) if i != PAD]
+                for j, c in enumerate(cats)}
         rows.append(by_category.get(category, []))
-    out = np.full((len(rows), max(1, max(map(len, rows), default=1))), PAD, dtype=object)
-    for r, items in enumerate(rows):
-        out[r, : len(items)] = items
-    return out
+    width = max(1, max(map(len, rows), default=1))
+    out, kinds = np.full((len(rows), width), PAD, dtype=object), np.full((len(rows), width), PAD, dtype=object)
+    for r, behaviors in enumerate(rows):
+        out[r, : len(behaviors)] = [i for i, _ in behaviors]
+        kinds[r, : len(behaviors)] = [t for _, t in behaviors]
+    return out, kinds
 
 
 def _entries(value: object) -> list:
@@ -195,11 +201,12 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
     for first, end, before, kinds in runs:
         sequences[first:end, : len(before)] = before
         types[first:end, : len(kinds)] = kinds
+    long, long_types = _long_sequences(categories, features["history_categories"], features["history_item_ids"],
+                                       features["history_event_types"])
     return Examples(user_ids=_strings(features["user_id"]), item_ids=_strings(features["item_id"]),
                     categories=categories, sequences=sequences, numeric=numeric,
                     labels=np.asarray(labels, np.float32), sequence_types=types,
-                    long_sequences=_long_sequences(categories, features["history_categories"],
-                                                   features["history_item_ids"]),
+                    long_sequences=long, long_types=long_types,
                     item_tokens=_tokens([("genre", features["item_genres"]),
                                          ("year", _decade(features["item_release_year"]))], n),
                     user_tokens=_tokens([("gender", features["user_gender"]), ("occupation", features["user_occupation"]),

@@ -25,7 +25,8 @@ V1_NUMERIC_FEATURES: tuple[str, ...] = tuple(
     name for name in (*COUNTS, *RATES, "user_age") if name not in LONG_HISTORY_FEATURES)
 
 SEQUENCE = ("seq_item_ids", "seq_event_types", "seq_event_times")
-LONG_HISTORY = ("history_length", "history_categories", "history_category_counts", "history_item_ids")
+LONG_HISTORY = ("history_length", "history_categories", "history_category_counts", "history_item_ids",
+                "history_event_types")
 INTEREST = ("interest_categories", "interest_weights")
 SIDE = ("item_genres", "item_release_year", "user_age", "user_gender", "user_occupation")
 # Everything a scoring row is built from, as stored online (the derived shares are not stored).

@@ -10,7 +10,7 @@ serving path serve them all:
   owner (optional)      [B] int    serving: row b's behaviors are sequence[owner[b]], which is then
                                    [U, L, D] with its mask and types [U, L] (one per request, not per candidate)
   long_sequence         [B, K, D]  the user's newest behaviors in the candidate's category, from the long
-                                   history (item table); long_mask [B, K]
+                                   history (item table); long_mask [B, K]; long_types [B, K] int
   item_tokens           [B, T, D]  the candidate's attributes (attribute table); item_token_mask [B, T]
   user_tokens           [B, T, D]  the user's profile attributes (attribute table); user_token_mask [B, T]
   numeric               [B, F]     real-time, profile and long-history features, already scaled
@@ -47,7 +47,7 @@ class Ranker(keras.Model):
         item = inputs["item"]
         behaviors = inputs["sequence"] + self.types(inputs["sequence_types"])
         recent = self.attention(item, behaviors, inputs["sequence_mask"], inputs.get("owner"))
-        long = self.long_attention(item, inputs["long_sequence"], inputs["long_mask"])
+        long = self.long_attention(item, inputs["long_sequence"] + self.types(inputs["long_types"]), inputs["long_mask"])
         item_side = self.pool(inputs["item_tokens"], inputs["item_token_mask"])
         user_side = self.pool(inputs["user_tokens"], inputs["user_token_mask"])
         x = ops.concatenate([inputs["user"], item, inputs["category"], recent, long, item_side, user_side,

@@ -186,7 +186,7 @@ def _pad(inputs: dict[str, np.ndarray], rows: int, length: int, groups: int) -> 
     return out
 
 
-_INT_INPUTS = ("owner", "sequence_types")
+_INT_INPUTS = ("owner", "sequence_types", "long_types")
 
 
 def _tensors(inputs: dict[str, np.ndarray]) -> dict[str, tf.Tensor]:

@@ -143,11 +143,11 @@ def _sequence(s: Settings) -> str:
 def _history(s: Settings) -> str:
     st = s.streaming
     return f"""
-        SELECT user_id, event_time, H.history_length, H.categories, H.counts, H.items
+        SELECT user_id, event_time, H.history_length, H.categories, H.counts, H.items, H.types
         FROM (SELECT user_id, MAX(event_time) AS event_time,
-                     long_history(item_id, category, {st.history_length}, {st.history_categories},
+                     long_history(item_id, category, event_type, {st.history_length}, {st.history_categories},
                                   {st.history_per_category}) AS H
-              FROM valid_events WHERE event_type <> 'impression' GROUP BY user_id)"""
+              FROM valid_events GROUP BY user_id)"""
 
 
 # --- the decayed interest histogram ------------------------------------------------------------
@@ -193,11 +193,13 @@ STREAM_VIEWS: tuple[StreamView, ...] = (
     StreamView("user_sequence", ("user_id",), (
         ("seq_item_ids", STRING_ARRAY), ("seq_event_types", STRING_ARRAY), ("seq_event_times", BIGINT_ARRAY)),
         LONG_TTL, upsert=False, query=_sequence),
-    # The long history (streaming/java/flywheel/LongHistory.java): `history_categories` categories, and
-    # `history_per_category` item slots per category ("" pads), newest first.
+    # The long history (streaming/java/flywheel/LongHistory.java): every exposure and action, an action
+    # merged into the exposure it follows; `history_categories` categories, and `history_per_category`
+    # item slots per category with the strongest action on each ("" pads), newest first.
     StreamView("user_history", ("user_id",), (
         ("history_length", BIGINT), ("history_categories", STRING_ARRAY), ("history_category_counts", BIGINT_ARRAY),
-        ("history_item_ids", STRING_ARRAY)), LONG_TTL, upsert=True, query=_history),
+        ("history_item_ids", STRING_ARRAY), ("history_event_types", STRING_ARRAY)), LONG_TTL, upsert=True,
+        query=_history),
     StreamView("user_interest", ("user_id",), (
         ("interest_categories", STRING_ARRAY), ("interest_weights", DOUBLE_ARRAY)), LONG_TTL, upsert=True,
         query=_interest, emitted=(("interest_sums", STRING),), finish=_interest_top),

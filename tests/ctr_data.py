@@ -13,23 +13,26 @@ CATEGORIES = 8
 
 def synthetic(n: int, seed: int, users: int = 50, items: int = 200, length: int = 10) -> Examples:
     """Each user prefers one category; clicks are likely on it (0.7, else 0.08). The sequence holds
-    the user's last clicked items. Only the user x category interaction predicts a click: a model of
+    the user's last clicked items; the long history, the user's last 5 clicked items in the candidate's
+    category; the item tokens, its category. Only the user x category interaction predicts a click: a model of
     per-id effects (the baseline) cannot beat chance, and knowing the preference (the oracle) reaches
     an AUC of about 0.72."""
     rng = np.random.default_rng(seed)
     prefer = {u: u % CATEGORIES for u in range(users)}
     history: dict[int, list[str]] = {u: [] for u in range(users)}
-    rows = []
+    rows, long = [], []
     for _ in range(n):
         u, i = int(rng.integers(users)), int(rng.integers(items))
         click = rng.random() < (0.7 if i % CATEGORIES == prefer[u] else 0.08)
         seq = (history[u][::-1] + [PAD] * length)[:length]
         rows.append((f"u{u}", f"i{i}", f"c{i % CATEGORIES}", seq, [rng.normal()], float(click)))
+        long.append(([h for h in history[u][::-1] if int(h[1:]) % CATEGORIES == i % CATEGORIES] + [PAD] * 5)[:5])
         if click:
             history[u].append(f"i{i}")
     cols = list(zip(*rows))
     return Examples(np.array(cols[0], object), np.array(cols[1], object), np.array(cols[2], object),
-                    np.array(cols[3], object), np.array(cols[4], np.float32), np.array(cols[5], np.float32))
+                    np.array(cols[3], object), np.array(cols[4], np.float32), np.array(cols[5], np.float32),
+                    long_sequences=np.array(long, object), item_tokens=np.array([[f"category:{c}"] for c in cols[2]], object))
 
 
 SPEC = ModelSpec(numeric_features=("noise",), sequence_length=10,

@@ -3,6 +3,7 @@ their scores exactly, and an incremental export's delta reproduces the new model
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import keras
 import numpy as np
 import pytest
 
-from models.ctr import CtrModel
+from models.ctr import CtrModel, ModelSpec
+from models.networks import RankerV1
 from models.examples import PAD, Examples, from_frame, to_frame
 from models.metrics import auc
 from models.sparse import SparseConfig
@@ -58,7 +60,8 @@ def test_export_reproduces_scores_and_delta_reproduces_the_next_model(data: Exam
     loaded.save(tmp_path / "v2")
     loaded.save_delta(tmp_path / "v2-delta", since=base_versions)
 
-    touched_items = set(newer.item_ids) | {i for seq in newer.sequences for i in seq if i != PAD}
+    touched_items = set(newer.item_ids) | {i for lists in (newer.sequences, newer.long_sequences)
+                                           for row in lists for i in row if i != PAD}
     after = loaded.tables["item"].snapshot()
     old_rows = dict(zip(before["item"].ids, before["item"].values))
     changed = {i for i, v in zip(after.ids, after.values) if i not in old_rows or not np.array_equal(old_rows[i], v)}
@@ -72,6 +75,30 @@ def test_export_reproduces_scores_and_delta_reproduces_the_next_model(data: Exam
 
     with pytest.raises(ValueError, match="relative to versions"):
         CtrModel.load(tmp_path / "v2", delta=tmp_path / "v2-delta")
+
+
+def test_the_ranker_reads_a_new_users_preference_from_the_long_history() -> None:
+    # Users never seen in training, without recent behaviors: only the long history (the user's clicks
+    # in the candidate's category) tells what they prefer.
+    data = synthetic(16_000, seed=3, users=400)
+    data = replace(data, sequences=np.full(data.sequences.shape, PAD, dtype=object))
+    seen = np.array([int(u[1:]) < 300 for u in data.user_ids])
+    train, test = data.take(np.flatnonzero(seen)), data.take(np.flatnonzero(~seen))
+    scores = {}
+    for long_length in (5, 0):
+        model = CtrModel(replace(SPEC, long_length=long_length))
+        model.fit(train, epochs=2, progress=False)
+        scores[long_length] = auc(test.labels, model.predict(test))
+    print(f"new users' test AUC: long history {scores[5]:.3f}, without {scores[0]:.3f}")
+    assert scores[5] > scores[0] + 0.05, scores
+
+
+def test_a_spec_exported_before_the_long_history_is_the_previous_ranker() -> None:
+    old = json.loads(SPEC.to_json())
+    del old["long_length"], old["token_length"]
+    spec = ModelSpec.from_json(json.dumps(old))
+    assert (spec.kind, spec.long_length) == ("ranker-v1", 0)
+    assert isinstance(CtrModel(spec).network, RankerV1)
 
 
 def test_logreg_needs_one_weight_per_id() -> None:

@@ -34,7 +34,7 @@ from infra.settings import Settings
 from models.ctr import CtrModel, ModelSpec
 from models.dataset import to_examples
 from models.examples import to_frame
-from models.inputs import NUMERIC_FEATURES
+from models.inputs import NUMERIC_FEATURES, V1_NUMERIC_FEATURES
 from models.registry import CHALLENGER, CHAMPION, connect, log_model
 from models.sparse import SparseConfig
 from serving import access
@@ -46,7 +46,6 @@ pytestmark = pytest.mark.stack
 SPEC = ModelSpec(numeric_features=NUMERIC_FEATURES, sequence_length=50, sparse=SparseConfig(dim=8, admit_after=1),
                  hidden=(32, 16), batch_size=128)
 USERS, ITEMS = 20, 100
-KNOWN = ("user_total", "item_total", "user_sequence")  # the views the fixture writes; others default
 WORKERS = 2
 
 
@@ -61,7 +60,7 @@ class Platform:
 def _examples(n: int, seed: int):
     ex = synthetic(n, seed, users=USERS, items=ITEMS, length=SPEC.sequence_length)
     numeric = np.random.default_rng(seed).random((n, len(NUMERIC_FEATURES))).astype(np.float32)
-    return replace(ex, numeric=numeric)
+    return replace(ex, numeric=numeric, numeric_names=NUMERIC_FEATURES)
 
 
 def _register(s: Settings, label: str, export: Path, tags: dict[str, str] | None = None,
@@ -97,6 +96,18 @@ def _write_features(s: Settings) -> None:
         "seq_event_types": [["click"] * (5 + u * 3) for u in range(USERS)],
         "seq_event_times": [[base + j * 1000 for j in range(5 + u * 3)] for u in range(USERS)],
         "event_timestamp": now}))
+    # the long history: categories c0..c3, 3 item slots each
+    store.write_to_online_store("user_history", pd.DataFrame({
+        "user_id": users, "history_length": [40 + u for u in range(USERS)],
+        "history_categories": [[f"c{c}" for c in range(4)]] * USERS,
+        "history_category_counts": [[20, 10, 6, 4]] * USERS,
+        "history_item_ids": [[f"i{(u + c * 8 + j) % ITEMS}" if j < 3 - c % 2 else "" for c in range(4) for j in range(3)]
+                             for u in range(USERS)],
+        "history_event_types": [["click" if j % 2 else "impression" for _ in range(4) for j in range(3)]] * USERS,
+        "event_timestamp": now}))
+    store.write_to_online_store("item_attributes", pd.DataFrame({
+        "item_id": items, "item_genres": [["Drama", "Comedy"][: 1 + i % 2] for i in range(ITEMS)],
+        "item_release_year": [1950 + i % 50 for i in range(ITEMS)], "event_timestamp": now}))
 
 
 def _server_pid(s: Settings) -> int:
@@ -131,9 +142,12 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         v2 = _register(s, "v2", model.save(tmp / "v2"), {"parent_version": v1}, delta=tmp / "v2-delta")
         model.network.set_weights([w * np.nan for w in model.network.get_weights()])
         bad = _register(s, "bad", model.save(tmp / "bad"))
+        previous = CtrModel(replace(SPEC, kind="ranker-v1", numeric_features=V1_NUMERIC_FEATURES, long_length=0))
+        previous.fit(_examples(2000, seed=3), progress=False)  # the previous architecture: other inputs
+        v1_arch = _register(s, "ranker-v1", previous.save(tmp / "ranker-v1"), {"kind": "ranker-v1"})
         connect(s).set_registered_model_alias(s.models.name, CHAMPION, v1)
         wait_for(lambda: _ready(url), timeout_s=120)
-        yield Platform(s, url, {"v1": v1, "v2": v2, "bad": bad}, _server_pid(s))
+        yield Platform(s, url, {"v1": v1, "v2": v2, "bad": bad, "ranker-v1": v1_arch}, _server_pid(s))
 
 
 def _request(user: int, n: int, **extra) -> dict:
@@ -174,19 +188,40 @@ def test_scores_equal_the_registered_models(platform: Platform) -> None:
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["model_version"] == p.versions["v1"] and out["route"] == CHAMPION and len(out["scores"]) == 40
-    # The same features, read by the test, scored by the registered model as MLflow loads it.
+    ex = _registered_scores_equal(p, body, out, p.versions["v1"], NUMERIC_FEATURES)
+    assert (ex.sequences[0] != "").sum() > 0  # the user's behaviors are in the inputs, and the long history's
+    assert (ex.long_sequences != "").any(axis=1).sum() > len(ex) / 2 and (ex.item_tokens != "").all(axis=1).any()
+    # Features the fixture never wrote are defaulted and named; the ones it wrote are not.
+    assert out["defaulted"] and "user_clicks_5m" in out["defaulted_features"]
+    assert not {"user_clicks_total", "item_ctr_total", "seq_item_ids"} & set(out["defaulted_features"])
+
+
+def _registered_scores_equal(p: Platform, body: dict, out: dict, version: str, numeric: tuple[str, ...]):
+    """Asserts the server's scores are the registered version's, as MLflow loads it, on the same features
+    read by the test; returns those inputs."""
     store = apply(p.s)
     rows = [{"user_id": body["user_id"], **c} for c in body["candidates"]]
     frame = pd.DataFrame(store.get_online_features(features=store.get_feature_service("ranking_serving"),
                                                    entity_rows=rows).to_dict())
     ex = to_examples(frame, np.full(len(frame), int(time.time() * 1000)), np.zeros(len(frame)), SPEC.sequence_length)
-    assert (ex.sequences[0] != "").sum() > 0  # the user's behaviors are in the inputs
-    offline = mlflow.pyfunc.load_model(f"models:/{p.s.models.name}/{p.versions['v1']}").predict(
-        to_frame(ex, NUMERIC_FEATURES))
+    offline = mlflow.pyfunc.load_model(f"models:/{p.s.models.name}/{version}").predict(to_frame(ex, numeric))
     np.testing.assert_allclose(out["scores"], offline, rtol=1e-5, atol=1e-6)
-    # Features the fixture never wrote are defaulted and named; the ones it wrote are not.
-    assert out["defaulted"] and "user_clicks_5m" in out["defaulted_features"]
-    assert not {"user_clicks_total", "item_ctr_total", "seq_item_ids"} & set(out["defaulted_features"])
+    return ex
+
+
+def test_a_version_with_other_inputs_is_served_without_code_changes(platform: Platform) -> None:
+    p = platform
+    previous, v1 = p.versions["ranker-v1"], p.versions["v1"]
+    _set_alias(p, CHAMPION, "ranker-v1")  # fewer numeric features, no long history, another network
+    try:
+        wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {previous}), timeout_s=60)
+        body = _request(_champion_user(p), 30)
+        out = httpx.post(f"{p.url}/rank", json=body, timeout=10).json()
+        assert out["model_version"] == previous
+        _registered_scores_equal(p, body, out, previous, V1_NUMERIC_FEATURES)
+    finally:
+        _set_alias(p, CHAMPION, "v1")
+    wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {v1}), timeout_s=30)
 
 
 def test_bad_input_gets_a_4xx_and_unknown_ids_defaults(platform: Platform) -> None:
@@ -352,14 +387,7 @@ def test_delta_version_scores_like_its_full_export(platform: Platform) -> None:
         body = _request(user, 30)
         out = httpx.post(f"{p.url}/rank", json=body, timeout=10).json()
         assert out["model_version"] == v2
-        store = apply(p.s)
-        rows = [{"user_id": body["user_id"], **c} for c in body["candidates"]]
-        frame = pd.DataFrame(store.get_online_features(
-            features=store.get_feature_service("ranking_serving"), entity_rows=rows).to_dict())
-        ex = to_examples(frame, np.full(len(frame), int(time.time() * 1000)), np.zeros(len(frame)),
-                         SPEC.sequence_length)
-        full = mlflow.pyfunc.load_model(f"models:/{p.s.models.name}/{v2}").predict(to_frame(ex, NUMERIC_FEATURES))
-        np.testing.assert_allclose(out["scores"], full, rtol=1e-5, atol=1e-6)
+        _registered_scores_equal(p, body, out, v2, NUMERIC_FEATURES)
     finally:
         _set_alias(p, CHAMPION, "v1")
     wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {p.versions["v1"]}), timeout_s=30)

@@ -133,7 +133,7 @@ def test_known_events_give_exactly_the_expected_online_features(pipeline: Settin
                           "user_sequence:seq_item_ids", "user_sequence:seq_event_types",
                           "user_sequence:seq_event_times", "user_history:history_length",
                           "user_history:history_categories", "user_history:history_category_counts",
-                          "user_history:history_item_ids",
+                          "user_history:history_item_ids", "user_history:history_event_types",
                           "user_interest:interest_categories", "user_interest:interest_weights"],
                       {"user_id": user, "category": category})
 
@@ -150,11 +150,14 @@ def test_known_events_give_exactly_the_expected_online_features(pipeline: Settin
         assert got["seq_item_ids"] == ["i1", "i2", "i9"]
         assert got["seq_event_types"] == ["click", "click", "click"]
         assert got["seq_event_times"] == [t0 + 21 * MINUTE + 2, t0 + 22 * MINUTE + 4, t0 + 5 * MINUTE]
-        # the long history keeps the newest 4 of 5 behaviors (i1 c1, i3 c1, i1 c1, i2 c2, i9 c2); c1 and c2
-        # have 2 each, c2 the newer: first; each with its newest 3 item slots, newest first, "" padding
+        # the long history: every impression, a click merged into the impression it follows, a repeated
+        # impression a behavior of its own: i1 c1 click, i2 c2 impression, i3 c1 click, i1 c1 click,
+        # i2 c2 click, i9 c2 click (late). It keeps the newest 4; c1 and c2 have 2 each, c2 the newer:
+        # first; each with its newest 3 item slots and their types, newest first, "" padding
         assert got["history_length"] == 4
         assert (got["history_categories"], got["history_category_counts"]) == (["c2", "c1"], [2, 2])
         assert got["history_item_ids"] == ["i9", "i2", "", "i1", "i3", ""]
+        assert got["history_event_types"] == ["click", "click", "", "click", "click", ""]
 
     wait_for(check_user_a)
     # interest: decayed category histogram of all actions (late one included), as of the newest

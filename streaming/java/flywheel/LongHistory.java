@@ -12,23 +12,35 @@ import org.apache.flink.types.Row;
 
 /**
  * A user's long behavior history, condensed the moment it changes into fixed-size model inputs:
- * {@code long_history(item_id, category, capacity, categories, per_category)} in a GROUP BY of the user.
+ * {@code long_history(item_id, category, event_type, capacity, categories, per_category)} in a GROUP BY
+ * of the user.
  *
- * <p>The state is a ring of the user's newest {@code capacity} behaviors (item and category, in arrival
- * order): bounded, and checkpointed with the job like any aggregate. Each update emits, SIM-style (search
- * by the candidate's category, done ahead of the request): how many behaviors the ring holds; the user's
- * {@code categories} most frequent categories in it (ties: the most recent first) with their counts; and,
- * for each of those, its newest {@code per_category} items, newest first, padded with "" to exactly
- * {@code per_category} slots. What a request reads is then fixed in size whatever the history's length.
+ * <p>The state is a ring of the user's newest {@code capacity} behaviors (item, category and the strongest
+ * action on it, in arrival order): bounded, and checkpointed with the job like any aggregate. A behavior is
+ * an exposure or an action; an action that follows an exposure of the same item among the newest
+ * {@code FOLLOW_UP} behaviors (a click on an impression) raises that behavior's type instead of adding one.
+ *
+ * <p>Each update emits, SIM-style (search by the candidate's category, done ahead of the request): how
+ * many behaviors the ring holds; the user's {@code categories} most frequent categories in it (ties: the
+ * most recent first) with their counts; and, for each of those, its newest {@code per_category} items and
+ * their types, newest first, padded with "" to exactly {@code per_category} slots. What a request reads is
+ * then fixed in size whatever the history's length.
  */
 @FunctionHint(output = @DataTypeHint(
-        "ROW<history_length BIGINT, categories ARRAY<STRING>, counts ARRAY<BIGINT>, items ARRAY<STRING>>"))
+        "ROW<history_length BIGINT, categories ARRAY<STRING>, counts ARRAY<BIGINT>, items ARRAY<STRING>, "
+                + "types ARRAY<STRING>>"))
 public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
+
+    /** Event types from the weakest to the strongest (streaming/events.py's EventType). */
+    private static final List<String> STRENGTH = List.of("impression", "click", "add_to_cart", "purchase");
+    /** How far back an action looks for the exposure it follows. */
+    private static final int FOLLOW_UP = 64;
 
     /** Slot {@code (start + i) % items.length} holds the i-th oldest of {@code size} behaviors. */
     public static class Ring {
         public String[] items = new String[0];
         public String[] categories = new String[0];
+        public String[] types = new String[0];
         public int start = 0;
         public int size = 0;
         public int topCategories = 0;
@@ -40,9 +52,9 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
         return new Ring();
     }
 
-    public void accumulate(Ring ring, String item, String category, Integer capacity, Integer categories,
-                           Integer perCategory) {
-        if (item == null) {
+    public void accumulate(Ring ring, String item, String category, String type, Integer capacity,
+                           Integer categories, Integer perCategory) {
+        if (item == null || type == null) {
             return;
         }
         if (ring.items.length != capacity) {
@@ -50,14 +62,30 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
         }
         ring.topCategories = categories;
         ring.perCategory = perCategory;
-        add(ring, item, category == null ? "" : category);
+        add(ring, item, category == null ? "" : category, type);
     }
 
-    private static void add(Ring ring, String item, String category) {
+    private static int strength(String type) {
+        int rank = STRENGTH.indexOf(type);
+        return rank < 0 ? 1 : rank;  // a type this list does not know counts as an action
+    }
+
+    private static void add(Ring ring, String item, String category, String type) {
         int capacity = ring.items.length;
+        for (int i = ring.size - 1; i >= Math.max(0, ring.size - FOLLOW_UP); i--) {
+            int slot = (ring.start + i) % capacity;
+            if (ring.items[slot].equals(item)) {
+                if (strength(type) > strength(ring.types[slot])) {  // the action on that exposure
+                    ring.types[slot] = type;
+                    return;
+                }
+                break;  // a new exposure or action of an item already acted on: a behavior of its own
+            }
+        }
         int slot = (ring.start + ring.size) % capacity;
         ring.items[slot] = item;
         ring.categories[slot] = category;
+        ring.types[slot] = type;
         if (ring.size < capacity) {
             ring.size++;
         } else {
@@ -70,15 +98,17 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
         Ring old = new Ring();
         old.items = ring.items;
         old.categories = ring.categories;
+        old.types = ring.types;
         old.start = ring.start;
         old.size = ring.size;
         ring.items = new String[capacity];
         ring.categories = new String[capacity];
+        ring.types = new String[capacity];
         ring.start = 0;
         ring.size = 0;
         for (int i = Math.max(0, old.size - capacity); i < old.size; i++) {
             int slot = (old.start + i) % old.items.length;
-            add(ring, old.items[slot], old.categories[slot]);
+            add(ring, old.items[slot], old.categories[slot], old.types[slot]);
         }
     }
 
@@ -95,7 +125,7 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
             }
             for (int i = 0; i < other.size; i++) {
                 int slot = (other.start + i) % other.items.length;
-                add(ring, other.items[slot], other.categories[slot]);
+                add(ring, other.items[slot], other.categories[slot], other.types[slot]);
             }
         }
     }
@@ -106,7 +136,7 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
         Map<String, Integer> index = new HashMap<>();
         List<String> seen = new ArrayList<>();
         List<long[]> counts = new ArrayList<>();  // [count, recency rank of the newest behavior]
-        List<List<String>> newest = new ArrayList<>();
+        List<List<Integer>> newest = new ArrayList<>();  // slots
         for (int i = ring.size - 1; i >= 0; i--) {
             int slot = (ring.start + i) % ring.items.length;
             String category = ring.categories[slot];
@@ -120,7 +150,7 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
             }
             counts.get(at)[0]++;
             if (newest.get(at).size() < ring.perCategory) {
-                newest.get(at).add(ring.items[slot]);
+                newest.get(at).add(slot);
             }
         }
         List<Integer> order = new ArrayList<>();
@@ -134,15 +164,17 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
         String[] categories = new String[kept];
         Long[] categoryCounts = new Long[kept];
         String[] items = new String[kept * ring.perCategory];
+        String[] types = new String[kept * ring.perCategory];
         for (int k = 0; k < kept; k++) {
             int c = order.get(k);
             categories[k] = seen.get(c);
             categoryCounts[k] = counts.get(c)[0];
-            List<String> list = newest.get(c);
+            List<Integer> slots = newest.get(c);
             for (int j = 0; j < ring.perCategory; j++) {
-                items[k * ring.perCategory + j] = j < list.size() ? list.get(j) : "";
+                items[k * ring.perCategory + j] = j < slots.size() ? ring.items[slots.get(j)] : "";
+                types[k * ring.perCategory + j] = j < slots.size() ? ring.types[slots.get(j)] : "";
             }
         }
-        return Row.of((long) ring.size, categories, categoryCounts, items);
+        return Row.of((long) ring.size, categories, categoryCounts, items, types);
     }
 }
