@@ -19,10 +19,12 @@ import pandas as pd
 import pyarrow.compute as pc
 
 from feature_repo.event_log import read_event_log
+from feature_repo.files import view_dir
 from infra.settings import Settings
 from models.examples import PAD, Examples
 from models.inputs import COUNTS, NUMERIC_FEATURES, RAW_FEATURES
 from streaming.events import TEST_TRAFFIC
+from streaming.features import LONG_HISTORY_VIEW
 
 DAY_MS = 86_400_000
 
@@ -74,14 +76,53 @@ def training_set(s: Settings, window: Window, sequence_length: int) -> tuple[Exa
     entity_df = imps[["user_id", "item_id", "category"]].copy()
     entity_df["event_timestamp"] = pd.to_datetime(imps["event_time"] - 1, unit="ms", utc=True)
     entity_df["row"] = np.arange(len(imps))
-    joined = store.get_historical_features(
-        entity_df=entity_df, features=store.get_feature_service("ranking_training")).to_df()
-    joined = joined.sort_values("row").reset_index(drop=True)
+    service = store.get_feature_service("ranking_training")
+    refs = [f"{p.name_to_use()}:{f.name}" for p in service.feature_view_projections if p.name != LONG_HISTORY_VIEW.name
+            for f in p.features]
+    joined = store.get_historical_features(entity_df=entity_df, features=refs).to_df()
+    joined = joined.sort_values("row").reset_index(drop=True).merge(long_history_as_of(s, entity_df), on="row")
     missing = [c for c in RAW_FEATURES if c not in joined.columns]
     if missing:
         raise ValueError(f"feature service ranking_training lacks {missing}")
     return to_examples(joined, imps["event_time"].to_numpy(), imps["label"].to_numpy(), sequence_length), \
         imps["event_time"].to_numpy()
+
+
+def long_history_as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:
+    """Each entity row's (`row`, `user_id`, `category`, `event_timestamp`) long history, point-in-time:
+    the user's newest `user_history` row at or before the time and within the view's TTL, by an ASOF join
+    in DuckDB, with only the row's category kept (all a training example reads of it, as the server
+    gives each candidate its category's). Not Feast's join: its DuckDB store joins every earlier row of a
+    key before keeping the newest, and with the long history's lists that took 18 GB on MovieLens."""
+    import duckdb
+
+    from feature_repo.definitions import TIMESTAMP_FIELD  # Feast's SDK: not for the serving path
+
+    files = view_dir(s, LONG_HISTORY_VIEW.name) / "*.parquet"
+    empty = pd.DataFrame({"row": entity_df["row"]}).assign(
+        **{name: None for name, _ in LONG_HISTORY_VIEW.columns})
+    if not any(files.parent.glob(files.name)):
+        return empty
+    ttl_s = int(LONG_HISTORY_VIEW.ttl.total_seconds())
+    with duckdb.connect() as con:
+        con.register("entities", entity_df[["row", "user_id", "category", "event_timestamp"]])
+        return con.sql(f"""
+            WITH joined AS (
+              SELECT e.row, e.category, h.history_length, h.history_categories AS cats,
+                     h.history_category_counts AS counts, h.history_item_ids AS items, h.history_event_types AS kinds,
+                     COALESCE(list_position(h.history_categories, e.category), 0) AS pos,
+                     len(h.history_item_ids) // greatest(len(h.history_categories), 1) AS k,
+                     h.{TIMESTAMP_FIELD} >= e.event_timestamp - INTERVAL {ttl_s} SECOND AS live
+              FROM entities e ASOF LEFT JOIN read_parquet('{files}') h
+                ON e.user_id = h.user_id AND e.event_timestamp >= h.{TIMESTAMP_FIELD})
+            SELECT row, CASE WHEN live THEN history_length END AS history_length,
+                   CASE WHEN live THEN (CASE WHEN pos > 0 THEN [category] ELSE [] END) END AS history_categories,
+                   CASE WHEN live THEN (CASE WHEN pos > 0 THEN [counts[pos]] ELSE [] END) END AS history_category_counts,
+                   CASE WHEN live THEN (CASE WHEN pos > 0 THEN list_slice(items, (pos - 1) * k + 1, pos * k)
+                                        ELSE [] END) END AS history_item_ids,
+                   CASE WHEN live THEN (CASE WHEN pos > 0 THEN list_slice(kinds, (pos - 1) * k + 1, pos * k)
+                                        ELSE [] END) END AS history_event_types
+            FROM joined ORDER BY row""").df()
 
 
 Columns = pd.DataFrame | Mapping[str, Sequence]
@@ -98,16 +139,23 @@ def _strings(column: pd.Series | Sequence) -> np.ndarray:
     return np.array(["" if v is None or v != v else str(v) for v in column], dtype=object)  # v != v: NaN
 
 
-def _category_shares(categories: Sequence, keys: Sequence, values: Sequence) -> np.ndarray:
-    """Per row, the share of `values` (a row's list, aligned with its list `keys`) held by the row's
-    category; 0 where the row has no such list or its category is not in it."""
+def _listed(value: object) -> bool:
+    """A non-empty list value (a missing one reads as None, NaN or pd.NA, depending on the reader)."""
+    return isinstance(value, (list, tuple, np.ndarray)) and len(value) > 0
+
+
+def _category_shares(categories: Sequence, keys: Sequence, values: Sequence, totals: np.ndarray | None = None
+                     ) -> np.ndarray:
+    """Per row, the row's category's value in `values` (a row's list, aligned with its list `keys`) over
+    the row's total (default: the sum of `values`); 0 where the row has no such list or its category
+    is not in it."""
     out, memo = np.zeros(len(categories), np.float32), {}
     for r, (category, k, v) in enumerate(zip(categories, keys, values)):
-        if k is None or v is None or not len(k):
+        if not _listed(k) or not _listed(v):
             continue
         shares = memo.get((id(k), id(v)))
         if shares is None:  # serving: every row of a request holds the same lists
-            total = float(sum(v)) or 1.0
+            total = (float(totals[r]) if totals is not None else float(sum(v))) or 1.0
             shares = memo[id(k), id(v)] = {c: w / total for c, w in zip(k, v)}
         out[r] = shares.get(category, 0.0)
     return out
@@ -121,13 +169,13 @@ def _long_sequences(categories: Sequence, history_categories: Sequence, history_
     rows: list[list[tuple[str, str]]] = []
     memo: dict[tuple[int, int], dict[str, list[tuple[str, str]]]] = {}
     for category, cats, items, types in zip(categories, history_categories, history_items, history_types):
-        if cats is None or items is None or not len(cats):
+        if not _listed(cats) or not _listed(items):
             rows.append([])
             continue
         by_category = memo.get((id(cats), id(items)))
         if by_category is None:
             k = len(items) // len(cats)
-            types = types if types is not None and len(types) == len(items) else [PAD] * len(items)
+            types = types if _listed(types) and len(types) == len(items) else [PAD] * len(items)
             by_category = memo[id(cats), id(items)] = {
                 c: [(i, t) for i, t in zip(items[j * k:(j + 1) * k], types[j * k:(j + 1) * k]) if i != PAD]
                 for j, c in enumerate(cats)}
@@ -142,9 +190,9 @@ def _long_sequences(categories: Sequence, history_categories: Sequence, history_
 
 def _entries(value: object) -> list:
     """A stored value as a list of its non-empty entries: none for missing (None, NaN)."""
-    if value is None or isinstance(value, float) and value != value:
-        return []
-    return ([value] if value else []) if isinstance(value, str) else [v for v in value if v]  # type: ignore[union-attr]
+    if isinstance(value, str):
+        return [value] if value else []
+    return [v for v in value if v] if _listed(value) else []  # type: ignore[union-attr]
 
 
 def _tokens(columns: list[tuple[str, Sequence]], n: int) -> np.ndarray:
@@ -174,7 +222,7 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
     for j, name in enumerate(NUMERIC_FEATURES):
         if name == "history_category_share":
             numeric[:, j] = _category_shares(categories, features["history_categories"],
-                                             features["history_category_counts"])
+                                             features["history_category_counts"], _numbers(features["history_length"]))
         elif name == "interest_category_share":
             numeric[:, j] = _category_shares(categories, features["interest_categories"], features["interest_weights"])
         elif name == "item_release_year":  # 0 for a missing year, and for 1900
@@ -189,12 +237,12 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
     last: tuple = (None, None, None)  # serving: every row of a request holds the same sequence object
     for r, (items, kinds, times) in enumerate(zip(features["seq_item_ids"], features["seq_event_types"],
                                                   features["seq_event_times"])):
-        if items is None or times is None or not len(items):
+        if not _listed(items) or not _listed(times):
             continue
         if items is last[0] and times is last[1] and times_ms[r] == last[2] and runs[-1][1] == r:
             runs[-1][1] = r + 1
         else:
-            kinds = kinds if kinds is not None and len(kinds) == len(items) else [PAD] * len(items)
+            kinds = kinds if _listed(kinds) and len(kinds) == len(items) else [PAD] * len(items)
             before = [(i, k) for i, k, t in zip(items, kinds, times) if t < times_ms[r]][::-1][:sequence_length]
             last = (items, times, times_ms[r])  # newest first
             runs.append([r, r + 1, [i for i, _ in before], [k for _, k in before]])

@@ -150,6 +150,14 @@ def _history(s: Settings) -> str:
               FROM valid_events GROUP BY user_id)"""
 
 
+# The long history (streaming/java/flywheel/LongHistory.java): every exposure and action, an action
+# merged into the exposure it follows; `history_categories` categories, and `history_per_category`
+# item slots per category with the strongest action on each ("" pads), newest first.
+LONG_HISTORY_VIEW = StreamView("user_history", ("user_id",), (
+    ("history_length", BIGINT), ("history_categories", STRING_ARRAY), ("history_category_counts", BIGINT_ARRAY),
+    ("history_item_ids", STRING_ARRAY), ("history_event_types", STRING_ARRAY)), LONG_TTL, upsert=True, query=_history)
+
+
 # --- the decayed interest histogram ------------------------------------------------------------
 # Each action adds 1 to its category; a weight halves every half-life. Summing exp(rate * (t - epoch))
 # is order-free and needs no Python: the job keeps one such sum per user and category, and the
@@ -193,13 +201,7 @@ STREAM_VIEWS: tuple[StreamView, ...] = (
     StreamView("user_sequence", ("user_id",), (
         ("seq_item_ids", STRING_ARRAY), ("seq_event_types", STRING_ARRAY), ("seq_event_times", BIGINT_ARRAY)),
         LONG_TTL, upsert=False, query=_sequence),
-    # The long history (streaming/java/flywheel/LongHistory.java): every exposure and action, an action
-    # merged into the exposure it follows; `history_categories` categories, and `history_per_category`
-    # item slots per category with the strongest action on each ("" pads), newest first.
-    StreamView("user_history", ("user_id",), (
-        ("history_length", BIGINT), ("history_categories", STRING_ARRAY), ("history_category_counts", BIGINT_ARRAY),
-        ("history_item_ids", STRING_ARRAY), ("history_event_types", STRING_ARRAY)), LONG_TTL, upsert=True,
-        query=_history),
+    LONG_HISTORY_VIEW,
     StreamView("user_interest", ("user_id",), (
         ("interest_categories", STRING_ARRAY), ("interest_weights", DOUBLE_ARRAY)), LONG_TTL, upsert=True,
         query=_interest, emitted=(("interest_sums", STRING),), finish=_interest_top),

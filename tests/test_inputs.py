@@ -4,11 +4,20 @@ with their types, and the catalog's attributes as tokens."""
 
 from __future__ import annotations
 
-import numpy as np
+from pathlib import Path
 
-from models.dataset import to_examples
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from feature_repo.definitions import TIMESTAMP_FIELD, offline_schema
+from feature_repo.files import view_dir
+from infra.settings import load_settings
+from models.dataset import long_history_as_of, to_examples
 from models.examples import PAD
 from models.inputs import NUMERIC_FEATURES, RAW_FEATURES
+from streaming.features import LONG_HISTORY_VIEW
 
 
 def test_each_candidate_gets_its_categorys_long_history_shares_and_attributes() -> None:
@@ -39,3 +48,31 @@ def test_each_candidate_gets_its_categorys_long_history_shares_and_attributes() 
         ["genre:Drama", "genre:Romance", "year:1990s"], ["genre:Comedy"], ["year:1930s"]]
     assert [t for t in ex.user_tokens[0] if t] == ["gender:F", "occupation:writer", "age:20s"]
     assert ex.numeric_names == NUMERIC_FEATURES
+
+
+def test_training_rows_read_the_long_history_point_in_time_and_only_their_category(tmp_path: Path) -> None:
+    (tmp_path / "flywheel.toml").write_text("")
+    s = load_settings({"FLYWHEEL_PATHS_DATA_DIR": str(tmp_path)}, config_file=tmp_path / "flywheel.toml")
+    at = pd.Timestamp("2026-01-01", tz="UTC")
+
+    def history(user: str, seconds: int, length: int, items: list[str]) -> dict:
+        return {"user_id": user, "history_length": length, "history_categories": ["c1", "c2"],
+                "history_category_counts": [length - 1, 1], "history_item_ids": items,
+                "history_event_types": ["click"] * 4, TIMESTAMP_FIELD: at + pd.Timedelta(seconds=seconds)}
+
+    rows = [history("u1", 10, 5, ["a", "b", "x", PAD]), history("u1", 20, 7, ["c", "a", "y", PAD]),
+            history("u1", 400 * 86_400, 9, ["d", "c", "y", PAD])]  # a row of the future
+    directory = view_dir(s, LONG_HISTORY_VIEW.name)
+    directory.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=offline_schema(LONG_HISTORY_VIEW)), directory / "0.parquet")
+    entities = pd.DataFrame({"row": range(5), "user_id": ["u1", "u1", "u1", "u2", "u1"],
+                             "category": ["c1", "c2", "c1", "c1", "c1"],
+                             "event_timestamp": [at + pd.Timedelta(seconds=t) for t in (15, 25, 5, 25, 380 * 86_400)]})
+    got = long_history_as_of(s, entities).set_index("row")
+
+    assert got.loc[0, "history_length"] == 5 and list(got.loc[0, "history_item_ids"]) == ["a", "b"]
+    assert list(got.loc[0, "history_categories"]) == ["c1"] and list(got.loc[0, "history_category_counts"]) == [4]
+    assert got.loc[1, "history_length"] == 7 and list(got.loc[1, "history_item_ids"]) == ["y", PAD]
+    assert list(got.loc[1, "history_event_types"]) == ["click", "click"]
+    for row in (2, 3, 4):  # before the first row; another user; the newest row before is past its TTL
+        assert pd.isna(got.loc[row, "history_length"]) and pd.isna(got.loc[row, "history_item_ids"])
