@@ -43,14 +43,20 @@ def drills(s: Settings, server: str, airflow: AirflowClient, champion: str, summ
 
 def register_inverted(s: Settings, champion: str) -> tuple[str, Decision]:
     """Register the champion with its output layer negated (every ranking reversed, as a model trained
-    on inverted labels would rank) under the champion's own evaluation window, and run the gate."""
+    on inverted labels would rank) and run the gate, on the test window of the full training the
+    champion descends from: the live windows of incremental runs pool /rank's candidates with
+    /recommend's (which the ranker put first and few click), where even a good version's AUC can sit
+    near 0.5 and an inverted one is not shown worse (docs/benchmarks.md)."""
     from models.train import gate_version  # imports TensorFlow (~10 s): only once the drill runs
 
     model = load_version(s, champion)
     for variable in model.network.trainable_variables[-2:]:  # the output layer's kernel and bias
         variable.assign(-variable)
-    tags = {k: v for k, v in version_tags(s, champion).items()
-            if k in ("kind", "data_start", "data_end", "eval_start", "eval_end")}
+    root = champion
+    while parent := version_tags(s, root).get("parent_version"):
+        root = parent
+    tags = version_tags(s, champion) | {k: v for k, v in version_tags(s, root).items() if k.startswith("eval_")}
+    tags = {k: v for k, v in tags.items() if k in ("kind", "data_start", "data_end", "eval_start", "eval_end")}
     connect(s)
     mlflow.set_experiment(s.models.experiment)
     with mlflow.start_run(run_name="drill-inverted"), tempfile.TemporaryDirectory() as tmp:
