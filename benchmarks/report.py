@@ -55,7 +55,7 @@ SUITES = [
     Suite("serving", "Serving: the model's limit vs the ranking server (issue 6)",
           [PY, "-m", "benchmarks.serving"], "make bench-serving"),
     Suite("loop", "The whole loop: `flywheel demo` (issue 7)", [*FLYWHEEL, "demo"], "make demo"),
-    Suite("models", "Models: DIN ranker vs logistic-regression baseline (issue 4)",
+    Suite("models", "Models: ranker vs ranker-v1 vs logistic-regression baseline, long-history ablation (issues 4, 19)",
           [PY, "-m", "benchmarks.models"], "make bench-models (after make demo)"),
     Suite("dags", "DAGs: edges/s into the behavior graph, incremental training through Airflow (issue 5)",
           [PY, "-m", "benchmarks.dags", "--training"], "make bench-dags ARGS=--training (after make demo)"),

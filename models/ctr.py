@@ -101,6 +101,15 @@ class CtrModel:
 
     def _rows(self, table: str, ids: np.ndarray, train: bool) -> tuple[np.ndarray, np.ndarray]:
         """Rows of a padded id list ([N, W]; padding -> the default row, never counted) and its mask."""
+        if not train and len(ids) > 1 and ids.shape[1]:  # scoring: each distinct list once (a request's
+            distinct: dict[tuple, int] = {}                # candidates share their user's, a category's)
+            of_row = np.fromiter((distinct.setdefault(row, len(distinct)) for row in map(tuple, ids.tolist())),
+                                 np.int64, len(ids))
+            if len(distinct) < len(ids):
+                unique = np.empty((len(distinct), ids.shape[1]), dtype=object)
+                unique[:] = list(distinct)
+                rows, mask = self._rows(table, unique, train)
+                return rows[of_row], mask[of_row]
         real = ids != PAD
         rows = np.full(ids.shape, DEFAULT_ROW, np.int64)
         rows[real] = self.tables[table].lookup(ids[real].tolist(), train)  # training: each occurrence counts

@@ -151,13 +151,24 @@ def _category_shares(categories: Sequence, keys: Sequence, values: Sequence, tot
     is not in it."""
     out, memo = np.zeros(len(categories), np.float32), {}
     for r, (category, k, v) in enumerate(zip(categories, keys, values)):
-        if not _listed(k) or not _listed(v):
-            continue
         shares = memo.get((id(k), id(v)))
         if shares is None:  # serving: every row of a request holds the same lists
-            total = (float(totals[r]) if totals is not None else float(sum(v))) or 1.0
-            shares = memo[id(k), id(v)] = {c: w / total for c, w in zip(k, v)}
+            total = (float(totals[r]) if totals is not None else float(sum(v) if _listed(v) else 0)) or 1.0
+            shares = memo[id(k), id(v)] = {c: w / total for c, w in zip(k, v)} if _listed(k) and _listed(v) else {}
         out[r] = shares.get(category, 0.0)
+    return out
+
+
+def _padded_rows(rows: list[tuple[str, ...]]) -> np.ndarray:
+    """Lists of strings as one [N, W] array, "" padding, W the longest (>= 1). Rows that are the same
+    object (a request's candidates of one category) are padded once."""
+    width = max(1, max(map(len, rows), default=1))
+    padded: dict[int, tuple[str, ...]] = {}
+    for row in rows:
+        if id(row) not in padded:
+            padded[id(row)] = row + (PAD,) * (width - len(row))
+    out = np.empty((len(rows), width), dtype=object)
+    out[:] = [padded[id(row)] for row in rows]
     return out
 
 
@@ -166,45 +177,39 @@ def _long_sequences(categories: Sequence, history_categories: Sequence, history_
     """Per row, the user's newest behaviors in the row's category from the long history (its categories
     each with an equal number of item slots, "" padding), and their types: [N, K] each, K the widest
     found (>= 1)."""
-    rows: list[list[tuple[str, str]]] = []
-    memo: dict[tuple[int, int], dict[str, list[tuple[str, str]]]] = {}
+    none: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    rows: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
+    memo: dict[tuple[int, int], dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {}
     for category, cats, items, types in zip(categories, history_categories, history_items, history_types):
-        if not _listed(cats) or not _listed(items):
-            rows.append([])
-            continue
         by_category = memo.get((id(cats), id(items)))
-        if by_category is None:
+        if by_category is None and not (_listed(cats) and _listed(items)):
+            by_category = memo[id(cats), id(items)] = {}
+        elif by_category is None:  # serving: every row of a request holds the same lists
             k = len(items) // len(cats)
             types = types if _listed(types) and len(types) == len(items) else [PAD] * len(items)
-            by_category = memo[id(cats), id(items)] = {
-                c: [(i, t) for i, t in zip(items[j * k:(j + 1) * k], types[j * k:(j + 1) * k]) if i != PAD]
-                for j, c in enumerate(cats)}
-        rows.append(by_category.get(category, []))
-    width = max(1, max(map(len, rows), default=1))
-    out, kinds = np.full((len(rows), width), PAD, dtype=object), np.full((len(rows), width), PAD, dtype=object)
-    for r, behaviors in enumerate(rows):
-        out[r, : len(behaviors)] = [i for i, _ in behaviors]
-        kinds[r, : len(behaviors)] = [t for _, t in behaviors]
-    return out, kinds
-
-
-def _entries(value: object) -> list:
-    """A stored value as a list of its non-empty entries: none for missing (None, NaN)."""
-    if isinstance(value, str):
-        return [value] if value else []
-    return [v for v in value if v] if _listed(value) else []  # type: ignore[union-attr]
+            by_category = memo[id(cats), id(items)] = {}
+            for j, c in enumerate(cats):
+                kept = [(i, t) for i, t in zip(items[j * k:(j + 1) * k], types[j * k:(j + 1) * k]) if i != PAD]
+                by_category[c] = (tuple(i for i, _ in kept), tuple(t for _, t in kept))
+        rows.append(by_category.get(category, none))
+    return _padded_rows([items for items, _ in rows]), _padded_rows([kinds for _, kinds in rows])
 
 
 def _tokens(columns: list[tuple[str, Sequence]], n: int) -> np.ndarray:
     """Per row, `prefix:value` tokens of the named columns (a list column gives one per entry): [N, T]."""
-    rows: list[list[str]] = [[] for _ in range(n)]
+    rows: list[tuple[str, ...]] = [()] * n
     for prefix, column in columns:
+        memo: dict[int, tuple[str, ...]] = {}  # serving: a user's value is one object in every row
         for r, value in enumerate(column):
-            rows[r] += [f"{prefix}:{v}" for v in _entries(value)]
-    out = np.full((n, max(1, max(map(len, rows), default=1))), PAD, dtype=object)
-    for r, tokens in enumerate(rows):
-        out[r, : len(tokens)] = tokens
-    return out
+            tokens = memo.get(id(value))
+            if tokens is None:
+                if isinstance(value, str):
+                    entries = [value] if value else []
+                else:
+                    entries = [v for v in value if v] if _listed(value) else []  # type: ignore[union-attr]
+                tokens = memo[id(value)] = tuple(f"{prefix}:{v}" for v in entries)
+            rows[r] = rows[r] + tokens if rows[r] else tokens
+    return _padded_rows(rows)
 
 
 def _decade(column: pd.Series | Sequence) -> list[str | None]:
