@@ -82,8 +82,13 @@ def decode(raw: bytes | None) -> object:
         return body.decode()
     if number not in (_STRING_LIST, _INT64_LIST, _DOUBLE_LIST):
         raise ValueError(f"a Feast value of a kind no view uses (field {number})")
-    i = 0
-    while i < len(body):  # field 1 of the list message, repeated: strings one by one, numbers packed
+    i, end = 0, len(body)
+    if number == _STRING_LIST:  # the common case inline: field 1 (tag 0x0a), a one-byte length
+        while i < end and body[i] == 0x0A and body[i + 1] < 0x80:
+            start = i + 2
+            i = start + body[i + 1]
+            values.append(body[start:i].decode())
+    while i < end:  # field 1 of the list message, repeated: strings one by one, numbers packed
         key, i = _read_varint(body, i)
         if key & 7 != 2:
             raise ValueError("a Feast list value with unpacked numbers (protobuf packs them)")

@@ -195,26 +195,32 @@ def _long_sequences(categories: Sequence, history_categories: Sequence, history_
     return _padded_rows([items for items, _ in rows]), _padded_rows([kinds for _, kinds in rows])
 
 
-def _tokens(columns: list[tuple[str, Sequence]], n: int) -> np.ndarray:
+def _entries(value: object) -> list:
+    """A stored value as a list of its non-empty entries: none for missing (None, NaN, pd.NA)."""
+    if isinstance(value, str):
+        return [value] if value else []
+    return [v for v in value if v] if _listed(value) else []  # type: ignore[union-attr]
+
+
+def _tokens(columns: list[tuple[str, Sequence]]) -> np.ndarray:
     """Per row, `prefix:value` tokens of the named columns (a list column gives one per entry): [N, T]."""
-    rows: list[tuple[str, ...]] = [()] * n
-    for prefix, column in columns:
-        memo: dict[int, tuple[str, ...]] = {}  # serving: a user's value is one object in every row
-        for r, value in enumerate(column):
-            tokens = memo.get(id(value))
-            if tokens is None:
-                if isinstance(value, str):
-                    entries = [value] if value else []
-                else:
-                    entries = [v for v in value if v] if _listed(value) else []  # type: ignore[union-attr]
-                tokens = memo[id(value)] = tuple(f"{prefix}:{v}" for v in entries)
-            rows[r] = rows[r] + tokens if rows[r] else tokens
+    memo: dict[tuple[int, ...], tuple[str, ...]] = {}  # serving: a user's values are one object per column
+    rows = []
+    for values in zip(*(column for _, column in columns)):
+        key = tuple(map(id, values))
+        row = memo.get(key)
+        if row is None:
+            row = memo[key] = tuple(f"{prefix}:{v}" for (prefix, _), value in zip(columns, values)
+                                    for v in _entries(value))
+        rows.append(row)
     return _padded_rows(rows)
 
 
 def _decade(column: pd.Series | Sequence) -> list[str | None]:
-    """A year or an age as its decade ("1990s", "20s"); None where missing or 0."""
-    return [f"{int(v) // 10 * 10}s" if v > 0 else None for v in _numbers(column)]
+    """A year or an age as its decade ("1990s", "20s"), one string object per decade; None where
+    missing or 0."""
+    names: dict[int, str] = {}
+    return [names.setdefault(int(v) // 10 * 10, f"{int(v) // 10 * 10}s") if v > 0 else None for v in _numbers(column)]
 
 
 def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, sequence_length: int) -> Examples:
@@ -261,9 +267,9 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
                     labels=np.asarray(labels, np.float32), sequence_types=types,
                     long_sequences=long, long_types=long_types,
                     item_tokens=_tokens([("genre", features["item_genres"]),
-                                         ("year", _decade(features["item_release_year"]))], n),
+                                         ("year", _decade(features["item_release_year"]))]),
                     user_tokens=_tokens([("gender", features["user_gender"]), ("occupation", features["user_occupation"]),
-                                         ("age", _decade(features["user_age"]))], n),
+                                         ("age", _decade(features["user_age"]))]),
                     numeric_names=NUMERIC_FEATURES)
 
 
