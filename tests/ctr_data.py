@@ -11,10 +11,11 @@ from models.sparse import SparseConfig
 CATEGORIES = 8
 
 
-def synthetic(n: int, seed: int, users: int = 50, items: int = 200, length: int = 10) -> Examples:
+def synthetic(n: int, seed: int, users: int = 50, items: int = 200, length: int = 10,
+              long_history: bool = False) -> Examples:
     """Each user prefers one category; clicks are likely on it (0.7, else 0.08). The sequence holds
-    the user's last clicked items; the long history, the user's last 5 clicked items in the candidate's
-    category; the item tokens, its category. Only the user x category interaction predicts a click: a model of
+    the user's last clicked items; with `long_history`, the long history holds the user's last 5
+    clicked items in the candidate's category and the item tokens its category. Only the user x category interaction predicts a click: a model of
     per-id effects (the baseline) cannot beat chance, and knowing the preference (the oracle) reaches
     an AUC of about 0.72."""
     rng = np.random.default_rng(seed)
@@ -30,9 +31,10 @@ def synthetic(n: int, seed: int, users: int = 50, items: int = 200, length: int 
         if click:
             history[u].append(f"i{i}")
     cols = list(zip(*rows))
+    extra = {"long_sequences": np.array(long, object),
+             "item_tokens": np.array([[f"category:{c}"] for c in cols[2]], object)} if long_history else {}
     return Examples(np.array(cols[0], object), np.array(cols[1], object), np.array(cols[2], object),
-                    np.array(cols[3], object), np.array(cols[4], np.float32), np.array(cols[5], np.float32),
-                    long_sequences=np.array(long, object), item_tokens=np.array([[f"category:{c}"] for c in cols[2]], object))
+                    np.array(cols[3], object), np.array(cols[4], np.float32), np.array(cols[5], np.float32), **extra)
 
 
 SPEC = ModelSpec(numeric_features=("noise",), sequence_length=10,

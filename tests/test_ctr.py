@@ -25,7 +25,7 @@ def seeded() -> None:
 
 @pytest.fixture(scope="module")
 def data() -> Examples:
-    return synthetic(12_000, seed=1)
+    return synthetic(12_000, seed=1, long_history=True)
 
 
 def test_ranker_and_baseline_learn_the_preference(data: Examples) -> None:
@@ -80,7 +80,7 @@ def test_export_reproduces_scores_and_delta_reproduces_the_next_model(data: Exam
 def test_the_ranker_reads_a_new_users_preference_from_the_long_history() -> None:
     # Users never seen in training, without recent behaviors: only the long history (the user's clicks
     # in the candidate's category) tells what they prefer.
-    data = synthetic(16_000, seed=3, users=400)
+    data = synthetic(16_000, seed=3, users=400, long_history=True)
     data = replace(data, sequences=np.full(data.sequences.shape, PAD, dtype=object))
     seen = np.array([int(u[1:]) < 300 for u in data.user_ids])
     train, test = data.take(np.flatnonzero(seen)), data.take(np.flatnonzero(~seen))

@@ -190,7 +190,10 @@ def test_scores_equal_the_registered_models(platform: Platform) -> None:
     assert out["model_version"] == p.versions["v1"] and out["route"] == CHAMPION and len(out["scores"]) == 40
     ex = _registered_scores_equal(p, body, out, p.versions["v1"], NUMERIC_FEATURES)
     assert (ex.sequences[0] != "").sum() > 0  # the user's behaviors are in the inputs, and the long history's
-    assert (ex.long_sequences != "").any(axis=1).sum() > len(ex) / 2 and (ex.item_tokens != "").all(axis=1).any()
+    # each candidate of a category in the user's long history (c0..c3) gets that category's behaviors
+    in_history = np.isin(ex.categories, ["c0", "c1", "c2", "c3"])
+    assert in_history.any() and (ex.long_sequences != "").any(axis=1).tolist() == in_history.tolist()
+    assert (ex.item_tokens != "").any(axis=1).all()
     # Features the fixture never wrote are defaulted and named; the ones it wrote are not.
     assert out["defaulted"] and "user_clicks_5m" in out["defaulted_features"]
     assert not {"user_clicks_total", "item_ctr_total", "seq_item_ids"} & set(out["defaulted_features"])
