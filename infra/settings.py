@@ -208,6 +208,7 @@ class StreamingSettings:
     history_length: int = 1000
     history_categories: int = 8
     history_per_category: int = 20
+    history_emit_every: int = 16  # the condensed row is updated on every action, and after this many exposures
     interest_half_life_hours: float = 168.0  # decay of the long-term category interest
     interest_top_k: int = 10
     interest_epoch_ms: int = 1_325_376_000_000  # 2012-01-01: weights are summed relative to it (streaming/features.py)

@@ -143,10 +143,10 @@ def _sequence(s: Settings) -> str:
 def _history(s: Settings) -> str:
     st = s.streaming
     return f"""
-        SELECT user_id, event_time, H.history_length, H.categories, H.counts, H.items, H.types
-        FROM (SELECT user_id, MAX(event_time) AS event_time,
-                     long_history(item_id, category, event_type, {st.history_length}, {st.history_categories},
-                                  {st.history_per_category}) AS H
+        SELECT user_id, H.event_time, H.history_length, H.categories, H.counts, H.items, H.types
+        FROM (SELECT user_id, long_history(item_id, category, event_type, event_time, {st.history_length},
+                                           {st.history_categories}, {st.history_per_category},
+                                           {st.history_emit_every}) AS H
               FROM valid_events GROUP BY user_id)"""
 
 

@@ -158,6 +158,10 @@ def test_known_events_give_exactly_the_expected_online_features(pipeline: Settin
         assert (got["history_categories"], got["history_category_counts"]) == (["c2", "c1"], [2, 2])
         assert got["history_item_ids"] == ["i9", "i2", "", "i1", "i3", ""]
         assert got["history_event_types"] == ["click", "click", "", "click", "click", ""]
+        # its row changes on the first behavior and on each action, not on an exposure alone: 6 rows
+        # (e1, e2, e8, e10, e12, the late e13) for 12 valid events
+        history = pd.read_parquet(view_dir(s, "user_history")).query("user_id == @ua")
+        assert len(history) == 6, history.to_string()
 
     wait_for(check_user_a)
     # interest: decayed category histogram of all actions (late one included), as of the newest

@@ -12,8 +12,8 @@ import org.apache.flink.types.Row;
 
 /**
  * A user's long behavior history, condensed the moment it changes into fixed-size model inputs:
- * {@code long_history(item_id, category, event_type, capacity, categories, per_category)} in a GROUP BY
- * of the user.
+ * {@code long_history(item_id, category, event_type, event_time, capacity, categories, per_category,
+ * emit_every)} in a GROUP BY of the user.
  *
  * <p>The state is a ring of the user's newest {@code capacity} behaviors (item, category and the strongest
  * action on it, in arrival order): bounded, and checkpointed with the job like any aggregate. A behavior is
@@ -25,10 +25,15 @@ import org.apache.flink.types.Row;
  * most recent first) with their counts; and, for each of those, its newest {@code per_category} items and
  * their types, newest first, padded with "" to exactly {@code per_category} slots. What a request reads is
  * then fixed in size whatever the history's length.
+ *
+ * <p>The row changes (and the aggregate emits it: Flink sends no update for an unchanged result) on the
+ * user's first behavior, on every action, and after {@code emit_every} exposures without one: an exposure
+ * alone moves the model's inputs little, and a row per impression would carry the long lists downstream
+ * for every event. The row's time is the newest event it includes.
  */
 @FunctionHint(output = @DataTypeHint(
-        "ROW<history_length BIGINT, categories ARRAY<STRING>, counts ARRAY<BIGINT>, items ARRAY<STRING>, "
-                + "types ARRAY<STRING>>"))
+        "ROW<event_time BIGINT, history_length BIGINT, categories ARRAY<STRING>, counts ARRAY<BIGINT>, "
+                + "items ARRAY<STRING>, types ARRAY<STRING>>"))
 public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
 
     /** Event types from the weakest to the strongest (streaming/events.py's EventType). */
@@ -45,6 +50,15 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
         public int size = 0;
         public int topCategories = 0;
         public int perCategory = 0;
+        public long newest = Long.MIN_VALUE;  // the newest event time seen
+        public int pending = 0;  // exposures since the emitted row
+        // The emitted row (its time MIN_VALUE before the first)
+        public long rowTime = Long.MIN_VALUE;
+        public long rowLength = 0;
+        public String[] rowCategories = new String[0];
+        public Long[] rowCounts = new Long[0];
+        public String[] rowItems = new String[0];
+        public String[] rowTypes = new String[0];
     }
 
     @Override
@@ -52,9 +66,9 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
         return new Ring();
     }
 
-    public void accumulate(Ring ring, String item, String category, String type, Integer capacity,
-                           Integer categories, Integer perCategory) {
-        if (item == null || type == null) {
+    public void accumulate(Ring ring, String item, String category, String type, Long eventTime, Integer capacity,
+                           Integer categories, Integer perCategory, Integer emitEvery) {
+        if (item == null || type == null || eventTime == null) {
             return;
         }
         if (ring.items.length != capacity) {
@@ -62,7 +76,12 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
         }
         ring.topCategories = categories;
         ring.perCategory = perCategory;
+        ring.newest = Math.max(ring.newest, eventTime);
         add(ring, item, category == null ? "" : category, type);
+        ring.pending++;
+        if (ring.rowTime == Long.MIN_VALUE || strength(type) > 0 || ring.pending >= emitEvery) {
+            condense(ring);
+        }
     }
 
     private static int strength(String type) {
@@ -127,11 +146,18 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
                 int slot = (other.start + i) % other.items.length;
                 add(ring, other.items[slot], other.categories[slot], other.types[slot]);
             }
+            ring.newest = Math.max(ring.newest, other.newest);
         }
+        condense(ring);
     }
 
     @Override
     public Row getValue(Ring ring) {
+        return Row.of(ring.rowTime, ring.rowLength, ring.rowCategories, ring.rowCounts, ring.rowItems, ring.rowTypes);
+    }
+
+    /** The ring as the row to emit, kept in the ring until the next. */
+    private static void condense(Ring ring) {
         // Per category (in order of first sight from the newest behavior back): count and newest items.
         Map<String, Integer> index = new HashMap<>();
         List<String> seen = new ArrayList<>();
@@ -175,6 +201,12 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
                 types[k * ring.perCategory + j] = j < slots.size() ? ring.types[slots.get(j)] : "";
             }
         }
-        return Row.of((long) ring.size, categories, categoryCounts, items, types);
+        ring.rowTime = ring.newest;
+        ring.rowLength = ring.size;
+        ring.rowCategories = categories;
+        ring.rowCounts = categoryCounts;
+        ring.rowItems = items;
+        ring.rowTypes = types;
+        ring.pending = 0;
     }
 }
