@@ -41,8 +41,13 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
     /** How far back an action looks for the exposure it follows. */
     private static final int FOLLOW_UP = 64;
 
-    /** Slot {@code (start + i) % items.length} holds the i-th oldest of {@code size} behaviors. */
+    /**
+     * Slot {@code (start + i) % items.length} holds the i-th oldest of {@code size} behaviors. The arrays
+     * grow (doubling) up to {@code capacity}: the state, and what Flink converts for each event, is the
+     * size of the user's history, not of the setting.
+     */
     public static class Ring {
+        public int capacity = 0;
         public String[] items = new String[0];
         public String[] categories = new String[0];
         public String[] types = new String[0];
@@ -71,9 +76,10 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
         if (item == null || type == null || eventTime == null) {
             return;
         }
-        if (ring.items.length != capacity) {
-            resize(ring, capacity);
+        if (ring.items.length > capacity) {
+            resize(ring, capacity);  // a smaller setting: the newest that fit
         }
+        ring.capacity = capacity;
         ring.topCategories = categories;
         ring.perCategory = perCategory;
         ring.newest = Math.max(ring.newest, eventTime);
@@ -90,9 +96,9 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
     }
 
     private static void add(Ring ring, String item, String category, String type) {
-        int capacity = ring.items.length;
+        int length = ring.items.length;
         for (int i = ring.size - 1; i >= Math.max(0, ring.size - FOLLOW_UP); i--) {
-            int slot = (ring.start + i) % capacity;
+            int slot = (ring.start + i) % length;
             if (ring.items[slot].equals(item)) {
                 if (strength(type) > strength(ring.types[slot])) {  // the action on that exposure
                     ring.types[slot] = type;
@@ -101,31 +107,35 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
                 break;  // a new exposure or action of an item already acted on: a behavior of its own
             }
         }
-        int slot = (ring.start + ring.size) % capacity;
+        if (ring.size == length && length < ring.capacity) {
+            resize(ring, Math.min(ring.capacity, Math.max(8, 2 * length)));
+            length = ring.items.length;
+        }
+        int slot = (ring.start + ring.size) % length;
         ring.items[slot] = item;
         ring.categories[slot] = category;
         ring.types[slot] = type;
-        if (ring.size < capacity) {
+        if (ring.size < length) {
             ring.size++;
         } else {
-            ring.start = (ring.start + 1) % capacity;  // the oldest leaves
+            ring.start = (ring.start + 1) % length;  // the oldest leaves
         }
     }
 
-    /** A new capacity (a changed setting) keeps the newest behaviors that fit. */
-    private static void resize(Ring ring, int capacity) {
+    /** New arrays of `length` with the newest behaviors that fit, oldest first. */
+    private static void resize(Ring ring, int length) {
         Ring old = new Ring();
         old.items = ring.items;
         old.categories = ring.categories;
         old.types = ring.types;
         old.start = ring.start;
         old.size = ring.size;
-        ring.items = new String[capacity];
-        ring.categories = new String[capacity];
-        ring.types = new String[capacity];
+        ring.items = new String[length];
+        ring.categories = new String[length];
+        ring.types = new String[length];
         ring.start = 0;
         ring.size = 0;
-        for (int i = Math.max(0, old.size - capacity); i < old.size; i++) {
+        for (int i = Math.max(0, old.size - length); i < old.size; i++) {
             int slot = (old.start + i) % old.items.length;
             add(ring, old.items[slot], old.categories[slot], old.types[slot]);
         }
@@ -139,9 +149,7 @@ public class LongHistory extends AggregateFunction<Row, LongHistory.Ring> {
             }
             ring.topCategories = other.topCategories;
             ring.perCategory = other.perCategory;
-            if (ring.items.length != other.items.length) {
-                resize(ring, other.items.length);
-            }
+            ring.capacity = other.capacity;
             for (int i = 0; i < other.size; i++) {
                 int slot = (other.start + i) % other.items.length;
                 add(ring, other.items[slot], other.categories[slot], other.types[slot]);
