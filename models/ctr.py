@@ -22,8 +22,8 @@ import tensorflow as tf  # noqa: E402
 
 from models.examples import PAD, Examples  # noqa: E402
 from models.networks import LogisticRegression, Ranker, RankerV1  # noqa: E402
-from streaming.events import EventType  # noqa: E402
 from models.sparse import DEFAULT_ROW, SparseConfig, SparseTable, TableSnapshot, apply_delta  # noqa: E402
+from streaming.events import EventType  # noqa: E402
 
 TABLES = ("user", "item", "category", "attribute")  # behaviors share the item table; attribute: item and user tokens
 EMBEDDED = ("user", "item", "category", "sequence", "long_sequence", "item_tokens", "user_tokens")

@@ -102,8 +102,8 @@ def warm_examples(sequence_length: int, rows: int = 8) -> Examples:
                     ids("warm", sequence_length),
                     np.linspace(0, 1, rows * len(NUMERIC_FEATURES), dtype=np.float32).reshape(rows, -1),
                     np.zeros(rows, np.float32), sequence_types=np.full((rows, sequence_length), "click", dtype=object),
-                    long_sequences=ids("warm", 20), long_types=np.full((rows, 20), "click", dtype=object), item_tokens=ids("genre:warm", 3), user_tokens=ids("gender:warm", 3),
-                    numeric_names=NUMERIC_FEATURES)
+                    long_sequences=ids("warm", 20), long_types=np.full((rows, 20), "click", dtype=object),
+                    item_tokens=ids("genre:warm", 3), user_tokens=ids("gender:warm", 3), numeric_names=NUMERIC_FEATURES)
 
 
 class Inference:
