@@ -22,12 +22,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
-import redis
 
 from feature_repo.event_log import read_event_log, write_batch
 from feature_repo.store import apply
 from infra import stack
-from infra.settings import Settings, get_settings, load_settings, override, redis_password
+from infra.redis_clients import graph_store
+from infra.settings import Settings, get_settings, load_settings, override
 from models import graph
 from streaming.consumer import Consumed
 from streaming.movielens import replay_events
@@ -39,7 +39,7 @@ def _log(s: Settings, events: list, first_offset: int) -> None:
 
 
 def _baseline_hset(s: Settings, rows: list[dict]) -> float:
-    client = redis.Redis.from_url(s.redis.url, password=redis_password(s))
+    client = graph_store(s)  # the graph's own server: the baseline shares it
     started = time.perf_counter()
     for i in range(0, len(rows), s.graph.batch_size):
         pipe = client.pipeline(transaction=False)

@@ -27,8 +27,10 @@ from typing import Any
 
 import mmh3
 import redis
+from redis.crc import key_slot
 
-from infra.settings import Settings, redis_password
+from infra.redis_clients import online_store
+from infra.settings import Settings
 
 PROJECT = "flywheel"  # the Feast project: the suffix of every entity key
 
@@ -151,8 +153,7 @@ class OnlineReader:
     most `timeout_s`: a stalled Redis raises redis.TimeoutError instead of holding the caller."""
 
     def __init__(self, s: Settings, timeout_s: float) -> None:
-        self.client = redis.Redis.from_url(s.redis.url, password=redis_password(s),
-                                           socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.client = online_store(s, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
     def read(self, join_keys: tuple[str, ...], entities: list[tuple[str, ...]],
              refs: list[tuple[str, str]]) -> list[tuple]:
@@ -268,10 +269,11 @@ class OnlineWriter:
     """Writes rows of feature views into Feast's layout, exactly as `FeatureStore.push` would
     (tests/test_online_reader.py reads them back with `get_online_features`), in one pipelined round
     trip per batch: per entity, only the batch's newest row, checked against the stored one in Redis.
-    The script's keys must live on one server (a Redis Cluster would need them grouped by slot)."""
+    A script's keys must hash to one slot on a Redis Cluster: there, entities are grouped by slot."""
 
     def __init__(self, s: Settings) -> None:
-        self.client = redis.Redis.from_url(s.redis.url, password=redis_password(s))
+        self.client = online_store(s)
+        self._slotted = bool(s.redis.cluster_nodes)
         self._sha = self.client.script_load(_WRITE_IF_NEWER)
 
     def write(self, join_keys: tuple[str, ...], views: Sequence[View], rows: Sequence[dict]) -> int:
@@ -291,15 +293,19 @@ class OnlineWriter:
             header += (len(columns), f"_ms:{view}".encode(), f"_ts:{view}".encode(),
                        *(field(view, name) for name, _ in columns))
         encoders = [(name, ENCODERS[sql_type]) for _, columns in views for name, sql_type in columns]
-        entities = list(newest.items())
+        groups: dict[int, list[tuple[bytes, dict]]] = {}  # slot (0 on one server) -> its keys and rows
+        for entity, row in newest.items():
+            key = entity_key(join_keys, entity)
+            groups.setdefault(key_slot(key) if self._slotted else 0, []).append((key, row))
         with self.client.pipeline(transaction=False) as pipe:
-            for i in range(0, len(entities), WRITE_CHUNK):
-                chunk = entities[i:i + WRITE_CHUNK]
-                args = list(header)
-                for _, row in chunk:
-                    ms = int(row["event_time"])
-                    args += (ms, timestamp(ms), *(encode(row.get(name)) for name, encode in encoders))
-                pipe.evalsha(self._sha, len(chunk), *(entity_key(join_keys, e) for e, _ in chunk), *args)
+            for entities in groups.values():
+                for i in range(0, len(entities), WRITE_CHUNK):
+                    chunk = entities[i:i + WRITE_CHUNK]
+                    args = list(header)
+                    for _, row in chunk:
+                        ms = int(row["event_time"])
+                        args += (ms, timestamp(ms), *(encode(row.get(name)) for name, encode in encoders))
+                    pipe.evalsha(self._sha, len(chunk), *(key for key, _ in chunk), *args)
             try:
                 return sum(pipe.execute())
             except redis.exceptions.NoScriptError:  # Redis restarted since: load it again, write again

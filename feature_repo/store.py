@@ -24,9 +24,13 @@ warnings.filterwarnings("ignore", message="fetch_arrow_table", category=Deprecat
 
 
 def redis_connection_string(s: Settings) -> str:
-    """Feast's `host:port,db=N[,password=...][,ssl=true]` form of settings.redis.url."""
+    """Feast's `host:port,db=N[,password=...][,ssl=true]` form of settings.redis.url, or for a Redis Cluster
+    `host:port,host:port,...[,password=...][,ssl=true]` of redis.cluster_nodes."""
     url = urlsplit(s.redis.url)
-    parts = [f"{url.hostname}:{url.port or 6379}", f"db={int(url.path.strip('/') or 0)}"]
+    parts = ([f"{host}:{port}" for host, port in s.redis.nodes] if s.redis.cluster_nodes else
+             [f"{url.hostname}:{url.port or 6379}", f"db={int(url.path.strip('/') or 0)}"])
+    if s.redis.username:
+        parts.append(f"username={s.redis.username}")
     if password := redis_password(s):
         parts.append(f"password={password}")
     if url.scheme == "rediss":
@@ -44,7 +48,8 @@ def repo_config(s: Settings) -> RepoConfig:
         # Rows of one entity arrive in order on one partition, so the newest write is the newest row:
         # the per-row timestamp check (an extra round trip, and it drops same-millisecond updates of
         # the behavior sequence) is not needed.
-        online_store={"type": "redis", "connection_string": redis_connection_string(s), "skip_dedup": True},
+        online_store={"type": "redis", "connection_string": redis_connection_string(s), "skip_dedup": True,
+                      "redis_type": "redis_cluster" if s.redis.cluster_nodes else "redis"},
         # DuckDB, not the file (dask) store: the latter can join an older row when a view's rows span
         # several Parquet files, which breaks point-in-time correctness.
         offline_store={"type": "duckdb"},

@@ -5,6 +5,8 @@ Heavy libraries (TensorFlow, Airflow, MLflow) are never imported here: the CLI s
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from datetime import UTC, datetime
@@ -42,7 +44,19 @@ class _Cli(click.Group):
                 "Is the stack up (`flywheel status`)?") from None
 
 
+def _use_profile(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:  # as the setting stack.profile, which every process the stack starts inherits
+        os.environ["FLYWHEEL_STACK_PROFILE"] = value
+        get_settings.cache_clear()
+
+
+_PROFILE = click.option("--profile", default=None, expose_value=False, is_eager=True, callback=_use_profile,
+                        help="A stack profile (infra/profiles/<name>.toml), e.g. 'cluster': every engine in its "
+                             "distributed form, in its own data directory. Default: setting stack.profile.")
+
+
 @click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
+@_PROFILE
 def main() -> None:
     """Flywheel: a real-time recommendation and ad-CTR platform on one machine."""
 
@@ -50,6 +64,7 @@ def main() -> None:
 # --- the local stack ----------------------------------------------------------------------------
 
 @main.command()
+@_PROFILE
 def up() -> None:
     """Start the local stack (idempotent) and wait until every service is healthy."""
     from infra.stack import StackError, up as stack_up
@@ -66,6 +81,7 @@ def up() -> None:
 
 
 @main.command()
+@_PROFILE
 def down() -> None:
     """Stop the services `up` started for this data directory."""
     from infra.stack import down as stack_down, unarchived
@@ -80,11 +96,24 @@ def down() -> None:
 
 
 @main.command()
+@_PROFILE
 @click.option("--show-secrets", is_flag=True, help="Print the UIs' passwords themselves, not where they are.")
-def status(show_secrets: bool) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="A JSON list of the services: name, state, pid, url, detail (no passwords).")
+def status(show_secrets: bool, as_json: bool) -> None:
     """Health and URL of each service; exits 1 if a local service is not healthy."""
+    from dataclasses import asdict
+
+    from infra.stack import status as stack_status
+
     s = _settings()
-    if not _print_status(s, show_secrets):
+    if as_json:
+        rows = stack_status(s)
+        click.echo(json.dumps([asdict(r) for r in rows], indent=1))
+        healthy = all(r.state in ("healthy", "external") for r in rows)
+    else:
+        healthy = _print_status(s, show_secrets)
+    if not healthy:
         sys.exit(1)
 
 
@@ -380,8 +409,6 @@ def rollback(why: str, target: str, model_name: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: feature name -> value (missing = null).")
 def features(user_id: str, item_id: str | None, category: str | None, as_json: bool) -> None:
     """The online features the ranking server reads for a user (and an item), as stored now."""
-    import json
-
     import redis
 
     from serving.features import OnlineFeatures
@@ -466,8 +493,6 @@ def versions(model_name: str | None) -> None:
 def trigger(dag_id: str, conf: str, wait: bool) -> None:
     """Start a run of an Airflow DAG through the REST API, e.g.
     `flywheel trigger model_rollback --conf '{"reason": "bad canary"}'`. Unpauses the DAG."""
-    import json
-
     from infra.airflow_api import AirflowApiError, AirflowClient
 
     try:
@@ -494,6 +519,7 @@ def trigger(dag_id: str, conf: str, wait: bool) -> None:
 
 
 @main.command()
+@_PROFILE
 @click.option("--split", type=_DATE, default="1998-03-01", show_default=True,
               help="Ratings before this date are the history (replayed, trained on); the rest is live traffic.")
 @click.option("--history-limit", type=int, default=None, help="Replay at most N history ratings.")
@@ -506,7 +532,6 @@ def demo(split: datetime, history_limit: int | None, sessions: int | None, rate:
     """The whole loop on the local stack: history into Kafka and Flink/Feast, offline training through
     Airflow, the first champion served, the rest of MovieLens as live traffic through the ranking API,
     incremental training from it, a refused bad model and a rollback; then the summary."""
-    import os
     import warnings
 
     from infra.airflow_api import AirflowApiError

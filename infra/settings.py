@@ -19,11 +19,15 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV_PREFIX = "FLYWHEEL_"
-LOCAL_SERVICES = ("kafka", "redis", "mlflow", "airflow", "pipeline", "serving")
+# Every service group the local stack can run; the default profile runs DEFAULT_SERVICES. "postgres",
+# "s3" and "flink" (a session cluster) back the distributed forms of the cluster profile.
+LOCAL_SERVICES = ("kafka", "redis", "postgres", "s3", "mlflow", "airflow", "flink", "pipeline", "serving")
+DEFAULT_SERVICES = ("kafka", "redis", "mlflow", "airflow", "pipeline", "serving")
+PROFILES_DIR = REPO_ROOT / "infra" / "profiles"  # <name>.toml: a config file layered under the user's
 
 
 KafkaClient = Literal["kafka-python", "librdkafka", "java"]
@@ -61,9 +65,13 @@ class PathSettings:
 
 @dataclass(frozen=True)
 class StackSettings:
+    # A named configuration, infra/profiles/<profile>.toml, read under the config file (which may set
+    # this too): "cluster" runs each engine in its distributed form. Empty: the defaults below.
+    profile: str = ""
     # Services `flywheel up` starts locally. Drop one when its endpoint points at a real cluster.
-    # "pipeline" is the stream job (local Flink MiniCluster), the Feast ingestor and the event log.
-    services: tuple[str, ...] = LOCAL_SERVICES
+    # "pipeline" is the stream job (in a local Flink MiniCluster, or submitted to flink.rest_url with
+    # flink.target "remote"), the Feast ingestor and the event log.
+    services: tuple[str, ...] = DEFAULT_SERVICES
     start_timeout_s: float = 180.0
     stop_timeout_s: float = 20.0
     # A consumer (Feast ingestor, event log) that has not polled for this long, or is behind and has not
@@ -123,6 +131,16 @@ class KafkaSettings:
 class RedisSettings:
     url: str = "redis://127.0.0.1:6379/0"
     password: str = ""  # from config/env; unset: the local stack's Redis gets a generated one (redis_password)
+    # An ACL user to log in as; empty: the default user. The local servers then give the default user, with
+    # no password, only PING and CLUSTER INFO: health probes need no credentials, everything else does.
+    username: str = ""
+    # A Redis Cluster: "host:port" of its nodes, which clients start from (the local stack runs a master on
+    # each). Empty: the one server at `url`. The graph store cannot shard (graph.redis_url).
+    cluster_nodes: tuple[str, ...] = ()
+
+    @property
+    def nodes(self) -> list[tuple[str, int]]:
+        return [_host_port(n, default_port=6379) for n in self.cluster_nodes]
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -137,6 +155,10 @@ class MlflowSettings:
     # admin gets a generated password (mlflow_password); for an external server, set both.
     username: str = "admin"
     password: str = ""  # from config/env only
+    # The local server's stores: "sqlite" (a file in the data directory) or "postgres" (database `mlflow` on
+    # settings.postgres); artifacts in the data directory, or under an s3:// URI on settings.s3.
+    backend_store: str = "sqlite"
+    artifacts_uri: str = ""
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -149,6 +171,12 @@ class AirflowSettings:
     username: str = "admin"
     password: str = ""  # from config/env; if empty the local stack generates and keeps one
     parallelism: int = 4
+    # "LocalExecutor", or "CeleryExecutor": tasks go through a broker (celery_broker_url; empty: database 1
+    # of the graph store's Redis) to `celery_workers` worker processes, each running `parallelism` tasks.
+    executor: str = "LocalExecutor"
+    celery_broker_url: str = ""
+    celery_workers: int = 1
+    metadata_db: str = "sqlite"  # or "postgres": database `airflow` on settings.postgres
     # CPU priority of the scheduler, the DAG processor and so of every task they start (nice(1)).
     # Training and graph runs are batch work: on a host they share with the ranking server and the
     # stream job, they take the cores those leave idle, not the ones a request is waiting for.
@@ -167,6 +195,43 @@ class AirflowSettings:
 
 
 @dataclass(frozen=True)
+class PostgresSettings:
+    """The database server of the cluster profile's Airflow and MLflow (airflow.metadata_db,
+    mlflow.backend_store): databases `airflow` and `mlflow`, owned by `username`."""
+
+    url: str = "postgresql://127.0.0.1:5432"
+    username: str = "flywheel"
+    password: str = ""  # from config/env; unset: the local server gets a generated one
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        return _host_port(self.url, default_port=5432)
+
+    def database_url(self, database: str, driver: str = "postgresql+psycopg2") -> str:
+        """A SQLAlchemy URL without the password: clients get it as PGPASSWORD (libpq reads it), so it is in
+        no URL, command line or log."""
+        host, port = self.host_port
+        return f"{driver}://{quote(self.username)}@{host}:{port}/{database}"
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    """An S3-compatible object store (mlflow.artifacts_uri s3://...). The local stack's is SeaweedFS: its
+    S3 gateway on endpoint_url, and the master, volume, filer and admin servers it runs on store_ports
+    (each also uses its port + 10000 for gRPC)."""
+
+    endpoint_url: str = "http://127.0.0.1:8333"
+    region: str = "us-east-1"
+    access_key_id: str = "flywheel"
+    secret_access_key: str = ""  # from config/env; unset: the local store gets a generated one
+    store_ports: tuple[int, ...] = (9333, 8380, 8888, 23646)
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        return _host_port(self.endpoint_url, default_port=8333)
+
+
+@dataclass(frozen=True)
 class MovielensSettings:
     wheel: str = "recbole==1.2.1"  # ships ml-100k; downloaded at run time, never committed
     click_min_rating: int = 4
@@ -174,7 +239,14 @@ class MovielensSettings:
 
 @dataclass(frozen=True)
 class FlinkSettings:
-    rest_url: str = "http://127.0.0.1:8081"  # the job's web UI and REST API (local MiniCluster)
+    rest_url: str = "http://127.0.0.1:8081"  # the job's web UI and REST API
+    # "local": the stream job runs in a MiniCluster in its own process; "remote": it is submitted to the
+    # session cluster whose JobManager serves rest_url (the local stack's "flink" service, or a real one).
+    target: str = "local"
+    # The local session cluster: its JobManager's RPC port, TaskManagers (one slot each) and their memory.
+    rpc_port: int = 6123
+    taskmanagers: int = 2
+    process_memory: str = "1g"
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -244,6 +316,9 @@ class GraphSettings:
     """The user-item behavior graph (FalkorDB on settings.redis) and the item neighbours from it."""
 
     name: str = "behavior"  # the graph's key
+    # The graph's Redis (with the FalkorDB module); empty: the online store's (redis.url). A graph is one key
+    # of a module type, which a Redis Cluster cannot shard: the cluster profile gives it a server of its own.
+    redis_url: str = ""
     half_life_days: float = 30.0  # an edge's weight halves in this time without new behavior
     # Behavior weights; impressions are exposure, not interest, and add no edge.
     click_weight: float = 1.0
@@ -349,6 +424,8 @@ class Settings:
     airflow: AirflowSettings = field(default_factory=AirflowSettings)
     movielens: MovielensSettings = field(default_factory=MovielensSettings)
     flink: FlinkSettings = field(default_factory=FlinkSettings)
+    postgres: PostgresSettings = field(default_factory=PostgresSettings)
+    s3: S3Settings = field(default_factory=S3Settings)
     streaming: StreamingSettings = field(default_factory=StreamingSettings)
     models: ModelsSettings = field(default_factory=ModelsSettings)
     graph: GraphSettings = field(default_factory=GraphSettings)
@@ -418,14 +495,10 @@ def load_settings(environ: dict[str, str] | None = None, config_file: Path | Non
         config_file = Path(configured) if configured else REPO_ROOT / "flywheel.toml"
         if not configured and not config_file.exists():
             config_file = None
-    file_values: dict[str, Any] = {}
-    if config_file is not None:
-        try:
-            file_values = tomllib.loads(config_file.read_text())
-        except FileNotFoundError:
-            raise SettingsError(f"config file {config_file} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise SettingsError(f"config file {config_file}: {exc}") from None
+    file_values = _read_toml(config_file) if config_file is not None else {}
+    profile = environ.get(f"{ENV_PREFIX}STACK_PROFILE", file_values.get("stack", {}).get("profile", ""))
+    if profile:
+        file_values = _layered(_profile_values(profile), file_values)
     sections = {f.name: f.type for f in dataclasses.fields(Settings)}
     unknown = set(file_values) - set(sections)
     if unknown:
@@ -435,10 +508,41 @@ def load_settings(environ: dict[str, str] | None = None, config_file: Path | Non
         for f in dataclasses.fields(Settings)
     }
     settings = Settings(**built)
+    if settings.redis.cluster_nodes and not settings.graph.redis_url:
+        raise SettingsError("redis.cluster_nodes: the graph store cannot shard; give it a Redis of its own "
+                            "(graph.redis_url, a server with the FalkorDB module)")
     bad = set(settings.stack.services) - set(LOCAL_SERVICES)
     if bad:
         raise SettingsError(f"stack.services: unknown services {sorted(bad)}; known: {list(LOCAL_SERVICES)}")
     return settings
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SettingsError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config file {path}: {exc}") from None
+
+
+def profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
+
+
+def _profile_values(name: str) -> dict[str, Any]:
+    """A profile's values; its relative paths are relative to the repository, wherever the caller runs."""
+    path = PROFILES_DIR / f"{name}.toml"
+    if not path.exists():
+        raise SettingsError(f"stack.profile: no profile {name!r}; known: {profiles()}")
+    values = _read_toml(path)
+    values["paths"] = {k: str(REPO_ROOT / v) for k, v in values.get("paths", {}).items()}
+    return values
+
+
+def _layered(under: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Config sections of `over`, key by key over those of `under`."""
+    return {name: under.get(name, {}) | over.get(name, {}) for name in {*under, *over}}
 
 
 def local_secret(path: Path, nbytes: int = 32) -> str:
@@ -461,7 +565,8 @@ def local_secret(path: Path, nbytes: int = 32) -> str:
 def _stack_password(s: Settings, service: str) -> str | None:
     """<service>.password from config/env, else, for the stack's own service, one generated once into its
     data directory (mode 600); None for an external service configured without one."""
-    configured: str = getattr(s, service).password
+    section = getattr(s, service)
+    configured: str = section.secret_access_key if service == "s3" else section.password
     if configured:
         return configured
     return local_secret(password_file(s, service), nbytes=12) if service in s.stack.services else None
@@ -486,6 +591,16 @@ def mlflow_password(s: Settings) -> str | None:
     return _stack_password(s, "mlflow")
 
 
+def postgres_password(s: Settings) -> str | None:
+    """The password of `postgres.username`, which Airflow and MLflow use for their databases."""
+    return _stack_password(s, "postgres")
+
+
+def s3_secret_key(s: Settings) -> str | None:
+    """The secret key of `s3.access_key_id`, with which the MLflow server reads and writes artifacts."""
+    return _stack_password(s, "s3")
+
+
 def airflow_password(s: Settings) -> str:
     """The Airflow admin's password (the REST API and the UI)."""
     return _stack_password(s, "airflow") or ""
@@ -493,13 +608,15 @@ def airflow_password(s: Settings) -> str:
 
 def to_environ(settings: Settings) -> dict[str, str]:
     """The environment variables that reproduce `settings` in a child process: the non-defaults, and
-    no config file (its values are already in `settings`, or were overridden)."""
+    no config file (its values are already in `settings`, or were overridden). The child reads the profile
+    again: every key the profile sets is passed too, a default that overrides it included."""
     environ: dict[str, str] = {f"{ENV_PREFIX}CONFIG": os.devnull}
+    profiled = settings.stack.profile and _profile_values(settings.stack.profile)
     for section in dataclasses.fields(Settings):
         value, default = getattr(settings, section.name), getattr(Settings(), section.name)
         for f in dataclasses.fields(value):
             v = getattr(value, f.name)
-            if v == getattr(default, f.name):
+            if v == getattr(default, f.name) and f.name not in (profiled or {}).get(section.name, {}):
                 continue
             if isinstance(v, tuple) and any(isinstance(i, tuple) for i in v):
                 raise SettingsError(f"{section.name}.{f.name} cannot be passed as an environment variable")

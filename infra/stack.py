@@ -10,7 +10,7 @@ from pathlib import Path
 
 from infra import process
 from infra.progress import progress_path, wait_caught_up
-from infra.services import Health, Service, all_services, enabled_services
+from infra.services import Health, Service, all_services, enabled_services, used_groups
 from infra.settings import Settings, to_environ
 
 
@@ -68,21 +68,22 @@ def side_by_side_environ(data_dir: Path) -> dict[str, str]:
     }
 
 
-def _run_setups(s: Settings, services: list[Service]) -> None:
-    """Each distinct setup command of the services not yet running, once, to completion."""
+def _run_steps(s: Settings, services: list[Service], step: str) -> None:
+    """Each distinct command of `step` ("setup", "after_start") of `services`, once, to completion."""
     done: set[tuple[str, ...]] = set()
     for svc in services:
-        command = svc.setup() if svc.setup is not None and _running(s, svc) is None else None
+        make = getattr(svc, step)
+        command = make() if make is not None else None
         if command is None or tuple(command) in done:
             continue
         done.add(tuple(command))
-        log = s.paths.logs_dir / f"{svc.group}-setup.log"
+        log = s.paths.logs_dir / f"{svc.group}-{step.replace('_', '-')}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             finished = subprocess.run(command, env=svc.env() | to_environ(s), cwd=s.paths.data_dir,
                                       stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         if finished.returncode != 0:
-            raise StackError(f"setup of {svc.group} ({' '.join(command[1:])}) failed (exit {finished.returncode}):\n"
+            raise StackError(f"{step} of {svc.group} ({' '.join(command[1:])}) failed (exit {finished.returncode}):\n"
                              f"--- last lines of {log}:\n{process.tail(log, 20)}")
 
 
@@ -122,7 +123,7 @@ def up(s: Settings) -> list[str]:
     try:
         for phase in sorted({svc.phase for svc in services}):
             batch = [svc for svc in services if svc.phase == phase]
-            _run_setups(s, batch)
+            _run_steps(s, [svc for svc in batch if _running(s, svc) is None], "setup")
             for svc in batch:
                 if _running(s, svc) is None:
                     # the service reads the same settings as this process, however they were given
@@ -132,10 +133,11 @@ def up(s: Settings) -> list[str]:
                                   nice=svc.nice)
                     started.append(svc.name)
             wait_healthy(s, batch, s.stack.start_timeout_s)
+            _run_steps(s, [svc for svc in batch if svc.name in started], "after_start")
     except BaseException:  # leave nothing half-started behind, whatever interrupted us
         for svc in reversed(services):
             if svc.name in started:
-                process.stop(pidfile(s, svc), s.stack.stop_timeout_s)
+                process.stop(pidfile(s, svc), s.stack.stop_timeout_s, svc.stop_signal)
         raise
     return started
 
@@ -158,7 +160,7 @@ def down(s: Settings) -> list[str]:
     """Stop every service this data directory's PID files name; returns those that were running."""
     stopped = []
     for svc in reversed(enabled_services(s)):
-        if process.stop(pidfile(s, svc), s.stack.stop_timeout_s):
+        if process.stop(pidfile(s, svc), s.stack.stop_timeout_s, svc.stop_signal):
             stopped.append(svc.name)
     process.kill_all(process.tagged(STACK_TAG, str(s.paths.data_dir)), s.stack.stop_timeout_s)
     return stopped
@@ -177,6 +179,6 @@ def status(s: Settings) -> list[ServiceStatus]:
         health = svc.health()
         return ServiceStatus(svc.name, "healthy" if health.ok else "unhealthy", pid, svc.url, health.detail)
 
-    services = all_services(s)
+    services = [svc for svc in all_services(s) if svc.group in used_groups(s)]
     with ThreadPoolExecutor(max_workers=len(services)) as pool:
         return list(pool.map(one, services))

@@ -37,7 +37,8 @@ from redis.exceptions import ResponseError
 from feature_repo.definitions import ITEM_NEIGHBOURS
 from feature_repo.event_log import read_event_log
 from feature_repo.store import write_rows
-from infra.settings import Settings, redis_password
+from infra.redis_clients import credentials, graph_url
+from infra.settings import Settings
 
 log = logging.getLogger("flywheel.graph")
 DAY_MS = 86_400_000
@@ -94,7 +95,7 @@ class NeighbourUpdate:
 
 def connect(s: Settings) -> falkordb.Graph:
     """The behavior graph, with the id indexes its upserts and lookups need."""
-    db = falkordb.FalkorDB.from_url(s.redis.url, password=redis_password(s))
+    db = falkordb.FalkorDB.from_url(graph_url(s), **credentials(s))
     graph = db.select_graph(s.graph.name)
     for label in ("User", "Item"):
         try:

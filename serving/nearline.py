@@ -35,11 +35,11 @@ import time
 from collections.abc import Sequence
 
 import msgspec
-import redis
 from confluent_kafka import Consumer, KafkaException
 
 from infra.progress import ProgressReport
-from infra.settings import Settings, get_settings, redis_password
+from infra.redis_clients import OnlineClient, online_store
+from infra.settings import Settings, get_settings
 from models.registry import CHAMPION, alias_version, connect
 from streaming.features import row_schema, topics
 
@@ -70,9 +70,8 @@ class Keys:
         return f"{self.prefix}:clicked:{user_id}"
 
 
-def redis_client(s: Settings, timeout_s: float | None = None) -> redis.Redis:
-    return redis.Redis.from_url(s.redis.url, password=redis_password(s), socket_timeout=timeout_s,
-                                socket_connect_timeout=timeout_s)
+def redis_client(s: Settings, timeout_s: float | None = None) -> OnlineClient:
+    return online_store(s, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
 
 class Embedder:
@@ -117,7 +116,8 @@ class Embedder:
         model = load_retrieval(self.s, version)
         k, vectors = self.keys, model.item_embeddings().astype("float32")
         pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(k.items(version), k.users(version), k.categories(version))
+        for key in (k.items(version), k.users(version), k.categories(version)):  # keys of three slots
+            pipe.delete(key)
         for item, vector in zip(model.catalogue.item_ids, vectors):
             pipe.execute_command("VADD", k.items(version), "FP32", vector.tobytes(), item, "NOQUANT")
         categories = {i: c for i, c in zip(model.catalogue.item_ids, model.catalogue.categories) if c}

@@ -18,8 +18,12 @@ event log for training.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
+import time
+import urllib.request
 from pathlib import Path
 
 from pyflink.common import Configuration
@@ -94,7 +98,14 @@ def table_environment(s: Settings) -> StreamTableEnvironment:
     # In a MiniCluster PyFlink starts a server for Python workers on [::] (every interface), unasked. The
     # job runs no Python function; were one added, 'process' mode starts its workers without that server.
     os.environ.setdefault("_python_worker_execution_mode", "process")
-    return StreamTableEnvironment.create(StreamExecutionEnvironment.get_execution_environment(config))
+    if s.flink.target == "local":
+        return StreamTableEnvironment.create(StreamExecutionEnvironment.get_execution_environment(config))
+    # get_execution_environment runs a job in a local MiniCluster whatever execution.target says: the
+    # environment's constructor keeps the remote target, and submits to the session cluster at rest_url.
+    config.set_string("execution.target", "remote")
+    remote = get_gateway().jvm.org.apache.flink.streaming.api.environment.StreamExecutionEnvironment(
+        config._j_configuration)
+    return StreamTableEnvironment.create(StreamExecutionEnvironment(remote))
 
 
 # --- tables ------------------------------------------------------------------------------------
@@ -219,16 +230,46 @@ def build(s: Settings) -> StreamTableEnvironment:
     return env
 
 
+def _rest(s: Settings, path: str, method: str = "GET") -> dict:
+    """A call to the session cluster's REST API (the Flink environment has no HTTP client but urllib)."""
+    with urllib.request.urlopen(urllib.request.Request(f"{s.flink.rest_url}{path}", method=method),
+                                timeout=10) as response:
+        return json.loads(response.read() or b"{}")
+
+
+def _cancel_running(s: Settings) -> None:
+    """On a session cluster: cancel the jobs of this name still running (their client stopped; checkpoints
+    are retained on cancellation, and the new job resumes from the latest)."""
+    for job in _rest(s, "/jobs/overview").get("jobs", []):
+        if job.get("name") == s.streaming.job_name and job.get("state") in ("RUNNING", "CREATED", "RESTARTING"):
+            log.info("cancelling job %s, left running on the cluster", job["jid"])
+            _rest(s, f"/jobs/{job['jid']}?mode=cancel", "PATCH")
+            while _rest(s, f"/jobs/{job['jid']}").get("state") != "CANCELED":
+                time.sleep(0.2)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     s = get_settings()
+    if s.flink.target == "remote":
+        _cancel_running(s)
     env = build(s)
     statements = env.create_statement_set()
     for query in feature_queries(s):
         statements.add_insert_sql(query)
     result = statements.execute()
-    log.info("job %s submitted; topics: %s", s.streaming.job_name, ", ".join(topics()))
+    log.info("job %s submitted to %s; topics: %s", s.streaming.job_name,
+             s.flink.rest_url if s.flink.target == "remote" else "a local MiniCluster", ", ".join(topics()))
+    if s.flink.target == "remote":
+        # This process follows the job: stopping it (the stack's `down`) cancels the job on the cluster.
+        jid = str(result.get_job_client().get_job_id())
+        signal.signal(signal.SIGTERM, lambda *_: _cancel_job(s, jid))
     result.wait()
+
+
+def _cancel_job(s: Settings, jid: str) -> None:
+    _rest(s, f"/jobs/{jid}?mode=cancel", "PATCH")
+    raise SystemExit(0)
 
 
 if __name__ == "__main__":
