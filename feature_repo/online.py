@@ -27,7 +27,7 @@ from typing import Any
 
 import mmh3
 import redis
-from redis.crc import key_slot
+from redis.cluster import RedisCluster
 
 from infra.redis_clients import online_store
 from infra.settings import Settings
@@ -179,11 +179,14 @@ class OnlineReader:
 # comparison; Feast reads only its own fields and ignores it. One call writes many entities and every
 # view of a row (one command instead of one per entity and view: the client's work per command was most
 # of the ingestor's time).
-# KEYS: entity keys. ARGV: the number of views; per view: its n, ms field, ts field and n feature fields;
-# then per key: ms, ts, and per view its n values.
-_WRITE_IF_NEWER = """
-local views, at = {}, 2
-for j = 1, tonumber(ARGV[1]) do
+# ARGV: the number of keys and the entity keys; the number of views; per view: its n, ms field, ts field and
+# n feature fields; then per key: ms, ts, and per view its n values. The keys are arguments, not KEYS: a
+# Redis Cluster refuses declared keys of several slots, and lets a script flagged allow-cross-slot-keys
+# write keys of any slots its node serves (the writer sends each node its own).
+_WRITE_IF_NEWER = """#!lua flags=allow-cross-slot-keys
+local nkeys = tonumber(ARGV[1])
+local views, at = {}, nkeys + 3
+for j = 1, tonumber(ARGV[nkeys + 2]) do
   local n = tonumber(ARGV[at])
   views[j] = {n = n, ms = ARGV[at + 1], ts = ARGV[at + 2], fields = at + 3}
   at = at + 3 + n
@@ -191,7 +194,8 @@ end
 local ms_fields = {}
 for j, view in ipairs(views) do ms_fields[j] = view.ms end
 local written = 0
-for _, key in ipairs(KEYS) do
+for k = 2, nkeys + 1 do
+  local key = ARGV[k]
   local ms, ts = ARGV[at], ARGV[at + 1]
   at = at + 2
   local stored = redis.call('HMGET', key, unpack(ms_fields))
@@ -269,11 +273,10 @@ class OnlineWriter:
     """Writes rows of feature views into Feast's layout, exactly as `FeatureStore.push` would
     (tests/test_online_reader.py reads them back with `get_online_features`), in one pipelined round
     trip per batch: per entity, only the batch's newest row, checked against the stored one in Redis.
-    A script's keys must hash to one slot on a Redis Cluster: there, entities are grouped by slot."""
+    On a Redis Cluster, a call per node and chunk, with the node's entities (scripts cannot be pipelined there)."""
 
     def __init__(self, s: Settings) -> None:
         self.client = online_store(s)
-        self._slotted = bool(s.redis.cluster_nodes)
         self._sha = self.client.script_load(_WRITE_IF_NEWER)
 
     def write(self, join_keys: tuple[str, ...], views: Sequence[View], rows: Sequence[dict]) -> int:
@@ -293,21 +296,29 @@ class OnlineWriter:
             header += (len(columns), f"_ms:{view}".encode(), f"_ts:{view}".encode(),
                        *(field(view, name) for name, _ in columns))
         encoders = [(name, ENCODERS[sql_type]) for _, columns in views for name, sql_type in columns]
-        groups: dict[int, list[tuple[bytes, dict]]] = {}  # slot (0 on one server) -> its keys and rows
+        groups: dict[str, list[tuple[bytes, dict]]] = {}  # node (one on one server) -> its keys and rows
         for entity, row in newest.items():
             key = entity_key(join_keys, entity)
-            groups.setdefault(key_slot(key) if self._slotted else 0, []).append((key, row))
-        with self.client.pipeline(transaction=False) as pipe:
-            for entities in groups.values():
-                for i in range(0, len(entities), WRITE_CHUNK):
-                    chunk = entities[i:i + WRITE_CHUNK]
-                    args = list(header)
-                    for _, row in chunk:
-                        ms = int(row["event_time"])
-                        args += (ms, timestamp(ms), *(encode(row.get(name)) for name, encode in encoders))
-                    pipe.evalsha(self._sha, len(chunk), *(key for key, _ in chunk), *args)
-            try:
+            node = self.client.get_node_from_key(key).name if isinstance(self.client, RedisCluster) else ""
+            groups.setdefault(node, []).append((key, row))
+        calls = []  # (node, args) per script call
+        for node, entities in groups.items():
+            for i in range(0, len(entities), WRITE_CHUNK):
+                chunk = entities[i:i + WRITE_CHUNK]
+                args = [len(chunk), *(key for key, _ in chunk), *header]
+                for _, row in chunk:
+                    ms = int(row["event_time"])
+                    args += (ms, timestamp(ms), *(encode(row.get(name)) for name, encode in encoders))
+                calls.append((node, args))
+        try:
+            if isinstance(self.client, RedisCluster):
+                return sum(self.client.execute_command("EVALSHA", self._sha, 0, *args,
+                                                       target_nodes=self.client.get_node(node_name=node))
+                           for node, args in calls)
+            with self.client.pipeline(transaction=False) as pipe:
+                for _, args in calls:
+                    pipe.evalsha(self._sha, 0, *args)
                 return sum(pipe.execute())
-            except redis.exceptions.NoScriptError:  # Redis restarted since: load it again, write again
-                self._sha = self.client.script_load(_WRITE_IF_NEWER)
-                return self.write(join_keys, views, rows)
+        except redis.exceptions.NoScriptError:  # Redis restarted since: load it again, write again
+            self._sha = self.client.script_load(_WRITE_IF_NEWER)
+            return self.write(join_keys, views, rows)

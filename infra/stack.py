@@ -54,9 +54,23 @@ def _check_ports(s: Settings, services: list[Service]) -> None:
         raise StackError("; ".join(taken) + ". Stop that process or choose another port in settings.")
 
 
-def side_by_side_environ(data_dir: Path) -> dict[str, str]:
-    """Settings (as environment variables) for another stack in `data_dir` on free loopback ports."""
+def side_by_side_environ(data_dir: Path, profile: str = "") -> dict[str, str]:
+    """Settings (as environment variables) for another stack in `data_dir` on free loopback ports; with
+    `profile` "cluster", that profile's stack."""
     port = process.free_port
+    if profile == "cluster":
+        nodes = [f"127.0.0.1:{port()}" for _ in range(3)]
+        cluster = {
+            "FLYWHEEL_STACK_PROFILE": profile,
+            "FLYWHEEL_REDIS_URL": f"redis://{nodes[0]}/0",
+            "FLYWHEEL_REDIS_CLUSTER_NODES": ",".join(nodes),
+            "FLYWHEEL_GRAPH_REDIS_URL": f"redis://127.0.0.1:{port()}/0",
+            "FLYWHEEL_POSTGRES_URL": f"postgresql://127.0.0.1:{port()}",
+            "FLYWHEEL_S3_ENDPOINT_URL": f"http://127.0.0.1:{port()}",
+            "FLYWHEEL_S3_STORE_PORTS": ",".join(str(port()) for _ in range(4)),
+            "FLYWHEEL_FLINK_RPC_PORT": str(port()),
+        }
+        return side_by_side_environ(data_dir) | cluster
     return {
         "FLYWHEEL_PATHS_DATA_DIR": str(data_dir),
         "FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{port()}",

@@ -18,13 +18,13 @@ REPO = Path(__file__).resolve().parent.parent
 FLYWHEEL = [sys.executable, "-m", "flywheel.cli"]
 
 
-def stack_environ(data_dir: Path, **extra: str) -> dict[str, str]:
-    """An environment whose settings point every service at a fresh port and `data_dir`."""
+def stack_environ(data_dir: Path, profile: str = "", **extra: str) -> dict[str, str]:
+    """An environment whose settings point every service at a fresh port and `data_dir` (of `profile`'s stack)."""
     config = data_dir / "flywheel.toml"
     data_dir.mkdir(parents=True, exist_ok=True)
     config.write_text("")  # isolates tests from a developer's own flywheel.toml
     environ = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_") and k not in MLFLOW_CLIENT_ENV}
-    return environ | stack.side_by_side_environ(data_dir) | {
+    return environ | stack.side_by_side_environ(data_dir, profile) | {
         "FLYWHEEL_CONFIG": str(config),
         "FLYWHEEL_KAFKA_SESSION_TIMEOUT_MS": "2000",
         "FLYWHEEL_KAFKA_HEARTBEAT_INTERVAL_MS": "500",
