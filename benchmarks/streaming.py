@@ -31,7 +31,7 @@ import psutil
 from feature_repo.online import OnlineReader
 from benchmarks.record import record
 from infra import process, stack
-from infra.services import all_services
+from infra.services import enabled_services
 from infra.settings import Settings, load_settings
 from streaming.events import TEST_TRAFFIC, Event, EventType
 from streaming.produce import fixed_rate_pace, produce
@@ -39,9 +39,11 @@ from streaming.producer import EventProducer
 from streaming.synthetic import SyntheticConfig, SyntheticGenerator
 
 
-def settings(data_dir: Path) -> Settings:
-    environ = stack.side_by_side_environ(data_dir) | {"FLYWHEEL_STACK_SERVICES": "kafka,redis,pipeline"}
-    return load_settings(environ, config_file=None)
+def settings(data_dir: Path, profile: str) -> Settings:
+    """The stream's stack of `profile` ("default", or "cluster": a Flink session cluster and a Redis Cluster)."""
+    services = "kafka,redis,pipeline" if profile == "default" else "kafka,redis,flink,pipeline"
+    environ = stack.side_by_side_environ(data_dir, "" if profile == "default" else profile)
+    return load_settings(environ | {"FLYWHEEL_STACK_SERVICES": services}, config_file=None)
 
 
 def click(user: str) -> Event:
@@ -66,8 +68,6 @@ def wait_online(reader: OnlineReader, user: str, timeout_s: float = 600) -> floa
 class Profiler(threading.Thread):
     """Samples Flink operator busy/back-pressured time and process-tree CPU every second."""
 
-    PROCESSES = ("stream-job", "feast-ingestor", "event-log", "kafka", "redis")
-
     def __init__(self, s: Settings) -> None:
         super().__init__(daemon=True)
         self.s, self.stopping = s, threading.Event()
@@ -75,13 +75,12 @@ class Profiler(threading.Thread):
         self.cpu: dict[str, list[float]] = defaultdict(list)
 
     def _trees(self) -> dict[str, list[psutil.Process]]:
-        services = {svc.name: svc for svc in all_services(self.s)}
         trees = {}
-        for name in self.PROCESSES:
-            tracked = process.read_pidfile(stack.pidfile(self.s, services[name]))
+        for svc in enabled_services(self.s):  # the broker, Redis, the pipeline, a session cluster's JVMs
+            tracked = process.read_pidfile(stack.pidfile(self.s, svc))
             if tracked:
                 root = psutil.Process(tracked.pid)
-                trees[name] = [root, *root.children(recursive=True)]
+                trees[svc.name] = [root, *root.children(recursive=True)]
         return trees
 
     def run(self) -> None:
@@ -176,35 +175,46 @@ def main() -> None:
     parser.add_argument("--backlog", type=int, default=100_000)
     parser.add_argument("--rates", default="1000,5000", help="generator rates (events/s) for the freshness probes")
     parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--profiles", default="default",
+                        help="stack profiles whose throughput to measure, one after the other (e.g. default,cluster); "
+                             "freshness is measured on the first")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="flywheel-bench-stream-") as tmp:
-        s = settings(Path(tmp))
-        stack.up(s)
-        try:
-            profiler = Profiler(s)
-            profiler.start()
-            produce_rate, end_to_end = throughput(s, args.backlog)
-            profiler.stopping.set()
-            profiler.join()
-            probes = []
-            for rate in (float(r) for r in args.rates.split(",")):
-                time.sleep(30)  # let every view's backlog drain before measuring freshness
-                latencies, fetch, reached = freshness(s, rate, args.seconds)
-                probes.append({"rate": rate, "reached": reached, "seconds": latencies})
-        finally:
-            stack.down(s)
+    rows, reports, probes = [], [], []
+    for profile in args.profiles.split(","):
+        with tempfile.TemporaryDirectory(prefix="flywheel-bench-stream-") as tmp:
+            s = settings(Path(tmp), profile)
+            stack.up(s)
+            try:
+                profiler = Profiler(s)
+                profiler.start()
+                produce_rate, end_to_end = throughput(s, args.backlog)
+                profiler.stopping.set()
+                profiler.join()
+                rows.append((profile, s.streaming.parallelism, produce_rate, end_to_end))
+                reports.append((profile, profiler.report()))
+                for rate in (float(r) for r in args.rates.split(",") if r) if not probes else ():
+                    time.sleep(30)  # let every view's backlog drain before measuring freshness
+                    latencies, fetch, reached = freshness(s, rate, args.seconds)
+                    probes.append({"rate": rate, "reached": reached, "seconds": latencies})
+            finally:
+                stack.down(s)
     record("streaming_freshness", probes)
-    print(f"| stream (parallelism 1, {args.backlog:,}-event backlog) | events/s | vs baseline |\n|---|---:|---:|")
-    print(f"| producing the backlog into Kafka alone (baseline) | {produce_rate:,.0f} | 1.00 |")
-    print(f"| Kafka -> Flink -> Feast online store, end to end | {end_to_end:,.0f} | {end_to_end / produce_rate:.2f} |")
-    print("\n| freshness: event produced -> its running total online, under synthetic load | probes | p50 ms "
-          "| p99 ms | max ms |\n|---|---:|---:|---:|---:|")
-    for p in probes:
-        ms = [x * 1000 for x in p["seconds"]]
-        print(f"| at {p['rate']:,.0f} events/s (reached {p['reached']:,.0f}) | {len(ms)} | {pct(ms, 50):.0f} "
-              f"| {pct(ms, 99):.0f} | {max(ms):.0f} |")
-    print(f"| baseline: one online read round trip | - | {fetch * 1000:.1f} | | |")
-    print(f"\nProfile while the backlog drains:\n\n{profiler.report()}")
+    print(f"| stream ({args.backlog:,}-event backlog) | profile | parallelism | events/s | vs baseline |\n"
+          "|---|---|---:|---:|---:|")
+    for profile, parallelism, produce_rate, end_to_end in rows:
+        print(f"| producing the backlog into Kafka alone (baseline) | {profile} | - | {produce_rate:,.0f} | 1.00 |")
+        print(f"| Kafka -> Flink -> Feast online store, end to end | {profile} | {parallelism} | {end_to_end:,.0f} "
+              f"| {end_to_end / produce_rate:.2f} |")
+    if probes:
+        print("\n| freshness: event produced -> its running total online, under synthetic load | probes | p50 ms "
+              "| p99 ms | max ms |\n|---|---:|---:|---:|---:|")
+        for p in probes:
+            ms = [x * 1000 for x in p["seconds"]]
+            print(f"| at {p['rate']:,.0f} events/s (reached {p['reached']:,.0f}) | {len(ms)} | {pct(ms, 50):.0f} "
+                  f"| {pct(ms, 99):.0f} | {max(ms):.0f} |")
+        print(f"| baseline: one online read round trip | - | {fetch * 1000:.1f} | | |")
+    for profile, report in reports:
+        print(f"\nProfile while the backlog drains ({profile}):\n\n{report}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import time
 import redis
 
 from infra.redis_clients import credentials
-from infra.settings import Settings, get_settings
+from infra.settings import Settings, get_settings, peer_port
 
 SLOTS = 16384
 
@@ -41,7 +41,7 @@ def form(s: Settings, timeout_s: float = 60.0) -> None:
         for i, n in enumerate(nodes):
             n.execute_command("CLUSTER ADDSLOTSRANGE", i * SLOTS // len(nodes), (i + 1) * SLOTS // len(nodes) - 1)
         for host, port in s.redis.nodes[1:]:
-            nodes[0].execute_command("CLUSTER MEET", host, port)
+            nodes[0].execute_command("CLUSTER MEET", host, port, peer_port(port))
     deadline = time.monotonic() + timeout_s
     while (states := [cluster_state(n) for n in nodes]) != ["ok"] * len(nodes):
         if time.monotonic() > deadline:

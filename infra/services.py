@@ -23,8 +23,8 @@ from infra.progress import progress_health
 from infra.redis_clients import credentials, graph_url
 from infra.redis_cluster import cluster_info
 from infra.settings import (
-    MLFLOW_CLIENT_ENV, Settings, airflow_password, local_secret, mlflow_password, postgres_password, redis_password,
-    s3_secret_key)
+    MLFLOW_CLIENT_ENV, Settings, airflow_password, local_secret, mlflow_password, peer_port, postgres_password,
+    redis_password, s3_secret_key)
 
 BIN_DIR = Path(sys.executable).parent
 
@@ -202,12 +202,6 @@ def _postgres(s: Settings) -> Service:
 
 
 # --- S3: SeaweedFS, the object store of MLflow's artifacts (cluster profile) -----------------------
-
-def peer_port(port: int) -> int:
-    """A server's second port (a Redis Cluster's bus, SeaweedFS's gRPC): its port + 10,000, as both
-    default to, or - 10,000 where that would leave the port range."""
-    return port + 10000 if port + 10000 <= 65535 else port - 10000
-
 
 def _s3(s: Settings) -> list[Service]:
     host, port = s.s3.host_port

@@ -433,6 +433,12 @@ class Settings:
     serving: ServingSettings = field(default_factory=ServingSettings)
 
 
+def peer_port(port: int) -> int:
+    """A server's second port (a Redis Cluster node's bus, a SeaweedFS server's gRPC): its port + 10,000, as
+    both default to, or - 10,000 where that would leave the port range."""
+    return port + 10000 if port + 10000 <= 65535 else port - 10000
+
+
 def _host_port(endpoint: str, default_port: int) -> tuple[str, int]:
     parts = urlsplit(endpoint if "://" in endpoint else f"tcp://{endpoint}")
     return parts.hostname or "127.0.0.1", parts.port or default_port
