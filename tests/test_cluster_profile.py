@@ -6,6 +6,7 @@ PostgreSQL with its artifacts in S3 -> served by the ranking API. Then `down` le
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -131,7 +132,7 @@ def test_the_version_is_in_mlflow_on_postgres_with_its_artifacts_in_s3(loop) -> 
     bucket = object_store.ensure_bucket(s)
     keys = [o["Key"] for page in object_store.client(s).get_paginator("list_objects_v2").paginate(Bucket=bucket)
             for o in page.get("Contents", [])]
-    model_id = version.model_id or version.run_id
+    model_id = next(part for part in re.split("[/:]", version.source) if part.startswith("m-"))  # its logged model
     assert any(model_id in key and key.endswith("MLmodel") for key in keys), (model_id, keys[:20])
     assert not (s.paths.service_dir("mlflow") / "artifacts").exists()  # nothing kept beside the server
 

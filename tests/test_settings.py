@@ -108,3 +108,25 @@ def test_settings_reach_a_child_process_through_the_environment(tmp_path: Path) 
     environ = to_environ(s)
     assert environ["FLYWHEEL_KAFKA_PARTITIONS"] == "9" and "FLYWHEEL_REDIS_URL" not in environ
     assert load_settings(environ, config_file=None) == s
+
+
+def test_the_cluster_profile_lies_under_the_config_file_and_the_environment(tmp_path: Path) -> None:
+    from infra.settings import REPO_ROOT, to_environ
+
+    config = tmp_path / "flywheel.toml"
+    config.write_text('[stack]\nprofile = "cluster"\n[flink]\ntarget = "local"\n')  # a profile key set back to its default
+    s = load_settings({"FLYWHEEL_STREAMING_PARALLELISM": "4"}, config_file=config)
+    assert s.paths.data_dir == REPO_ROOT / ".flywheel-cluster"  # relative to the repository, not the caller
+    assert len(s.redis.nodes) == 3 and s.graph.redis_url and s.airflow.executor == "CeleryExecutor"
+    assert (s.flink.target, s.streaming.parallelism) == ("local", 4)
+    # A child process reads the profile again: what overrides it must reach the child too.
+    assert load_settings(to_environ(s)) == s
+    assert load_settings({"FLYWHEEL_STACK_PROFILE": "cluster"}, config_file=None).flink.target == "remote"
+
+
+def test_an_unknown_profile_and_a_sharded_graph_are_refused() -> None:
+    with pytest.raises(SettingsError, match="no profile 'big'.*cluster"):
+        load_settings({"FLYWHEEL_STACK_PROFILE": "big"}, config_file=None)
+    with pytest.raises(SettingsError, match="graph store cannot shard"):
+        load_settings({"FLYWHEEL_REDIS_CLUSTER_NODES": "127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003"},
+                      config_file=None)
