@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import tempfile
 import threading
@@ -43,7 +44,8 @@ def settings(data_dir: Path, profile: str) -> Settings:
     """The stream's stack of `profile` ("default", or "cluster": a Flink session cluster and a Redis Cluster)."""
     services = "kafka,redis,pipeline" if profile == "default" else "kafka,redis,flink,pipeline"
     environ = stack.side_by_side_environ(data_dir, "" if profile == "default" else profile)
-    return load_settings(environ | {"FLYWHEEL_STACK_SERVICES": services}, config_file=None)
+    # FLYWHEEL_* variables of the caller apply (a setting to try), but no config file does.
+    return load_settings(dict(os.environ) | environ | {"FLYWHEEL_STACK_SERVICES": services}, config_file=None)
 
 
 def click(user: str) -> Event:
@@ -198,7 +200,8 @@ def main() -> None:
                     probes.append({"rate": rate, "reached": reached, "seconds": latencies})
             finally:
                 stack.down(s)
-    record("streaming_freshness", probes)
+    if probes:
+        record("streaming_freshness", probes)
     print(f"| stream ({args.backlog:,}-event backlog) | profile | parallelism | events/s | vs baseline |\n"
           "|---|---|---:|---:|---:|")
     for profile, parallelism, produce_rate, end_to_end in rows:
