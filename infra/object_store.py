@@ -25,4 +25,6 @@ def ensure_bucket(s: Settings) -> str:
 
 
 if __name__ == "__main__":
-    ensure_bucket(get_settings())
+    settings = get_settings()
+    if urlsplit(settings.mlflow.artifacts_uri).scheme == "s3":  # else nothing of the stack's is kept in S3
+        ensure_bucket(settings)

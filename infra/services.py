@@ -203,7 +203,7 @@ def _postgres(s: Settings) -> Service:
 
 # --- S3: SeaweedFS, the object store of MLflow's artifacts (cluster profile) -----------------------
 
-def _s3(s: Settings) -> list[Service]:
+def _s3(s: Settings) -> Service:
     host, port = s.s3.host_port
     master, volume, filer, admin = s.s3.store_ports
     data = s.paths.service_dir("s3")
@@ -216,9 +216,9 @@ def _s3(s: Settings) -> list[Service]:
         config.write_text(json.dumps({"identities": [{
             "name": "flywheel", "actions": ["Admin", "Read", "Write", "List", "Tagging"],
             "credentials": [{"accessKey": s.s3.access_key_id, "secretKey": s3_secret_key(s)}]}]}))
-        # `weed mini`: master, volume, filer, S3 gateway and admin server in one process (starts in ~1 s,
-        # stops in ~2 s; `weed server` waits 15 s for its filer). Every port given: the optional servers'
-        # defaults are fixed ports on every interface (the Iceberg and Lance catalogs: off).
+        # `weed mini`: master, volume, filer, S3 gateway and admin server in one process, ready in ~1 s
+        # (`weed server`: ~3.5 s, and its defaults run out of volumes at the third bucket). Every port
+        # given: the optional servers' defaults are fixed ports (the Iceberg and Lance catalogs: off).
         return [str(BIN_DIR / "weed"), "mini", f"-dir={data / 'store'}", f"-ip={host}", f"-ip.bind={host}",
                 *(arg for name, p in (("master", master), ("volume", volume), ("filer", filer), ("s3", port),
                                       ("admin", admin))
@@ -231,11 +231,11 @@ def _s3(s: Settings) -> list[Service]:
         return _http_health(f"http://{host}:{port}/healthz", lambda r: Health(
             r.status_code == 200, f"S3 gateway: HTTP {r.status_code}"))
 
-    return [Service(name="s3", group="s3", url=s.s3.endpoint_url,
-                    ports=tuple((host, p) for p in (port, master, volume, filer, admin)), command=command,
-                    # AWS_* variables would add an identity of their own: the store's is its config file's.
-                    env=lambda: {k: v for k, v in _base_env().items() if not k.startswith("AWS_")},
-                    check=health, after_start=lambda: [str(BIN_DIR / "python"), "-m", "infra.object_store"])]
+    return Service(name="s3", group="s3", url=s.s3.endpoint_url,
+                   ports=tuple((host, p) for p in (port, master, volume, filer, admin)), command=command,
+                   # AWS_* variables would add an identity of their own: the store's is its config file's.
+                   env=lambda: {k: v for k, v in _base_env().items() if not k.startswith("AWS_")},
+                   check=health, after_start=lambda: [str(BIN_DIR / "python"), "-m", "infra.object_store"])
 
 
 def _s3_client_env(s: Settings) -> dict[str, str]:
@@ -529,7 +529,7 @@ def _serving(s: Settings) -> list[Service]:
 
 def all_services(s: Settings) -> list[Service]:
     """Every service the local stack can run, in start order."""
-    return [_kafka(s), *_redis(s), _postgres(s), *_s3(s), _mlflow(s), *_airflow(s), *_flink(s), *_pipeline(s),
+    return [_kafka(s), *_redis(s), _postgres(s), _s3(s), _mlflow(s), *_airflow(s), *_flink(s), *_pipeline(s),
             *_serving(s)]
 
 
