@@ -2,8 +2,8 @@
 
 Runs in the Flink environment (`.venv-flink`), in a local MiniCluster by default:
     .venv-flink/bin/python -m streaming.job        (or `flywheel up`, which manages it)
-On a cluster: `flink run -py streaming/job.py -pyfs streaming,infra` with the connector jars and the
-functions jar (`infra.flink_jars.udf_jar`).
+On a session cluster (`flink.target = "remote"`, the cluster profile): the same command submits the job,
+with the connector jars and the functions jar, to the JobManager at `flink.rest_url` and follows it.
 
 No Python in the per-event path: records are parsed and checked once, in the JVM, by the schema's Java
 twin (streaming/java, the rules and reasons of streaming/events.py), and Flink SQL does the aggregation
@@ -244,7 +244,7 @@ def _cancel_running(s: Settings) -> None:
         if job.get("name") == s.streaming.job_name and job.get("state") in ("RUNNING", "CREATED", "RESTARTING"):
             log.info("cancelling job %s, left running on the cluster", job["jid"])
             _rest(s, f"/jobs/{job['jid']}?mode=cancel", "PATCH")
-            while _rest(s, f"/jobs/{job['jid']}").get("state") != "CANCELED":
+            while _rest(s, f"/jobs/{job['jid']}").get("state") not in ("CANCELED", "FAILED", "FINISHED"):
                 time.sleep(0.2)
 
 
