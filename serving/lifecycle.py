@@ -103,11 +103,20 @@ class ModelFollower:
                     return json.loads(self.shared.read_text())
             except (OSError, ValueError):  # absent, or caught mid-replace on a filesystem without atomic rename
                 pass
+        asked_at = time.time()
         named = aliases(self._registry(), self.s.models.name)
         if self.shared is not None:
             tmp = self.shared.with_name(f"{self.shared.name}.{os.getpid()}")
             tmp.write_text(json.dumps(named))
-            tmp.replace(self.shared)
+            os.utime(tmp, (asked_at, asked_at))  # the answer's age counts from the question
+            try:  # a slow answer must not replace one another worker asked for later (a rollback undone)
+                newer = self.shared.stat().st_mtime > asked_at
+            except OSError:
+                newer = False
+            if newer:
+                tmp.unlink()
+            else:
+                tmp.replace(self.shared)
         return named
 
     def poll_once(self) -> None:

@@ -1,0 +1,38 @@
+"""The server's workers share one registry poll through a file (serving/lifecycle.py): an answer that
+comes back late must not replace one another worker asked for later, or a rollback is undone for a poll
+interval (a worker would swap back to the version just rolled back from)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from infra.settings import load_settings
+from serving import lifecycle
+
+
+def test_a_slow_registry_answer_does_not_replace_a_later_one(tmp_path: Path, monkeypatch) -> None:
+    s = load_settings({"FLYWHEEL_SERVING_POLL_INTERVAL_S": "30"}, config_file=None)
+    shared = tmp_path / "aliases.json"
+    slow, fast = lifecycle.ModelFollower(s, None, shared), lifecycle.ModelFollower(s, None, shared)
+    slow._client, fast._client = "slow", "fast"  # stand-ins for the registry clients
+    asked, answer = threading.Event(), threading.Event()
+
+    def registry_aliases(client: str, name: str) -> dict[str, str]:
+        if client == "slow":  # asked before the rollback, answers after it: the old champion
+            asked.set()
+            answer.wait(10)
+            return {"champion": "2"}
+        return {"champion": "1"}
+
+    monkeypatch.setattr(lifecycle, "aliases", registry_aliases)
+    late = threading.Thread(target=slow._aliases)
+    late.start()
+    assert asked.wait(10)
+    time.sleep(0.05)
+    assert fast._aliases() == {"champion": "1"}  # asked later: the rollback
+    answer.set()
+    late.join(10)
+    # Every worker reading the shared answer now gets the later one.
+    assert slow._aliases() == fast._aliases() == {"champion": "1"}
