@@ -4,7 +4,6 @@ already formed is left as it is."""
 
 from __future__ import annotations
 
-import sys
 import time
 
 import redis
@@ -52,4 +51,3 @@ def form(s: Settings, timeout_s: float = 60.0) -> None:
 
 if __name__ == "__main__":
     form(get_settings())
-    sys.exit(0)
