@@ -101,6 +101,22 @@ def from_frame(frame: pd.DataFrame, numeric_features: tuple[str, ...], sequence_
 
 
 def concat(parts: list[Examples]) -> Examples:
-    """The examples of `parts`, in order (their lists must have the same widths)."""
-    return Examples(**{name: np.concatenate([getattr(p, name) for p in parts]) for name in ARRAYS},
-                    numeric_names=parts[0].numeric_names)
+    """The examples of `parts`, in order. A list input is padded (PAD) to the widest of the parts: requests
+    differ in a user's attribute count, their candidates' genre counts, their sequences' lengths, and
+    padding is what a consuming model ignores, so each part scores as it does alone."""
+    if len(parts) == 1:
+        return parts[0]
+    arrays = {}
+    for name in ARRAYS:
+        values = [getattr(p, name) for p in parts]
+        if name in LIST_COLUMNS.values():
+            width = max(v.shape[1] for v in values)
+            values = [v if v.shape[1] == width else _widened(v, width) for v in values]
+        arrays[name] = np.concatenate(values)
+    return Examples(**arrays, numeric_names=parts[0].numeric_names)
+
+
+def _widened(lists: np.ndarray, width: int) -> np.ndarray:
+    out = np.full((len(lists), width), PAD, dtype=object)
+    out[:, : lists.shape[1]] = lists
+    return out

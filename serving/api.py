@@ -15,7 +15,9 @@ Infinity included), text that is not valid Unicode -> 422 with a `detail` list (
 error); more than `serving.max_candidates` candidates -> 413; unknown users, items or
 categories -> 200, scored with the documented defaults and named in `defaulted_features`. Load ->
 503 with Retry-After and `reason` (`queue`, `tier`, `deadline`, `not_ready`; `features` when the online
-store did not answer within the request's deadline).
+store did not answer within the request's deadline). A fault of the server's own (anything else raised
+while answering) -> 503 `internal`, logged with its traceback and counted in `flywheel_faults`; the
+worker goes on serving.
 """
 
 from __future__ import annotations
@@ -135,6 +137,12 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         return JSONResponse({"reason": reason, "detail": detail}, status_code=503,
                             headers={"Retry-After": str(s.serving.retry_after_s)})
 
+    def fault(path: str, exc: Exception, started: float) -> JSONResponse:
+        """An unexpected error while answering: logged once with its traceback, counted, a 503 `internal`."""
+        log.error("%s failed", path, exc_info=exc)
+        metrics.FAULTS.labels(path, type(exc).__name__).inc()
+        return refuse("internal", f"the request failed on the server ({type(exc).__name__}); it was logged", started)
+
     # The body is parsed and validated in one pass by pydantic's JSON parser (not json.loads, then a
     # Python validator per string), and text that is not valid Unicode (invalid UTF-8, a lone surrogate
     # escape) is invalid JSON there, a 422.
@@ -162,6 +170,8 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             return refuse("not_ready", str(exc), started)
         except Shed as exc:
             return refuse(exc.reason, str(exc), started)
+        except Exception as exc:  # noqa: BLE001 - a fault of ours: this request fails, the worker serves on
+            return fault("/rank", exc, started)
         metrics.REQUESTS.labels(result.route, "200").inc()
         metrics.LATENCY.labels("ok").observe(time.monotonic() - started)
         return RankOut(request_id=result.request_id, model_version=result.model_version, route=result.route,
@@ -185,6 +195,8 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             return refuse("not_ready", str(exc), started)
         except Shed as exc:
             return refuse(exc.reason, str(exc), started)
+        except Exception as exc:  # noqa: BLE001
+            return fault("/recommend", exc, started)
         metrics.REQUESTS.labels("recommend", "200").inc()
         return RecommendOut(request_id=out.request_id, model_versions=out.model_versions,
                             items=[RecommendedItem(item_id=i, score=score, sources=names)

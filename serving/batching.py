@@ -8,8 +8,9 @@ and their results handed back to each caller.
         ▼
     N executor threads: a free executor takes what is queued as its batch, up to max_batch_rows rows,
     waiting for more only until max_delay_s after the first request was queued; drops requests past
-    their deadline (DeadlineExceeded, never run), then run(payloads) -> one result per payload; an
-    exception fails only that batch's requests
+    their deadline (DeadlineExceeded, never run), then run(payloads) -> one result per payload; if
+    the run raises, each of its requests runs again alone, so an exception fails only the request
+    that raises it
 
 A batch is formed when an executor is free, not ahead of it: requests that arrive while every
 executor is busy join the next batch instead of waiting behind one formed early (a collector thread
@@ -155,19 +156,27 @@ class Batcher(Generic[P, R]):
                 else:
                     live.append(r)
             try:
-                if live:
-                    results = self._run([r.payload for r in live])
-                    if len(results) != len(live):
-                        raise RuntimeError(f"run returned {len(results)} results for {len(live)} requests")
-                    for r, result in zip(live, results):
-                        r.future.set_result(result)
-                    self.stats.record_batch(sum(r.rows for r in live))
-                    self.stats.requests += len(live)
-                    self.stats.rows += sum(r.rows for r in live)
-            except Exception as exc:  # noqa: BLE001 - the batch's callers get the error; the server goes on
-                self.stats.failed_batches += 1
-                for r in live:
-                    if not r.future.done():
-                        r.future.set_exception(exc)
+                if live and not self._try(live) and len(live) > 1:
+                    for r in live:  # which request fails it? Each alone: the others still get their results
+                        self._try([r])
             finally:
                 self._release(batch)
+
+    def _try(self, live: list[_Request]) -> bool:
+        """Run `live` as one batch and hand out the results; False (each caller has the exception when it
+        is a lone request) if the run raised."""
+        try:
+            results = self._run([r.payload for r in live])
+            if len(results) != len(live):
+                raise RuntimeError(f"run returned {len(results)} results for {len(live)} requests")
+        except Exception as exc:  # noqa: BLE001 - the callers get the error; the server goes on
+            self.stats.failed_batches += 1
+            if len(live) == 1:
+                live[0].future.set_exception(exc)
+            return False
+        for r, result in zip(live, results):
+            r.future.set_result(result)
+        self.stats.record_batch(sum(r.rows for r in live))
+        self.stats.requests += len(live)
+        self.stats.rows += sum(r.rows for r in live)
+        return True

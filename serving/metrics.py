@@ -41,6 +41,8 @@ SWAP_SECONDS = Histogram("flywheel_model_swap_seconds", "Alias change seen -> ne
                          buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60))
 MODEL_REFUSED = Counter("flywheel_model_refused", "Versions that failed to load or warm and were refused.")
 REGISTRY_ERRORS = Counter("flywheel_registry_poll_errors", "Alias polls that failed (registry unreachable).")
+FAULTS = Counter("flywheel_faults", "Requests that failed on an unexpected error (answered 503 `internal`), by "
+                 "path and error type.", ["path", "error"])
 DEFAULTED = Counter("flywheel_defaulted_features", "Requests with at least one feature defaulted.")
 PREDICTION_LOG_ERRORS = Counter("flywheel_prediction_log_errors", "Prediction records not delivered to Kafka.")
 
