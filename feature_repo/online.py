@@ -155,6 +155,13 @@ class OnlineReader:
     def __init__(self, s: Settings, timeout_s: float) -> None:
         self.client = online_store(s, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
+    def connect(self) -> None:
+        """Open a connection to every node now (each shard of a cluster), not within a first read's deadline."""
+        if isinstance(self.client, RedisCluster):
+            self.client.ping(target_nodes=RedisCluster.ALL_NODES)
+        else:
+            self.client.ping()
+
     def read(self, join_keys: tuple[str, ...], entities: list[tuple[str, ...]],
              refs: list[tuple[str, str]]) -> list[tuple]:
         """For each entity (its join-key values in `join_keys` order), the values of `refs`

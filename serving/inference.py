@@ -262,6 +262,10 @@ class Inference:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
+        try:
+            self.features.warm()
+        except redis.RedisError as exc:  # requests are shed ("features") until it answers
+            log.warning("the online store did not answer the warm-up read: %s", exc)
         self.follower.start()
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from infra import stack
@@ -61,6 +62,18 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
 def redis_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     """A real Redis (the Feast online store) for the whole session, with its own data directory."""
     yield from running_stack(tmp_path_factory.mktemp("redis"), "redis")
+
+
+def answered(url: str, body: dict, tries: int = 5) -> dict:
+    """POST `body` as a client of the serving API should: a 503 (shed under load, with Retry-After) is
+    sent again after the time it names, at most `tries` times. The answer must then be a 200."""
+    for _ in range(tries):
+        r = httpx.post(url, json=body, timeout=30)
+        if r.status_code != 503:
+            break
+        time.sleep(min(float(r.headers.get("retry-after", 1)), 2.0))
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 def wait_for(check: Callable, timeout_s: float = 90.0):

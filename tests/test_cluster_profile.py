@@ -25,7 +25,7 @@ from infra.redis_clients import credentials
 from infra.settings import Settings, load_settings, postgres_password
 from models.registry import connect
 from serving.features import OnlineFeatures
-from tests.conftest import run_cli, stack_environ
+from tests.conftest import answered, run_cli, stack_environ
 
 pytestmark = [pytest.mark.stack, pytest.mark.cluster, pytest.mark.timeout(1500)]
 PLAN = LoopPlan(history_limit=3000, feature_timeout_s=300, training_timeout_s=900)
@@ -141,8 +141,8 @@ def test_the_champion_is_served_by_the_ranking_api(loop) -> None:
     s, _, champion = loop
     user = _history(s)[-1].user_id
     items = list(dict.fromkeys(e.item_id for e in _history(s)))[:30]
-    body = httpx.post(f"http://{s.serving.host}:{s.serving.port}/rank", timeout=30, json={
-        "user_id": user, "candidates": [{"item_id": i} for i in items]}).raise_for_status().json()
+    body = answered(f"http://{s.serving.host}:{s.serving.port}/rank",
+                    {"user_id": user, "candidates": [{"item_id": i} for i in items]})
     assert body["model_version"] == champion and len(body["scores"]) == len(items)
     assert all(0.0 < score < 1.0 for score in body["scores"])
 

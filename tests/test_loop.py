@@ -25,7 +25,7 @@ from streaming.events import Event, EventType
 from streaming.produce import count_landed
 from streaming.producer import EventProducer
 from streaming.topics import end_offsets
-from tests.conftest import stack_environ, wait_for
+from tests.conftest import answered, stack_environ, wait_for
 
 pytestmark = [pytest.mark.stack, pytest.mark.loop, pytest.mark.timeout(1200)]
 PLAN = LoopPlan(history_limit=8000, sessions=900, rate=5.0, tail_s=10.0)
@@ -146,7 +146,7 @@ def test_recommend_answers_from_the_whole_catalogue_and_follows_a_fresh_users_cl
     api = f"http://{s.serving.host}:{s.serving.port}/recommend"
     log = read_event_log(s).to_pandas()
     user = log[log.request_id.str.contains("@")].user_id.iloc[0]  # a live user (served sessions' request ids)
-    body = httpx.post(api, json={"user_id": user, "k": 20}, timeout=10).json()
+    body = answered(api, {"user_id": user, "k": 20})
     items = [x["item_id"] for x in body["items"]]
     assert len(items) == len(set(items)) == 20 and body["model_versions"]["retrieval"] == retrieval
     assert {src for x in body["items"] for src in x["sources"]} >= {"two-tower"}, body
@@ -157,7 +157,7 @@ def test_recommend_answers_from_the_whole_catalogue_and_follows_a_fresh_users_cl
         assert r.status_code == 422 and r.json()["detail"], (bad, r.text)
 
     fresh = f"fresh-{time.time_ns()}"
-    before = [x["item_id"] for x in httpx.post(api, json={"user_id": fresh, "k": 20}, timeout=10).json()["items"]]
+    before = [x["item_id"] for x in answered(api, {"user_id": fresh, "k": 20})["items"]]
     assert len(before) == 20  # a user nobody knows anything of: popular items
     clicked = before[:3] + items[:2]
     now = int(time.time() * 1000)
@@ -169,14 +169,14 @@ def test_recommend_answers_from_the_whole_catalogue_and_follows_a_fresh_users_cl
                                     context={}))
 
     def followed() -> None:
-        got = httpx.post(api, json={"user_id": fresh, "k": 20}, timeout=10).json()
+        got = answered(api, {"user_id": fresh, "k": 20})
         after = [x["item_id"] for x in got["items"]]
         assert len(after) == 20 and not set(after) & set(clicked), after
         assert any("two-tower" in x["sources"] for x in got["items"])  # the near-line embedding exists
         assert any("graph" in x["sources"] for x in got["items"])  # neighbours of the clicked items
 
     wait_for(followed, timeout_s=30)
-    kept = httpx.post(api, json={"user_id": fresh, "k": 20, "exclude_seen": False}, timeout=10).json()
+    kept = answered(api, {"user_id": fresh, "k": 20, "exclude_seen": False})
     assert len(kept["items"]) == 20
 
 
