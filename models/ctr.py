@@ -14,13 +14,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 from tqdm import tqdm
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up banner is not ours to show
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from models.examples import PAD, Examples  # noqa: E402
+from models.examples import PAD, Examples, fit_width  # noqa: E402
 from models.networks import LogisticRegression, Ranker, RankerV1  # noqa: E402
 from models.sparse import DEFAULT_ROW, SparseConfig, SparseTable, TableSnapshot, apply_delta  # noqa: E402
 from streaming.events import EventType  # noqa: E402
@@ -63,16 +64,6 @@ def _network(spec: ModelSpec) -> keras.Model:
     return RankerV1(list(spec.hidden)) if spec.kind == "ranker-v1" else LogisticRegression()
 
 
-def _fit(values: np.ndarray, width: int) -> np.ndarray:
-    """A padded list array cut or padded (PAD) to `width` columns (at least 1)."""
-    width = max(1, width)
-    if values.shape[1] >= width:
-        return values[:, :width]
-    out = np.full((len(values), width), PAD, dtype=object)
-    out[:, : values.shape[1]] = values
-    return out
-
-
 class CtrModel:
     def __init__(self, spec: ModelSpec, tables: dict[str, SparseTable] | None = None) -> None:
         if spec.kind not in KINDS:
@@ -95,9 +86,10 @@ class CtrModel:
         """The padded id lists of `ex` at this spec's widths (the long history's: none for a spec without)."""
         k = self.spec.long_length
         return {"sequence": ex.sequences[:, : self.spec.sequence_length],
-                "long_sequence": _fit(ex.long_sequences[:, :k], k), "long_types": _fit(ex.long_types[:, :k], k),
-                "item_tokens": _fit(ex.item_tokens, self.spec.token_length),
-                "user_tokens": _fit(ex.user_tokens, self.spec.token_length)}
+                "long_sequence": fit_width(ex.long_sequences[:, :k], k),
+                "long_types": fit_width(ex.long_types[:, :k], k),
+                "item_tokens": fit_width(ex.item_tokens, self.spec.token_length),
+                "user_tokens": fit_width(ex.user_tokens, self.spec.token_length)}
 
     def _rows(self, table: str, ids: np.ndarray, train: bool) -> tuple[np.ndarray, np.ndarray]:
         """Rows of a padded id list ([N, W]; padding -> the default row, never counted) and its mask."""
@@ -120,8 +112,9 @@ class CtrModel:
         """Event types [N, L] str as type ids [N, L] int32."""
         if not types.size:
             return np.zeros(types.shape, np.int32)
-        kinds, inverse = np.unique(types.astype(str), return_inverse=True)
-        return np.array([EVENT_TYPE_IDS.get(k, 0) for k in kinds], np.int32)[inverse].reshape(types.shape)
+        # Hashed, not sorted (np.unique of strings was a third of a batch's input preparation).
+        codes, kinds = pd.factorize(types.ravel(), use_na_sentinel=False)
+        return np.array([EVENT_TYPE_IDS.get(k, 0) for k in kinds], np.int32)[codes].reshape(types.shape)
 
     def _lookup(self, ex: Examples, train: bool) -> dict[str, np.ndarray]:
         """Rows of every id of the batch; list padding -> the default row, never counted. Only the newest

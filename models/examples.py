@@ -111,12 +111,16 @@ def concat(parts: list[Examples]) -> Examples:
         values = [getattr(p, name) for p in parts]
         if name in LIST_COLUMNS.values():
             width = max(v.shape[1] for v in values)
-            values = [v if v.shape[1] == width else _widened(v, width) for v in values]
+            values = [fit_width(v, width) for v in values]
         arrays[name] = np.concatenate(values)
     return Examples(**arrays, numeric_names=parts[0].numeric_names)
 
 
-def _widened(lists: np.ndarray, width: int) -> np.ndarray:
+def fit_width(lists: np.ndarray, width: int) -> np.ndarray:
+    """A padded list array cut or padded (PAD) to `width` columns (at least 1)."""
+    width = max(1, width)
+    if lists.shape[1] >= width:
+        return lists[:, :width]
     out = np.full((len(lists), width), PAD, dtype=object)
     out[:, : lists.shape[1]] = lists
     return out
