@@ -5,16 +5,10 @@ A version that fails to load or warm (missing artifact, a spec the server cannot
 scores) is refused: logged, counted, retried only every RETRY_REFUSED_S, and the current one keeps
 serving. An incremental version whose parent is loaded is built from the parent plus its sparse delta
 (`sparse_delta` tag): only the changed rows are downloaded, and nothing is compiled.
-
-After each change of what is served, the heap is settled (`settle_heap`): what the old versions left is
-collected, and everything alive (the libraries, the models) is frozen out of the cyclic GC, whose full
-collections otherwise walk ~600k long-lived objects with the GIL held (0.3-0.5 s, every few seconds of
-load: the /rank p99).
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -42,14 +36,6 @@ log = logging.getLogger(__name__)
 ROUTES = (CHAMPION, CHALLENGER)
 RETRY_REFUSED_S = 300.0  # a refused version is tried again this long after (a cause may have been transient)
 READ_SHARED_S = 0.1  # how often a worker reads the aliases another worker polled (a file read)
-
-
-def settle_heap() -> None:
-    """Collect what is garbage now (a dropped version's graph holds cycles: it was frozen too), then
-    freeze what is alive: full collections then skip it. Once per change of the served versions."""
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
 
 
 @dataclass(frozen=True)
@@ -136,7 +122,6 @@ class ModelFollower:
     def poll_once(self) -> None:
         """Read the aliases; load, warm and swap in any version that changed."""
         named = self._aliases()
-        changed = False
         for route in ROUTES:
             version = named.get(route)
             current = self.served[route]
@@ -147,7 +132,6 @@ class ModelFollower:
                     log.warning("@%s was removed; still serving v%s", route, current.version)
                     continue
                 self.served[route] = None  # canary and shadow traffic stop
-                changed = True
                 metrics.set_version(route, None)
                 log.info("@%s removed", route)
                 continue
@@ -164,14 +148,11 @@ class ModelFollower:
                           f"v{current.version}" if current else "nothing")
                 continue
             self.served[route] = model  # the swap: batches started after this use the new version
-            changed = True
             metrics.MODEL_SWAPS.labels(route).inc()
             metrics.SWAP_SECONDS.observe(time.monotonic() - started)
             metrics.set_version(route, version)
             metrics.WORKER_READY.set(int(self.ready))
             log.info("@%s now v%s (%s, %.2fs)", route, version, model.loaded_by, time.monotonic() - started)
-        if changed:
-            settle_heap()
 
     def _obtain(self, version: str) -> ServedModel:
         if version in self.warm:
