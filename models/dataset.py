@@ -22,7 +22,7 @@ from feature_repo.event_log import read_event_log
 from feature_repo.files import view_dir
 from infra.settings import Settings
 from models.examples import PAD, Examples
-from models.inputs import COUNTS, NUMERIC_FEATURES, RAW_FEATURES
+from models.inputs import COUNTS, DECADES, NUMERIC_FEATURES, RAW_FEATURES, TOKENS
 from streaming.events import TEST_TRAFFIC
 from streaming.features import LONG_HISTORY_VIEW
 
@@ -159,17 +159,15 @@ def _category_shares(categories: Sequence, keys: Sequence, values: Sequence, tot
     return out
 
 
-def _padded_rows(rows: list[tuple[str, ...]]) -> np.ndarray:
+def _padded_rows(rows: Sequence[tuple[str, ...]]) -> np.ndarray:
     """Lists of strings as one [N, W] array, "" padding, W the longest (>= 1). Rows that are the same
-    object (a request's candidates of one category) are padded once."""
-    width = max(1, max(map(len, rows), default=1))
-    padded: dict[int, tuple[str, ...]] = {}
-    for row in rows:
-        if id(row) not in padded:
-            padded[id(row)] = row + (PAD,) * (width - len(row))
-    out = np.empty((len(rows), width), dtype=object)
-    out[:] = [padded[id(row)] for row in rows]
-    return out
+    object (a request's candidates of one category, an entity's tokens) are padded once."""
+    first = {id(row): row for row in rows}  # the distinct rows, in order
+    at = {key: j for j, key in enumerate(first)}
+    width = max(1, max(map(len, first.values()), default=1))
+    distinct = np.empty((len(first), width), dtype=object)
+    distinct[:] = [row + (PAD,) * (width - len(row)) for row in first.values()]
+    return distinct[np.fromiter(map(at.__getitem__, map(id, rows)), np.intp, len(rows))]
 
 
 def _long_sequences(categories: Sequence, history_categories: Sequence, history_items: Sequence,
@@ -202,16 +200,33 @@ def _entries(value: object) -> list:
     return [v for v in value if v] if _listed(value) else []  # type: ignore[union-attr]
 
 
-def _tokens(columns: list[tuple[str, Sequence]]) -> np.ndarray:
-    """Per row, `prefix:value` tokens of the named columns (a list column gives one per entry): [N, T]."""
+def _token_row(prefixes: Sequence[str], values: Sequence) -> tuple[str, ...]:
+    return tuple(f"{prefix}:{v}" for prefix, value in zip(prefixes, values) for v in _entries(value))
+
+
+def entity_tokens(column: str, values: Mapping[str, object]) -> tuple[str, ...]:
+    """One entity's tokens of `column` (TOKENS) from its raw feature values: what `to_examples` builds
+    per row, for a caller that holds each entity once (serving, for the entities it caches)."""
+    pairs = TOKENS[column]
+    return _token_row([prefix for prefix, _ in pairs],
+                      [_decade([values[f]])[0] if f in DECADES else values[f] for _, f in pairs])
+
+
+def _tokens(column: str, features: Columns) -> np.ndarray:
+    """Per row, the tokens of `column` (TOKENS): [N, T]. A caller may pass them per row, built by
+    `entity_tokens` (the same tuple object for an entity's rows)."""
+    if column in features:
+        return _padded_rows(list(features[column]))
+    pairs = TOKENS[column]
+    prefixes = [prefix for prefix, _ in pairs]
+    columns = [_decade(features[f]) if f in DECADES else features[f] for _, f in pairs]
     memo: dict[tuple[int, ...], tuple[str, ...]] = {}  # serving: a user's values are one object per column
     rows = []
-    for values in zip(*(column for _, column in columns)):
+    for values in zip(*columns):
         key = tuple(map(id, values))
         row = memo.get(key)
         if row is None:
-            row = memo[key] = tuple(f"{prefix}:{v}" for (prefix, _), value in zip(columns, values)
-                                    for v in _entries(value))
+            row = memo[key] = _token_row(prefixes, values)
         rows.append(row)
     return _padded_rows(rows)
 
@@ -266,10 +281,7 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
                     categories=categories, sequences=sequences, numeric=numeric,
                     labels=np.asarray(labels, np.float32), sequence_types=types,
                     long_sequences=long, long_types=long_types,
-                    item_tokens=_tokens([("genre", features["item_genres"]),
-                                         ("year", _decade(features["item_release_year"]))]),
-                    user_tokens=_tokens([("gender", features["user_gender"]), ("occupation", features["user_occupation"]),
-                                         ("age", _decade(features["user_age"]))]),
+                    item_tokens=_tokens("item_tokens", features), user_tokens=_tokens("user_tokens", features),
                     numeric_names=NUMERIC_FEATURES)
 
 

@@ -28,7 +28,13 @@ SEQUENCE = ("seq_item_ids", "seq_event_types", "seq_event_times")
 LONG_HISTORY = ("history_length", "history_categories", "history_category_counts", "history_item_ids",
                 "history_event_types")
 INTEREST = ("interest_categories", "interest_weights")
-SIDE = ("item_genres", "item_release_year", "user_age", "user_gender", "user_occupation")
+# Each entity's attribute tokens ("genre:Drama", "age:20s"): (prefix, raw feature) pairs; a list feature
+# gives one token per entry, a year or an age (DECADES) its decade.
+TOKENS: dict[str, tuple[tuple[str, str], ...]] = {
+    "item_tokens": (("genre", "item_genres"), ("year", "item_release_year")),
+    "user_tokens": (("gender", "user_gender"), ("occupation", "user_occupation"), ("age", "user_age"))}
+DECADES = ("item_release_year", "user_age")
+SIDE = tuple(dict.fromkeys(feature for pairs in TOKENS.values() for _, feature in pairs))
 # Everything a scoring row is built from, as stored online (the derived shares are not stored).
 RAW_FEATURES: tuple[str, ...] = tuple(dict.fromkeys(
     (*(n for n in NUMERIC_FEATURES if n not in CATEGORY_SHARES), *SEQUENCE, *LONG_HISTORY, *INTEREST, *SIDE)))

@@ -26,7 +26,7 @@ import numpy as np
 
 from feature_repo.online import OnlineReader, served_features
 from infra.settings import Settings
-from models.inputs import NUMERIC_FEATURES, RAW_FEATURES
+from models.inputs import NUMERIC_FEATURES, RAW_FEATURES, TOKENS
 
 if TYPE_CHECKING:
     from models.examples import Examples
@@ -108,6 +108,9 @@ class OnlineFeatures:
         if wanted - served:
             raise ValueError(f"feature service {SERVICE} lacks {sorted(wanted - served)}")
         self.names = {keys: [name for _, name in refs] for keys, refs in self.reads.items()}
+        # Token columns built once per entity read (and cached with a shared entity), not once per row.
+        self.tokens = {keys: [column for column, pairs in TOKENS.items() if all(f in names for _, f in pairs)]
+                       for keys, names in self.names.items()}
         # A stalled Redis fails a read after this long (the caller bounds it by the request's deadline too).
         self.reader = OnlineReader(s, s.serving.default_deadline_ms / 1000)
         self.cache = SharedEntityCache(s.serving.item_features_ttl_ms / 1000, s.serving.item_features_cache_size)
@@ -116,6 +119,15 @@ class OnlineFeatures:
     def _shared(keys: tuple[str, ...]) -> bool:
         """An item's features are the same for every user: cached."""
         return "user_id" not in keys
+
+    def _with_tokens(self, keys: tuple[str, ...], values: tuple) -> tuple:
+        """An entity's values as read, then its token columns (`to_examples` takes them as given)."""
+        if not self.tokens[keys]:
+            return values
+        from models.dataset import entity_tokens  # loads pandas: not needed to read features
+
+        named = dict(zip(self.names[keys], values))
+        return (*values, *(entity_tokens(column, named) for column in self.tokens[keys]))
 
     def entity_features(self, user_id: str, item_id: str | None = None, category: str | None = None
                         ) -> dict[str, object]:
@@ -148,12 +160,12 @@ class OnlineFeatures:
             plan.append((keys, refs, of_row, found, [e for e in dict.fromkeys(of_row) if e not in found]))
         read = iter(self.reader.read_all([(keys, missing, refs) for keys, refs, _, _, missing in plan if missing]))
         for keys, refs, of_row, found, missing in plan:
+            names = [*self.names[keys], *self.tokens[keys]]
             if missing:
-                values = dict(zip(missing, next(read)))
+                values = {e: self._with_tokens(keys, v) for e, v in zip(missing, next(read))}
                 if self._shared(keys):
                     self.cache.put(keys, values)
                 found |= values
-            names = self.names[keys]
             by_row = [found[e] for e in of_row] or [(None,) * len(names)]
             columns.update(zip(names, zip(*by_row)))  # one tuple of values per feature
         defaulted = sorted(name for name in RAW_FEATURES if None in columns[name])

@@ -5,10 +5,15 @@ A version that fails to load or warm (missing artifact, a spec the server cannot
 scores) is refused: logged, counted, retried only every RETRY_REFUSED_S, and the current one keeps
 serving. An incremental version whose parent is loaded is built from the parent plus its sparse delta
 (`sparse_delta` tag): only the changed rows are downloaded, and nothing is compiled.
+
+Once the first champion serves, what the worker holds (the libraries, that version) is frozen out of
+the cyclic GC (`gc.freeze`, no collection: nothing waits on it): its full collections otherwise walked
+~620k long-lived objects with the GIL held, 0.4-0.5 s every few seconds of load, the /rank p99.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -197,10 +202,14 @@ class ModelFollower:
         unreachable registry is not tried more often than without the sharing)."""
         def loop() -> None:
             shared_every = min(READ_SHARED_S, self.s.serving.poll_interval_s)
+            frozen = False
             while not self._stop.is_set():
                 wait = shared_every if self.shared is not None else self.s.serving.poll_interval_s
                 try:
                     self.poll_once()
+                    if self.ready and not frozen:
+                        gc.freeze()  # moves the tracked objects aside (list splices): no pause
+                        frozen = True
                 except Exception as exc:  # noqa: BLE001 - the registry being down must not stop serving
                     metrics.REGISTRY_ERRORS.inc()
                     log.warning("registry poll failed (%s); serving what is loaded", exc)

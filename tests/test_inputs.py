@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 from feature_repo.definitions import TIMESTAMP_FIELD, offline_schema
 from feature_repo.files import view_dir
 from infra.settings import load_settings
-from models.dataset import long_history_as_of, to_examples
+from models.dataset import entity_tokens, long_history_as_of, to_examples
 from models.examples import PAD
-from models.inputs import NUMERIC_FEATURES, RAW_FEATURES
+from models.inputs import NUMERIC_FEATURES, RAW_FEATURES, TOKENS
 from streaming.features import LONG_HISTORY_VIEW
 
 
@@ -47,6 +47,12 @@ def test_each_candidate_gets_its_categorys_long_history_shares_and_attributes() 
     assert [[t for t in row if t] for row in ex.item_tokens] == [
         ["genre:Drama", "genre:Romance", "year:1990s"], ["genre:Comedy"], ["year:1930s"]]
     assert [t for t in ex.user_tokens[0] if t] == ["gender:F", "occupation:writer", "age:20s"]
+    # serving builds each entity's tokens once (`entity_tokens`) and passes them: the same rows
+    given = columns | {column: [entity_tokens(column, {f: columns[f][r] for _, f in pairs}) for r in range(n)]
+                       for column, pairs in TOKENS.items()}
+    again = to_examples(given, np.full(n, 500), np.zeros(n), sequence_length=4)
+    assert again.item_tokens.tolist() == ex.item_tokens.tolist()
+    assert again.user_tokens.tolist() == ex.user_tokens.tolist()
     assert ex.numeric_names == NUMERIC_FEATURES
 
 
