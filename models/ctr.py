@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -148,22 +148,34 @@ class CtrModel:
         return out | {"numeric": ex.numeric_of(self.spec.numeric_features).astype(np.float32).reshape(len(ex), -1)}
 
     def scoring_inputs(self, ex: Examples) -> dict[str, np.ndarray]:
-        """The dense network's inputs for scoring `ex`, each behavior sequence once: consecutive rows
-        with the same sequence (a request's candidates) share one, `owner` [B] naming each row's
-        (`sequence` [U, L, D], `sequence_mask` and `sequence_types` [U, L]). L is the longest real
-        sequence of the batch (padding past it changes no score: the attention masks it out). The long
-        history's and the attributes' lists have their spec's fixed widths. Serving pads these to a
-        compiled shape bucket."""
-        seq = ex.sequences[:, : self.spec.sequence_length]
+        """The dense network's inputs for scoring `ex`, each list that rows share once, with the index
+        of each row's. Consecutive rows with the same behavior sequence and user attributes (a
+        request's candidates) share one group: `owner` [B] names each row's (`sequence` [U, L, D],
+        `sequence_mask` and `sequence_types` [U, L], `user_tokens` [U, T, D], `user_token_mask` [U, T]).
+        Rows with the same long-history list (a user x category) share it: `long_owner` [B] names each
+        row's (`long_sequence` [G, K, D], `long_mask` and `long_types` [G, K]). L is the longest real
+        sequence of the batch (padding past it changes no score: the attention masks it out); K and
+        T are the spec's widths. Serving pads these to a compiled shape bucket."""
+        lists = self._lists(ex)
+        seq, users = lists["sequence"], lists["user_tokens"]
         starts = np.ones(len(ex), bool)
-        starts[1:] = (seq[1:] != seq[:-1]).any(axis=1)
-        distinct = seq[starts]  # [U, L]
-        longest = max(1, int((distinct != PAD).sum(axis=1).max(initial=0)))
-        rows = self._lookup(ex.take(np.flatnonzero(starts)), train=False)  # sequences: one per distinct one
-        shared = {"sequence": rows["sequence"][:, :longest], "sequence_mask": rows["sequence_mask"][:, :longest],
-                  "sequence_types": rows["sequence_types"][:, :longest]}
-        rows = self._lookup(_without_sequences(ex), train=False)
-        return self._gathered(rows | shared, ex) | {"owner": (np.cumsum(starts) - 1).astype(np.int32)}
+        starts[1:] = (seq[1:] != seq[:-1]).any(axis=1) | (users[1:] != users[:-1]).any(axis=1)
+        firsts = np.flatnonzero(starts)
+        longest = max(1, int((seq[firsts] != PAD).sum(axis=1).max(initial=0)))
+        types = self._types(ex.sequence_types[firsts, : self.spec.sequence_length][:, :longest])
+        shared = {"sequence_types": types}
+        for name, table in (("sequence", "item"), ("user_tokens", "attribute")):
+            ids = lists[name][firsts][:, :longest] if name == "sequence" else lists[name][firsts]
+            shared[name], shared[_MASKS[name]] = self._rows(table, ids, train=False)
+        long_owner, distinct = _distinct_rows(lists["long_sequence"], lists["long_types"])
+        shared["long_types"] = self._types(lists["long_types"][distinct])
+        shared["long_sequence"], shared["long_mask"] = self._rows("item", lists["long_sequence"][distinct], train=False)
+        rows = {"user": self.tables["user"].lookup(ex.user_ids.tolist(), False),
+                "item": self.tables["item"].lookup(ex.item_ids.tolist(), False),
+                "category": self.tables["category"].lookup(ex.categories.tolist(), False)}
+        rows["item_tokens"], rows["item_token_mask"] = self._rows("attribute", lists["item_tokens"], train=False)
+        return self._gathered(rows | shared, ex) | {"owner": (np.cumsum(starts) - 1).astype(np.int32),
+                                                    "long_owner": long_owner}
 
     def dense_weights(self) -> list[np.ndarray]:
         """The dense network's weights in `network.trainable_variables` order (`stateless_call`'s)."""
@@ -286,9 +298,16 @@ _MASKS = {"sequence": "sequence_mask", "long_sequence": "long_mask", "item_token
           "user_tokens": "user_token_mask"}
 
 
-def _without_sequences(ex: Examples) -> Examples:
-    """`ex` with empty behavior sequences (scoring looks them up once per distinct sequence instead)."""
-    return replace(ex, sequences=ex.sequences[:, :0], sequence_types=ex.sequence_types[:, :0])
+def _distinct_rows(*lists: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of padded lists [N, W] that are equal in all of `lists`: the distinct one of each row
+    ([N] int32) and the first row of each distinct one ([G]), in order of first appearance."""
+    first: dict[tuple, int] = {}
+    of_row = np.fromiter((first.setdefault(key, n) for n, key in enumerate(zip(*(map(tuple, x.tolist()) for x in lists)))),
+                         np.int64, len(lists[0]))
+    firsts = np.fromiter(first.values(), np.int64, len(first))
+    index = np.empty(len(lists[0]), np.int64)
+    index[firsts] = np.arange(len(firsts))
+    return index[of_row].astype(np.int32), firsts
 
 
 def _empty(spec: ModelSpec) -> Examples:

@@ -8,9 +8,12 @@ serving path serve them all:
   sequence_mask         [B, L]     1.0 for a real behavior, 0.0 for padding
   sequence_types        [B, L] int each behavior's event type (0: padding or unknown)
   owner (optional)      [B] int    serving: row b's behaviors are sequence[owner[b]], which is then
-                                   [U, L, D] with its mask and types [U, L] (one per request, not per candidate)
+                                   [U, L, D] with its mask and types [U, L] (one per request, not per
+                                   candidate), and so are its user tokens (user_tokens [U, T, D])
   long_sequence         [B, K, D]  the user's newest behaviors in the candidate's category, from the long
                                    history (item table); long_mask [B, K]; long_types [B, K] int
+  long_owner (optional) [B] int    serving: row b's long-history list is long_sequence[long_owner[b]],
+                                   which is then [G, K, D] (one per user x category)
   item_tokens           [B, T, D]  the candidate's attributes (attribute table); item_token_mask [B, T]
   user_tokens           [B, T, D]  the user's profile attributes (attribute table); user_token_mask [B, T]
   numeric               [B, F]     real-time, profile and long-history features, already scaled
@@ -44,12 +47,15 @@ class Ranker(keras.Model):
         self.head = MLP([*self.hidden, 1])
 
     def call(self, inputs):
-        item = inputs["item"]
+        item, owner = inputs["item"], inputs.get("owner")
         behaviors = inputs["sequence"] + self.types(inputs["sequence_types"])
-        recent = self.attention(item, behaviors, inputs["sequence_mask"], inputs.get("owner"))
-        long = self.long_attention(item, inputs["long_sequence"] + self.types(inputs["long_types"]), inputs["long_mask"])
+        recent = self.attention(item, behaviors, inputs["sequence_mask"], owner)
+        long = self.long_attention(item, inputs["long_sequence"] + self.types(inputs["long_types"]), inputs["long_mask"],
+                                   inputs.get("long_owner"))
         item_side = self.pool(inputs["item_tokens"], inputs["item_token_mask"])
         user_side = self.pool(inputs["user_tokens"], inputs["user_token_mask"])
+        if owner is not None:  # one per owner group, as the sequences
+            user_side = ops.take(user_side, owner, axis=0)
         x = ops.concatenate([inputs["user"], item, inputs["category"], recent, long, item_side, user_side,
                              inputs["user"] * item, recent * item, long * item, user_side * item_side,
                              inputs["numeric"]], axis=-1)

@@ -5,9 +5,10 @@ variables, so one compiled function per (architecture, shape) serves every versi
 architecture: loading, swapping or rolling back a version compiles nothing.
 
 Shapes: a batch of R rows whose longest behavior sequence is L is padded up to the smallest row
-bucket >= R and sequence bucket >= L, and its distinct sequences (one per request: `owner` maps rows
-to them) up to `groups` (or R if fewer); a batch with more distinct sequences runs in parts of
-`groups`. Every bucket is compiled and run once by `warm` before the server reports ready. A shape
+bucket >= R and sequence bucket >= L, its distinct sequences and user attributes (one per request:
+`owner` maps rows to them) up to `groups` (or R if fewer), and its distinct long-history lists (one
+per user x category: `long_owner`) up to `long_groups(R)`; a batch with more distinct sequences runs
+in parts of `groups`, a part with more long-history lists in halves. Every bucket is compiled and run once by `warm` before the server reports ready. A shape
 beyond the largest buckets runs at once on the uncompiled (eager) path while one background thread
 compiles it; the compiled function takes over when done. With buckets off, every new exact shape is
 compiled on the request path (what a naive server does: the baseline).
@@ -91,7 +92,7 @@ class DenseRunner:
                 continue
             groups = min(self.groups, shape[0])
             fit = min(shape[0], int(np.searchsorted(example["owner"], groups)))
-            inputs = _tensors(_pad(_part(example, 0, fit, 0), *shape, groups))
+            inputs = _tensors(_pad(_part(example, 0, fit), *shape, groups, self.long_groups(shape[0])))
             fn = self._function_for(weights, inputs)
             self._publish(shape, fn)
             self.stats.warm += 1
@@ -100,19 +101,34 @@ class DenseRunner:
             if not np.all(np.isfinite(scores.numpy())):
                 raise ValueError(f"non-finite scores on shape {shape}")
 
+    def long_groups(self, rows: int) -> int:
+        """How many long-history lists a shape of `rows` rows holds (a request's candidates share one
+        per category: far fewer than rows)."""
+        return min(rows, max(2 * self.groups, rows // 4))
+
     def run(self, weights: list[tf.Tensor], inputs: dict[str, np.ndarray]) -> np.ndarray:
         """Scores [rows] of `inputs` (as `CtrModel.scoring_inputs` gives: `owner` non-decreasing)."""
         owner = inputs["owner"]
         if len(owner) and owner[-1] >= self.groups:  # too many sequences for one run: parts of `groups`
             cuts = np.searchsorted(owner, np.arange(self.groups, owner[-1] + 1, self.groups))
-            return np.concatenate([self._run(weights, _part(inputs, a, b, int(owner[a])))
+            return np.concatenate([self._fitted(weights, _part(inputs, a, b))
                                    for a, b in zip([0, *cuts], [*cuts, len(owner)])])
-        return self._run(weights, inputs)
+        return self._fitted(weights, inputs)
+
+    def _fitted(self, weights: list[tf.Tensor], inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """Scores of `inputs`, in halves while their long-history lists are more than their shape holds."""
+        rows = len(inputs["owner"])
+        shape, _ = self.shape_for(rows, inputs["sequence_mask"].shape[1])
+        if len(inputs["long_mask"]) <= self.long_groups(shape[0]):
+            return self._run(weights, inputs)
+        half = rows // 2
+        return np.concatenate([self._fitted(weights, _part(inputs, 0, half)),
+                               self._fitted(weights, _part(inputs, half, rows))])
 
     def _run(self, weights: list[tf.Tensor], inputs: dict[str, np.ndarray]) -> np.ndarray:
         rows, length = len(inputs["owner"]), inputs["sequence_mask"].shape[1]
         shape, in_bucket = self.shape_for(rows, length)
-        padded = _tensors(_pad(inputs, *shape, min(self.groups, shape[0])))
+        padded = _tensors(_pad(inputs, *shape, min(self.groups, shape[0]), self.long_groups(shape[0])))
         fn = self._compiled.get(shape)
         if fn is None and not self.buckets:
             fn = self._function_for(weights, padded)
@@ -162,21 +178,28 @@ class DenseRunner:
 
 
 _SEQUENCE_INPUTS = ("sequence", "sequence_mask", "sequence_types")  # [U, L, ...]: one per distinct sequence
+_GROUP_INPUTS = (*_SEQUENCE_INPUTS, "user_tokens", "user_token_mask")  # [U, ...]: one per owner
+_LONG_INPUTS = ("long_sequence", "long_mask", "long_types")  # [G, ...]: one per long_owner
 
 
-def _part(inputs: dict[str, np.ndarray], a: int, b: int, first_sequence: int) -> dict[str, np.ndarray]:
-    """Rows a..b of `inputs`, with only their sequences (from `first_sequence` on)."""
-    owner = inputs["owner"][a:b] - first_sequence
-    return {name: value[first_sequence:first_sequence + int(owner[-1]) + 1] if name in _SEQUENCE_INPUTS
-            else owner if name == "owner" else value[a:b] for name, value in inputs.items()}
+def _part(inputs: dict[str, np.ndarray], a: int, b: int) -> dict[str, np.ndarray]:
+    """Rows a..b of `inputs`, with only their owners' groups and their long-history lists."""
+    owner = inputs["owner"][a:b]
+    first, last = int(owner[0]), int(owner[-1]) + 1
+    used, long_owner = np.unique(inputs["long_owner"][a:b], return_inverse=True)
+    return {name: value[first:last] if name in _GROUP_INPUTS else value[used] if name in _LONG_INPUTS
+            else owner - first if name == "owner" else long_owner.astype(np.int32) if name == "long_owner"
+            else value[a:b] for name, value in inputs.items()}
 
 
-def _pad(inputs: dict[str, np.ndarray], rows: int, length: int, groups: int) -> dict[str, np.ndarray]:
-    """Zero rows (they score and are cut off; their owner is sequence 0), zero sequences and zero-mask
-    sequence slots (the attention ignores them) up to the shape."""
+def _pad(inputs: dict[str, np.ndarray], rows: int, length: int, groups: int, long_groups: int) -> dict[str, np.ndarray]:
+    """Zero rows (they score and are cut off; their owners are group 0), zero groups, zero long-history
+    lists and zero-mask sequence slots (the attention ignores them) up to the shape."""
     out = {}
     for name, value in inputs.items():
-        shape = (groups, length, *value.shape[2:]) if name in _SEQUENCE_INPUTS else (rows, *value.shape[1:])
+        shape = ((groups, length, *value.shape[2:]) if name in _SEQUENCE_INPUTS else
+                 (groups, *value.shape[1:]) if name in _GROUP_INPUTS else
+                 (long_groups, *value.shape[1:]) if name in _LONG_INPUTS else (rows, *value.shape[1:]))
         value = value[tuple(slice(0, d) for d in shape)]
         if value.shape != shape:
             padded = np.zeros(shape, value.dtype)
@@ -186,7 +209,7 @@ def _pad(inputs: dict[str, np.ndarray], rows: int, length: int, groups: int) -> 
     return out
 
 
-_INT_INPUTS = ("owner", "sequence_types", "long_types")
+_INT_INPUTS = ("owner", "long_owner", "sequence_types", "long_types")
 
 
 def _tensors(inputs: dict[str, np.ndarray]) -> dict[str, tf.Tensor]:

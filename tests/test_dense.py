@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from models.ctr import CtrModel
-from models.examples import concat
+from models.examples import PAD, concat
 from serving.dense import DenseRunner
 from tests.ctr_data import SPEC, synthetic
 
@@ -94,3 +94,29 @@ def test_without_buckets_each_new_shape_compiles_on_the_request_path() -> None:
         shapes.add((len(inputs["owner"]), inputs["sequence_mask"].shape[1]))
         runner.run(_weights(model), inputs)
     assert runner.stats.request_path == len(shapes) == len(runner.compiled_shapes()) >= 3
+
+
+def test_user_attributes_and_long_history_lists_pass_once_and_score_like_the_model_in_halves() -> None:
+    model = CtrModel(SPEC)
+    model.fit(synthetic(2000, seed=11, long_history=True), progress=False)
+    base = synthetic(30, seed=12, long_history=True)
+    base.sequences[:] = PAD  # two users with the same (empty) recent sequence: only their attributes differ
+    base.long_sequences = np.array([[f"i{(j * 7 + k) % 200}" for k in range(5)] for j in range(30)], object)
+    requests = []
+    for user, token in (("u1", "category:c1"), ("u2", "category:c2")):
+        request = base.take(np.arange(30))
+        request.user_ids[:] = user
+        request.user_tokens = np.full((30, 1), token, object)
+        requests.append(request)
+    batch = concat(requests)
+    inputs = model.scoring_inputs(batch)
+    assert len(inputs["user_tokens"]) == 2 and len(inputs["long_sequence"]) == 30
+    per_row = model._gathered(model._lookup(batch, train=False), batch)
+    np.testing.assert_array_equal(inputs["long_sequence"][inputs["long_owner"]], per_row["long_sequence"])
+    # 30 lists > the 16 a 64-row shape holds: scored in halves, each in a compiled shape
+    runner = DenseRunner(model, row_buckets=(16, 64), sequence_buckets=(10,), groups=4)
+    runner.warm(_weights(model), inputs)
+    scores = runner.run(_weights(model), inputs)
+    np.testing.assert_allclose(scores, model.predict(batch), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(scores[:30], scores[30:])  # the same candidates, told apart by the user's attributes
+    assert runner.stats.uncompiled_runs == 0
