@@ -388,6 +388,9 @@ class ServingSettings:
     buckets: bool = True
     row_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)  # x2 steps: at most half is padding
     sequence_buckets: tuple[int, ...] = (10, 25, 50)
+    # The compiled buckets (XLA executables) are kept under paths.cache_dir/xla, per TensorFlow version
+    # and CPU: a restart or a replaced worker loads them instead of compiling (~55 s of CPU per worker).
+    compile_cache: bool = True
     # Admission: candidate rows in flight (fetching features, queued or scoring) are bounded; a request
     # that would pass the bound is refused at once with 503 + Retry-After. Size it by Little's law:
     # the rows/s the server sustains x the deadline (docs/benchmarks.md has this machine's figures).

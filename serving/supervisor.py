@@ -15,6 +15,8 @@ than its share answers with `Connection: close`, and the client's next connectio
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import logging
 import math
 import mmap
@@ -33,6 +35,7 @@ from prometheus_client import multiprocess
 from infra.settings import Settings
 
 log = logging.getLogger(__name__)
+COMPILE_CACHE_DAYS = 30  # a cached executable older than this is dropped (compiled again if still used)
 MAX_BACKOFF_S = 30.0
 STABLE_S = 60.0  # a worker that ran this long had no start-up failure: its back-off starts over
 
@@ -76,9 +79,35 @@ class _Worker:
         self.next_start = 0.0
 
 
-def _worker_env(shared: Path) -> dict[str, str]:
+def compile_cache(s: Settings) -> Path:
+    """The directory of the workers' compiled shape buckets: one per TensorFlow version and CPU (an
+    executable is built for both), entries older than COMPILE_CACHE_DAYS removed."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        cpu = ""
+    cpu_key = hashlib.sha256(f"{os.uname().machine} {cpu}".encode()).hexdigest()[:12]
+    directory = s.paths.cache_dir / "xla" / f"tensorflow-{importlib.metadata.version('tensorflow')}-{cpu_key}"
+    directory.mkdir(parents=True, exist_ok=True)
+    stale = time.time() - COMPILE_CACHE_DAYS * 86_400
+    for entry in directory.iterdir():
+        if entry.stat().st_mtime < stale:
+            entry.unlink(missing_ok=True)
+    return directory
+
+
+def _worker_env(s: Settings, shared: Path) -> dict[str, str]:
     # Both names: prometheus_client reads the first, Feast (imported by the worker) the second.
-    return os.environ | {"PROMETHEUS_MULTIPROC_DIR": str(shared), "PROMETHEUS_MULTIPROCESS_DIR": str(shared)}
+    env = os.environ | {"PROMETHEUS_MULTIPROC_DIR": str(shared), "PROMETHEUS_MULTIPROCESS_DIR": str(shared)}
+    if s.serving.compile_cache:
+        # TensorFlow writes each entry to a temporary file and renames it: workers compiling the same
+        # shape at once each write a whole one. Loading one logs "Error parsing text-format
+        # tensorflow.XlaSerializedCacheEntry" (TensorFlow tries text before binary): harmless.
+        cache = compile_cache(s)
+        env["TF_XLA_FLAGS"] = f"{env.get('TF_XLA_FLAGS', '')} --tf_xla_persistent_cache_directory={cache}".strip()
+        log.info("compiled shape buckets cached in %s (delete it if a worker cannot read an entry)", cache)
+    return env
 
 
 def supervise(s: Settings) -> None:
@@ -87,7 +116,7 @@ def supervise(s: Settings) -> None:
     shutil.rmtree(shared, ignore_errors=True)  # a previous run's workers are gone
     shared.mkdir(parents=True)
     listening_socket(s.serving.host, s.serving.port).close()  # the port is taken by another program: fail now
-    env = _worker_env(shared)
+    env = _worker_env(s, shared)
     workers = [_Worker(i) for i in range(s.serving.workers)]
     shares = ConnectionShares(shared, len(workers))
     stopping: list[int] = []
