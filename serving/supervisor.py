@@ -88,13 +88,25 @@ def compile_cache(s: Settings) -> Path:
     except OSError:
         cpu = ""
     cpu_key = hashlib.sha256(f"{os.uname().machine} {cpu}".encode()).hexdigest()[:12]
-    directory = s.paths.cache_dir / "xla" / f"tensorflow-{importlib.metadata.version('tensorflow')}-{cpu_key}"
+    directory = s.paths.cache_dir / "xla" / f"tensorflow-{_tensorflow_version()}-{cpu_key}"
     directory.mkdir(parents=True, exist_ok=True)
     stale = time.time() - COMPILE_CACHE_DAYS * 86_400
     for entry in directory.iterdir():
         if entry.stat().st_mtime < stale:
             entry.unlink(missing_ok=True)
     return directory
+
+
+def _tensorflow_version() -> str:
+    """The installed TensorFlow's version (its distribution is `tensorflow-cpu` on CPU-only hosts),
+    without importing it."""
+    for dist in ("tensorflow", "tensorflow-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    dists = importlib.metadata.packages_distributions().get("tensorflow") or ["tensorflow"]
+    return importlib.metadata.version(dists[0])  # another build (e.g. tensorflow-intel)
 
 
 def _worker_env(s: Settings, shared: Path) -> dict[str, str]:
