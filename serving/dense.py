@@ -8,10 +8,11 @@ Shapes: a batch of R rows whose longest behavior sequence is L is padded up to t
 bucket >= R and sequence bucket >= L, its distinct sequences and user attributes (one per request:
 `owner` maps rows to them) up to `groups` (or R if fewer), and its distinct long-history lists (one
 per user x category: `long_owner`) up to `long_groups(R)`; a batch with more distinct sequences runs
-in parts of `groups`, a part with more long-history lists in halves. Every bucket is compiled and run once by `warm` before the server reports ready. A shape
-beyond the largest buckets runs at once on the uncompiled (eager) path while one background thread
-compiles it; the compiled function takes over when done. With buckets off, every new exact shape is
-compiled on the request path (what a naive server does: the baseline).
+in parts of `groups`, a part with more long-history lists in halves. Every bucket is compiled and run
+once by `warm` before the server reports ready. A shape beyond the largest buckets runs at once on the
+uncompiled (eager) path while one background thread compiles it; the compiled function takes over
+when done. With buckets off, every new exact shape is compiled on the request path (what a naive
+server does: the baseline).
 """
 
 from __future__ import annotations

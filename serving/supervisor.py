@@ -92,8 +92,11 @@ def compile_cache(s: Settings) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     stale = time.time() - COMPILE_CACHE_DAYS * 86_400
     for entry in directory.iterdir():
-        if entry.stat().st_mtime < stale:
-            entry.unlink(missing_ok=True)
+        try:
+            if entry.stat().st_mtime < stale:
+                entry.unlink()
+        except FileNotFoundError:  # another server's worker renamed its temporary file, or pruned it
+            continue
     return directory
 
 
