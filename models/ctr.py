@@ -91,16 +91,14 @@ class CtrModel:
                 "item_tokens": fit_width(ex.item_tokens, self.spec.token_length),
                 "user_tokens": fit_width(ex.user_tokens, self.spec.token_length)}
 
-    def _rows(self, table: str, ids: np.ndarray, train: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of a padded id list ([N, W]; padding -> the default row, never counted) and its mask."""
-        if not train and len(ids) > 1 and ids.shape[1]:  # scoring: each distinct list once (a request's
-            distinct: dict[tuple, int] = {}                # candidates share their user's, a category's)
-            of_row = np.fromiter((distinct.setdefault(row, len(distinct)) for row in map(tuple, ids.tolist())),
-                                 np.int64, len(ids))
-            if len(distinct) < len(ids):
-                unique = np.empty((len(distinct), ids.shape[1]), dtype=object)
-                unique[:] = list(distinct)
-                rows, mask = self._rows(table, unique, train)
+    def _rows(self, table: str, ids: np.ndarray, train: bool, distinct: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of a padded id list ([N, W]; padding -> the default row, never counted) and its mask.
+        Scoring looks each distinct list up once (a request's candidates share their user's, a
+        category's), unless the caller says its lists are `distinct` already."""
+        if not train and not distinct and len(ids) > 1 and ids.shape[1]:
+            of_row, firsts = _distinct_rows(ids)
+            if len(firsts) < len(ids):
+                rows, mask = self._rows(table, ids[firsts], train, distinct=True)
                 return rows[of_row], mask[of_row]
         real = ids != PAD
         rows = np.full(ids.shape, DEFAULT_ROW, np.int64)
@@ -169,7 +167,8 @@ class CtrModel:
             shared[name], shared[_MASKS[name]] = self._rows(table, ids, train=False)
         long_owner, distinct = _distinct_rows(lists["long_sequence"], lists["long_types"])
         shared["long_types"] = self._types(lists["long_types"][distinct])
-        shared["long_sequence"], shared["long_mask"] = self._rows("item", lists["long_sequence"][distinct], train=False)
+        shared["long_sequence"], shared["long_mask"] = self._rows("item", lists["long_sequence"][distinct], train=False,
+                                                                  distinct=True)
         rows = {"user": self.tables["user"].lookup(ex.user_ids.tolist(), False),
                 "item": self.tables["item"].lookup(ex.item_ids.tolist(), False),
                 "category": self.tables["category"].lookup(ex.categories.tolist(), False)}

@@ -119,16 +119,16 @@ class DenseRunner:
     def _fitted(self, weights: list[tf.Tensor], inputs: dict[str, np.ndarray]) -> np.ndarray:
         """Scores of `inputs`, in halves while their long-history lists are more than their shape holds."""
         rows = len(inputs["owner"])
-        shape, _ = self.shape_for(rows, inputs["sequence_mask"].shape[1])
+        shape, in_bucket = self.shape_for(rows, inputs["sequence_mask"].shape[1])
         if len(inputs["long_mask"]) <= self.long_groups(shape[0]):
-            return self._run(weights, inputs)
+            return self._run(weights, inputs, shape, in_bucket)
         half = rows // 2
         return np.concatenate([self._fitted(weights, _part(inputs, 0, half)),
                                self._fitted(weights, _part(inputs, half, rows))])
 
-    def _run(self, weights: list[tf.Tensor], inputs: dict[str, np.ndarray]) -> np.ndarray:
-        rows, length = len(inputs["owner"]), inputs["sequence_mask"].shape[1]
-        shape, in_bucket = self.shape_for(rows, length)
+    def _run(self, weights: list[tf.Tensor], inputs: dict[str, np.ndarray], shape: Shape, in_bucket: bool
+             ) -> np.ndarray:
+        rows = len(inputs["owner"])
         padded = _tensors(_pad(inputs, *shape, min(self.groups, shape[0]), self.long_groups(shape[0])))
         fn = self._compiled.get(shape)
         if fn is None and not self.buckets:
