@@ -10,8 +10,8 @@ setup:  ## install both environments and the Flink connector jars from the lock 
 demo: setup  ## start the local stack and run the platform's main job on it
 	$(FLYWHEEL) demo
 
-test: setup  ## the whole test suite (starts the real services it needs)
-	.venv/bin/python -m pytest -ra --durations=15
+test: setup  ## the whole test suite (starts the real services it needs), in two lanes
+	@bash tests/lanes.sh
 
 test-fast: setup  ## tests that start no service
 	.venv/bin/python -m pytest -ra -m "not stack"

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# `make test`: every test, in two lanes on the two cores. The tests that start services run one after the
+# other in one lane (two stacks at once would share the cores with timing checks and double the memory);
+# the tests that start none run beside them in the other. Arguments go to both pytest runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+log=$(mktemp)
+.venv/bin/python -m pytest -ra -p no:cacheprovider -m "not stack" "$@" >"$log" 2>&1 &
+fast=$!
+.venv/bin/python -m pytest -ra --durations=15 -m stack "$@"
+stack=$?
+wait "$fast"
+fast_rc=$?
+echo "=============================== the tests that start no service ==============================="
+cat "$log"
+rm -f "$log"
+ok() { [ "$1" = 0 ] || [ "$1" = 5 ]; }  # 5: the arguments left a lane no test
+ok "$stack" || exit "$stack"
+ok "$fast_rc" || exit "$fast_rc"
