@@ -209,7 +209,7 @@ def entity_tokens(column: str, values: Mapping[str, object]) -> tuple[str, ...]:
     per row, for a caller that holds each entity once (serving, for the entities it caches)."""
     pairs = TOKENS[column]
     return _token_row([prefix for prefix, _ in pairs],
-                      [_decade([values[f]])[0] if f in DECADES else values[f] for _, f in pairs])
+                      [_decade_of(values[f]) if f in DECADES else values[f] for _, f in pairs])
 
 
 def _tokens(column: str, features: Columns) -> np.ndarray:
@@ -231,11 +231,19 @@ def _tokens(column: str, features: Columns) -> np.ndarray:
     return _padded_rows(rows)
 
 
+def _decade_of(value: object) -> str | None:
+    """A year or an age as its decade ("1990s", "20s"); None where missing (None, NaN, pd.NA) or 0."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return f"{int(number) // 10 * 10}s" if number > 0 else None  # NaN > 0 is False
+
+
 def _decade(column: pd.Series | Sequence) -> list[str | None]:
-    """A year or an age as its decade ("1990s", "20s"), one string object per decade; None where
-    missing or 0."""
-    names: dict[int, str] = {}
-    return [names.setdefault(int(v) // 10 * 10, f"{int(v) // 10 * 10}s") if v > 0 else None for v in _numbers(column)]
+    """Each value's `_decade_of`, one string object per decade (rows memoize tokens by identity)."""
+    names: dict[str | None, str | None] = {}
+    return [names.setdefault(d, d) for d in map(_decade_of, _numbers(column))]
 
 
 def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, sequence_length: int) -> Examples:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -120,12 +120,11 @@ class OnlineFeatures:
         """An item's features are the same for every user: cached."""
         return "user_id" not in keys
 
-    def _with_tokens(self, keys: tuple[str, ...], values: tuple) -> tuple:
-        """An entity's values as read, then its token columns (`to_examples` takes them as given)."""
+    def _with_tokens(self, keys: tuple[str, ...], values: tuple, entity_tokens: Callable) -> tuple:
+        """An entity's values as read, then its token columns (`to_examples` takes them as given), built
+        by `models.dataset.entity_tokens`."""
         if not self.tokens[keys]:
             return values
-        from models.dataset import entity_tokens  # loads pandas: not needed to read features
-
         named = dict(zip(self.names[keys], values))
         return (*values, *(entity_tokens(column, named) for column in self.tokens[keys]))
 
@@ -150,6 +149,10 @@ class OnlineFeatures:
               keep_behaviors: int | None = None) -> Fetched:
         """Inputs for scoring `candidates` for `user_id` at `now_ms`; sequences keep the newest
         `keep_behaviors` (compute allocation) of at most `sequence_length`."""
+        # Imported here, once a call: pandas, which they load, is not needed to read features (`flywheel features`).
+        from models.dataset import entity_tokens, to_examples
+        from models.examples import PAD
+
         rows = {"user_id": [user_id] * len(candidates), "item_id": [c.item_id for c in candidates],
                 "category": [c.category for c in candidates]}
         columns: dict[str, Sequence] = dict(rows)
@@ -162,7 +165,7 @@ class OnlineFeatures:
         for keys, refs, of_row, found, missing in plan:
             names = [*self.names[keys], *self.tokens[keys]]
             if missing:
-                values = {e: self._with_tokens(keys, v) for e, v in zip(missing, next(read))}
+                values = {e: self._with_tokens(keys, v, entity_tokens) for e, v in zip(missing, next(read))}
                 if self._shared(keys):
                     self.cache.put(keys, values)
                 found |= values
@@ -170,10 +173,6 @@ class OnlineFeatures:
             columns.update(zip(names, zip(*by_row)))  # one tuple of values per feature
         defaulted = sorted(name for name in RAW_FEATURES if None in columns[name])
         n = len(candidates)
-        # Imported here, once: pandas, which they load, is not needed to read features (`flywheel features`).
-        from models.dataset import to_examples
-        from models.examples import PAD
-
         ex = to_examples(columns, np.full(n, now_ms), np.zeros(n), sequence_length)
         if keep_behaviors is not None:
             ex.sequences[:, keep_behaviors:] = PAD
