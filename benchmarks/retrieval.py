@@ -3,15 +3,19 @@
 Chronological split: everything rated before `--split` trains (the two-tower model, the item
 neighbours, popularity); each user with clicks on both sides is then asked for K items, judged
 against the next `--next` items they clicked after the split. Items a user rated before the split
-are never candidates. No stack needed: `make bench-retrieval`. Prints Markdown for docs/benchmarks.md.
+are never candidates. The sources are judged beside the baselines a practitioner tries first, on the
+same split in the same run (models/baselines.py; popularity of all time and of the last 30 days).
+No stack needed: `make bench-retrieval`. Prints Markdown for docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -20,66 +24,141 @@ import numpy as np
 import psutil
 
 from infra import stack
-from infra.settings import get_settings, load_settings, override, redis_password
-from models.recall import co_interaction, merge, neighbours_of
+from infra.settings import Settings, get_settings, load_settings, override, redis_password
+from models.baselines import Interactions, ease, item_knn
+from models.recall import SOURCES, co_interaction, merge, neighbours_of, popular, recently_popular, source_weights
 from models.retrieval import Catalogue, Profiles, Split, TwoTower, judge, two_tower_lists
 from serving.nearline import redis_client
 from streaming.movielens import dataset_dir, load_ratings, load_side_table
+
+
+WEIGHT_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)  # each source's weight in the merge, tuned on the validation window
+
+
+@dataclass
+class Window:
+    """Ratings before `cut` train; each judged user's next clicks after it (before `end`) test."""
+
+    cut: int
+    train: list
+    split: Split
+    clicked: list[tuple[str, int]]  # (item, time) positives before the cut, in time order
+
+    @classmethod
+    def of(cls, ratings: list, cut: int, end: int, next_n: int, click: float, length: int) -> Window:
+        kept = [r for r in ratings if r.timestamp < end]
+        split = Split.at(((r.user_id, r.item_id, r.timestamp, r.rating >= click) for r in kept), cut, next_n, length)
+        train = [r for r in kept if r.timestamp < cut]
+        return cls(cut, train, split, [(r.item_id, r.timestamp) for r in train if r.rating >= click])
+
+    def unseen(self, ranked: list[str], n: int) -> dict[str, list[str]]:
+        return {u: [i for i in ranked if i not in self.split.seen[u]][:n] for u in self.split.users}
+
+
+def source_lists(s: Settings, w: Window, items: list, profiles: Profiles, seed: int, epochs: int, n: int
+                 ) -> tuple[dict[str, dict[str, list[str]]], float, list[float], TwoTower]:
+    """Each source's top n per judged user of window `w`, as /recommend finds them; the two-tower model
+    trained on the window's past with `seed`."""
+    split, click = w.split, s.movielens.click_min_rating
+    catalogue = Catalogue.build(items, dict(zip(*np.unique([i for _, i in split.clicks], return_counts=True))))
+    half_life = s.graph.half_life_days * 86_400
+    neighbours = co_interaction(((r.user_id, r.item_id, s.graph.click_weight * 2 ** (-(w.cut - r.timestamp) / half_life))
+                                 for r in w.train if r.rating >= click), keep=s.graph.neighbours)
+    keras.utils.set_random_seed(seed)
+    model = TwoTower(catalogue, profiles, sorted(split.seen), s.retrieval.dim, s.retrieval.sequence_length)
+    started = time.perf_counter()
+    losses = model.fit(model.positives(split.clicks), epochs=epochs, seed=seed)
+    train_s = time.perf_counter() - started
+    lists = {"two-tower": two_tower_lists(model, split, n),
+             "graph": {u: neighbours_of(split.recent[u][-s.retrieval.graph_seeds:], neighbours, n, split.seen[u])
+                       for u in split.users},
+             "popularity": w.unseen(recently_popular(w.clicked, s.retrieval.popularity_half_life_days * 86_400), n)}
+    return lists, train_s, losses, model
+
+
+def merged(lists: dict[str, dict[str, list[str]]], users: list[str], k: int, weights: dict[str, float]
+           ) -> dict[str, list[str]]:
+    return {u: [i for i, _, _ in merge({name: lists[name][u] for name in SOURCES}, k, weights)] for u in users}
+
+
+def tuned_weights(runs: list[dict[str, dict[str, list[str]]]], split: Split, k: int) -> dict[str, float]:
+    """The merge weights (WEIGHT_GRID per source) of the best mean recall@k over the runs."""
+    best, best_recall = dict.fromkeys(SOURCES, 1.0), -1.0
+    for values in itertools.product(WEIGHT_GRID, repeat=len(SOURCES)):
+        weights = dict(zip(SOURCES, values))
+        recall = float(np.mean([judge(merged(lists, split.users, k, weights), split, k)[0] for lists in runs]))
+        if recall > best_recall + 1e-9:
+            best, best_recall = weights, recall
+    return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--split", default="1998-03-01", help="train before, test after (`make demo`'s history)")
     parser.add_argument("--k", type=int, default=20)
-    parser.add_argument("--next", type=int, default=10, help="test items: each user's next N clicks")
+    parser.add_argument("--next", type=int, default=20, help="test items: each user's next N clicks")
+    parser.add_argument("--validation-days", type=int, default=28,
+                        help="the merge's weights are tuned on the window this long before the split")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--ann", action="store_true", help="also time the ANN index against exact search "
                                                              "(starts a throwaway Redis)")
     args = parser.parse_args()
     s = get_settings()
-    click, k = s.movielens.click_min_rating, args.k
+    click, k, n = s.movielens.click_min_rating, args.k, 3 * args.k  # the merge takes each source's top 3k, as /recommend does
     split_s = int(datetime.fromisoformat(args.split).replace(tzinfo=UTC).timestamp())
     data = dataset_dir(s)
     ratings = load_ratings(data / "ml-100k.inter")
-    split = Split.at(((r.user_id, r.item_id, r.timestamp, r.rating >= click) for r in ratings), split_s, args.next,
-                     s.retrieval.sequence_length)
-    train = [r for r in ratings if r.timestamp < split_s]
-    positives = [item for _, item in split.clicks]
-    catalogue = Catalogue.build(load_side_table(data / "ml-100k.item"), dict(zip(*np.unique(positives, return_counts=True))))
-    profiles = Profiles.build(load_side_table(data / "ml-100k.user"))
-    half_life = s.graph.half_life_days * 86_400
-    neighbours = co_interaction(((r.user_id, r.item_id, s.graph.click_weight * 2 ** (-(split_s - r.timestamp) / half_life))
-                                 for r in train if r.rating >= click), keep=s.graph.neighbours)
-    users, n = split.users, 3 * k  # the merge takes each source's top 3k, as /recommend does
-    graph = {u: neighbours_of(split.recent[u][-s.retrieval.graph_seeds:], neighbours, n, split.seen[u]) for u in users}
-    by_popularity = {u: [i for i in catalogue.popular if i not in split.seen[u]][:n] for u in users}
-    names = ("two-tower", "graph", "merged", "popularity")
-    runs: list[dict[str, tuple[float, float]]] = []  # per seed: source -> (recall, ndcg) over users
+    items, profiles = load_side_table(data / "ml-100k.item"), Profiles.build(load_side_table(data / "ml-100k.user"))
+    test = Window.of(ratings, split_s, 2**62, args.next, click, s.retrieval.sequence_length)
+    validation = Window.of(ratings, split_s - args.validation_days * 86_400, split_s, args.next, click,
+                           s.retrieval.sequence_length)
+    users, served = test.split.users, source_weights(s.retrieval.source_weights)
+    x = Interactions(test.split.clicks)
+    half_life = s.retrieval.popularity_half_life_days * 86_400
+    baselines = {"popularity (decayed, the popularity source)": test.unseen(recently_popular(test.clicked, half_life), n),
+                 "popularity (all time)": test.unseen(popular(i for i, _ in test.clicked), n),
+                 "popularity (last 30 days)": test.unseen(popular(i for i, t in test.clicked if t >= split_s - 30 * 86_400), n),
+                 "EASE": x.lists(ease(x.x), users, n, test.split.seen),
+                 "item-kNN": x.lists(item_knn(x.x), users, n, test.split.seen)}
+    baseline_scores = {name: judge(lists, test.split, k) for name, lists in baselines.items()}
+    test_runs, validation_runs = [], []
     for seed in range(args.seeds):  # the two-tower model's initialisation moves its figures: several seeds
-        keras.utils.set_random_seed(seed)
-        model = TwoTower(catalogue, profiles, sorted(split.seen), s.retrieval.dim, s.retrieval.sequence_length)
-        started = time.perf_counter()
-        losses = model.fit(model.positives(split.clicks), epochs=args.epochs, seed=seed)
-        train_s = time.perf_counter() - started
-        ann = two_tower_lists(model, split, n)
-        lists = {"two-tower": ann, "graph": graph, "popularity": by_popularity,
-                 "merged": {u: [i for i, _, _ in merge({"two-tower": ann[u], "graph": graph[u],
-                                                        "popularity": by_popularity[u]}, k)] for u in users}}
-        runs.append({name: judge(lists[name], split, k) for name in names})
+        validation_runs.append(source_lists(s, validation, items, profiles, seed, args.epochs, n)[0])
+        lists, train_s, losses, model = source_lists(s, test, items, profiles, seed, args.epochs, n)
+        test_runs.append(lists)
+    tuned = tuned_weights(validation_runs, validation.split, k)
+    rows: dict[str, list[tuple[float, float]]] = {name: [judge(lists[name], test.split, k) for lists in test_runs]
+                                                 for name in SOURCES}
+    rows["merged (as served)"] = [judge(merged(lists, users, k, served), test.split, k) for lists in test_runs]
+    rows["merged (equal weights)"] = [judge(merged(lists, users, k, dict.fromkeys(SOURCES, 1.0)), test.split, k)
+                                      for lists in test_runs]
+    rows["merged (weights tuned on validation)"] = [judge(merged(lists, users, k, tuned), test.split, k)
+                                                    for lists in test_runs]
 
     cpu = f"{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
-    print(f"Machine: {cpu}. MovieLens-100k, train before {args.split} ({len(train):,} ratings), test: {len(users)} users' "
-          f"next {args.next} clicks after it. Two-tower: {args.epochs} epochs in {train_s:.0f} s (last seed), in-batch "
-          f"loss {losses[0]:.3f} -> {losses[-1]:.3f}. Merged: reciprocal-rank fusion of each source's top {3 * k}. "
-          f"Mean over {args.seeds} seeds of the two-tower model (sd: across seeds).\n")
+    print(f"Machine: {cpu}. MovieLens-100k, train before {args.split} ({len(test.train):,} ratings), test: {len(users)} "
+          f"users' next {args.next} clicks after it. Two-tower: {args.epochs} epochs in {train_s:.0f} s (last seed), "
+          f"in-batch loss {losses[0]:.3f} -> {losses[-1]:.3f}. Popularity: decayed, half-life "
+          f"{s.retrieval.popularity_half_life_days:g} days, as served. Merged: weighted reciprocal-rank fusion of each "
+          f"source's top {n}; as served: weights {served}; tuned on validation (the {args.validation_days} days "
+          f"before the split, {len(validation.split.users)} users, trained before them): {tuned}. Mean over "
+          f"{args.seeds} seeds of the two-tower model (sd: across seeds); baselines have no seed.\n")
     print(f"| source | recall@{k} | NDCG@{k} | recall sd | users |")
     print("|---|---:|---:|---:|---:|")
-    for name in names:
-        recall, ndcg = (np.array([run[name][m] for run in runs]) for m in (0, 1))
+    for name, scores in rows.items():
+        recall, ndcg = np.array(scores).T
         print(f"| {name} | {recall.mean():.4f} | {ndcg.mean():.4f} | {recall.std():.4f} | {len(users)} |")
+    for name, (recall, ndcg) in baseline_scores.items():
+        print(f"| *baseline:* {name} | {recall:.4f} | {ndcg:.4f} | - | {len(users)} |")
+    best = max(baseline_scores, key=lambda b: baseline_scores[b][0])
+    for name in ("merged (as served)", "two-tower"):
+        recall, ndcg = np.mean(rows[name], axis=0)
+        print(f"\n{name} / best baseline ({best}): recall@{k} {recall / baseline_scores[best][0]:.3f}, "
+              f"NDCG@{k} {ndcg / baseline_scores[best][1]:.3f}", end="")
+    print()
     if args.ann:
-        ann_table(model, split, n)
+        ann_table(model, test.split, n)
 
 
 def ann_table(model: TwoTower, split: Split, n: int, queries: int = 2000) -> None:

@@ -355,6 +355,12 @@ class RetrievalSettings:
     per_source: int = 60
     candidates: int = 100
     graph_seeds: int = 5
+    # The popularity source: positives weighted 2^(-age / half-life) (models/recall.py recently_popular), so
+    # it follows what is popular now; 7 days: the best of 3, 7, 14, 30 and 60 on the 28 days before
+    # `make bench-retrieval`'s split (docs/benchmarks.md, issue 40).
+    popularity_half_life_days: float = 7.0
+    # The merge's weight of each source (> 0; models/recall.py SOURCES' order: two-tower, graph, popularity).
+    source_weights: tuple[float, ...] = (1.0, 1.0, 1.0)
     key_prefix: str = "retrieval"  # Redis keys of the index, the user embeddings, recent positives
     poll_interval_s: float = 1.0  # the near-line embedder's look at the retrieval @champion
 

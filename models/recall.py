@@ -2,19 +2,23 @@
 
 Sources: the two-tower model's nearest items (models/retrieval.py), item neighbours of the user's recent
 positives (the behavior graph's co-interaction score, models/graph.py), and popularity, the fallback for
-a user the other two know nothing of. Merged by reciprocal-rank fusion: an item's score is the sum over
-the sources that list it of 1 / (60 + its rank there), so an item two sources agree on rises, and no
-source's score scale has to be comparable to another's.
+a user the other two know nothing of (decayed: it follows what is popular now). Merged by weighted
+reciprocal-rank fusion: an item's score is the sum over the sources that list it of the source's weight
+/ (60 + its rank there), so an item two sources agree on rises, and no source's score scale has to be
+comparable to another's; the weights are tuned on a validation window before the benchmark's split
+(`make bench-retrieval`), never on its test.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence, Set
 
 import numpy as np
 
 RRF_K = 60  # the usual constant of reciprocal-rank fusion (Cormack et al., 2009)
+SOURCES = ("two-tower", "graph", "popularity")  # the candidate sources, in `retrieval.source_weights`' order
 
 
 def top_k(scores: np.ndarray, item_ids: Sequence[str], k: int, exclude: Set[str] = frozenset()) -> list[str]:
@@ -32,6 +36,25 @@ def popular(positives: Iterable[str]) -> list[str]:
     """Items by number of positives, most first (ties by id)."""
     counts = Counter(positives)
     return sorted(counts, key=lambda i: (-counts[i], i))
+
+
+def log2_add(a: float, b: float) -> float:
+    """log2(2^a + 2^b), without leaving the log domain (no overflow for any a, b)."""
+    hi, lo = max(a, b), min(a, b)
+    return hi + math.log2(1.0 + 2.0 ** (lo - hi))
+
+
+def recently_popular(positives: Iterable[tuple[str, float]], half_life_s: float) -> list[str]:
+    """Items by decayed popularity, most first (ties by id): the popularity source /recommend serves, as
+    the benchmark judges it. At any moment `now`, an item's positives (item, time s) weigh
+    sum 2^(-(now - t) / half-life) = 2^(-now / half-life) x sum 2^(t / half-life); the first factor is
+    common to every item, so an item keeps log2(sum 2^(t / half-life)), a running sum (`log2_add`) that
+    never needs rescaling as time passes and never overflows (serving/nearline.py keeps it in Redis)."""
+    scores: dict[str, float] = {}
+    for item, t in positives:
+        w = t / half_life_s
+        scores[item] = log2_add(scores[item], w) if item in scores else w
+    return sorted(scores, key=lambda i: (-scores[i], i))
 
 
 def co_interaction(weighted: Iterable[tuple[str, str, float]], keep: int) -> dict[str, list[tuple[str, float]]]:
@@ -60,14 +83,24 @@ def neighbours_of(recent: Sequence[str], neighbours: Mapping[str, Sequence[tuple
     return sorted(scores, key=lambda i: (-scores[i], i))[:k]
 
 
-def merge(sources: Mapping[str, Sequence[str]], k: int) -> list[tuple[str, float, list[str]]]:
-    """Reciprocal-rank fusion of the sources' lists: (item, fused score, the sources that listed it), best
-    first, at most k."""
+def source_weights(values: Sequence[float]) -> dict[str, float]:
+    """The merge's weights by source from `retrieval.source_weights` (one per SOURCES, in its order). Each
+    is > 0: every source stays in (popularity is what a user nobody knows gets)."""
+    if len(values) != len(SOURCES) or any(not w > 0 for w in values):
+        raise ValueError(f"retrieval.source_weights: one weight > 0 per source {SOURCES}, got {tuple(values)}")
+    return dict(zip(SOURCES, map(float, values)))
+
+
+def merge(sources: Mapping[str, Sequence[str]], k: int, weights: Mapping[str, float] | None = None
+          ) -> list[tuple[str, float, list[str]]]:
+    """Weighted reciprocal-rank fusion of the sources' lists (weight 1 for a source `weights` does not
+    name): (item, fused score, the sources that listed it), best first, at most k."""
     fused: dict[str, float] = defaultdict(float)
     named: dict[str, list[str]] = defaultdict(list)
     for name, items in sources.items():
+        weight = 1.0 if weights is None else weights.get(name, 1.0)
         for rank, item in enumerate(items):
-            fused[item] += 1.0 / (RRF_K + rank + 1)
+            fused[item] += weight / (RRF_K + rank + 1)
             named[item].append(name)
     best = sorted(fused, key=lambda i: (-fused[i], i))[:k]
     return [(i, fused[i], named[i]) for i in best]

@@ -19,7 +19,8 @@ Keys (prefix `retrieval.key_prefix`):
     {p}:v{V}:categories  hash: item id -> its category (the ranker's user x category features)
     {p}:recent           hash: user id -> JSON list of their recent positive items, newest last
     {p}:clicked:{user}   set: every item the user acted on positively (never recommended again)
-    {p}:popular          sorted set: positive actions per item (the fallback source)
+    {p}:popular:decayed  sorted set: per item, log2 of its positive actions' decayed weights' sum
+                         (models/recall.py `recently_popular`: the popularity source follows time)
 
 Why a vector set and not an index in each server process: every server worker and replica shares the
 one index, the embedder refreshes it once per promotion, and a query is one round trip that the
@@ -48,6 +49,27 @@ GROUP = "flywheel-user-embedder"
 SEQUENCE_TOPIC = "features.user_sequence"
 BATCH = 1024  # users embedded per model call when a version is switched in
 _decode_row = msgspec.json.Decoder(list).decode
+# An action in the decayed popularity: score <- log2_add(score, t / half-life) (models/recall.py), one key,
+# so it also runs on a Redis Cluster.
+_ADD_DECAYED = """
+local w = tonumber(ARGV[2])
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if score then
+  local s = tonumber(score)
+  local hi, lo = math.max(s, w), math.min(s, w)
+  w = hi + math.log(1 + 2 ^ (lo - hi)) / math.log(2)
+end
+redis.call('ZADD', KEYS[1], w, ARGV[1])
+"""
+
+
+def count_popular(pipe, key: str, acted: Sequence[tuple[str, float]], half_life_s: float) -> None:
+    """Queue on `pipe` each (item, time s) positive action into the decayed popularity at `key`. A time in
+    the future counts as now: a skewed clock must not rank its item first for good."""
+    now = time.time()
+    for item, t in acted:
+        # EVAL as a plain command: a Redis Cluster pipeline routes it by its key (it has no `eval` method)
+        pipe.execute_command("EVAL", _ADD_DECAYED, 1, key, item, repr(min(t, now) / half_life_s))
 
 
 class Keys:
@@ -55,7 +77,8 @@ class Keys:
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
-        self.current, self.recent, self.popular = f"{prefix}:current", f"{prefix}:recent", f"{prefix}:popular"
+        self.current, self.recent = f"{prefix}:current", f"{prefix}:recent"
+        self.popular = f"{prefix}:popular:decayed"  # not `:popular`, which held plain counts before
 
     def items(self, version: str) -> str:
         return f"{self.prefix}:v{version}:items"
@@ -152,7 +175,8 @@ class Embedder:
         first = self.consumer.poll(0.1)
         polled = [] if first is None else [first, *self.consumer.consume(self.max_records - 1, 0)]
         newest: dict[str, list[str]] = {}  # user -> recent positives, from their newest row in the batch
-        acted: list[tuple[str, str]] = []  # (user, item) of each row's own action
+        # (user, item, time s) of each row's own action; a row without its times is not counted popular
+        acted: list[tuple[str, str, float | None]] = []
         for record in polled:
             if record.error():
                 if record.error().fatal():
@@ -161,24 +185,27 @@ class Embedder:
             try:
                 row = dict(zip(self.fields, _decode_row(record.value())))
                 user, items = row["user_id"], [str(i) for i in row["seq_item_ids"] or []]
+                times = row["seq_event_times"] or []
+                t = times[-1] / 1000 if items and len(times) == len(items) else None  # the newest action's, ms
             except (TypeError, KeyError, msgspec.DecodeError):  # a tombstone or not a row of this view
                 continue
             if items:
                 newest[user] = items[-self.s.retrieval.sequence_length:]
-                acted.append((user, items[-1]))
+                acted.append((user, items[-1], t))
         if newest:
             self.store(newest, acted)
         if polled:
             self.consumer.commit(asynchronous=False)
         return len(newest)
 
-    def store(self, recent: dict[str, list[str]], acted: Sequence[tuple[str, str]]) -> None:
+    def store(self, recent: dict[str, list[str]], acted: Sequence[tuple[str, str, float | None]]) -> None:
         k = self.keys
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(k.recent, mapping={u: json.dumps(items) for u, items in recent.items()})
-        for user, item in acted:
+        for user, item, _ in acted:
             pipe.sadd(k.clicked(user), item)
-            pipe.zincrby(k.popular, 1, item)
+        count_popular(pipe, k.popular, [(item, t) for _, item, t in acted if t is not None],
+                      self.s.retrieval.popularity_half_life_days * 86_400)
         pipe.execute()
         if self.model is not None:
             self._embed(self.model, self.version, recent)

@@ -2,9 +2,10 @@
 
     candidates  two-tower: the items nearest the user's near-line embedding in the retrieval version's
                 ANN index (one VSIM); graph: item neighbours (the behavior graph's `item_neighbours`
-                feature) of the user's newest positives; popularity: the live positive counts, the
-                fallback that answers a user nobody knows anything of
-    merge       reciprocal-rank fusion of each source's top `retrieval.per_source` (models/recall.py),
+                feature) of the user's newest positives; popularity: the live positives, decayed by their
+                age (models/recall.py), the fallback that answers a user nobody knows anything of
+    merge       weighted reciprocal-rank fusion (`retrieval.source_weights`) of each source's top
+                `retrieval.per_source` (models/recall.py),
                 de-duplicated, the user's own positives left out (`exclude_seen`), at most
                 `retrieval.candidates`
     rank        the ranking path of `POST /rank` (features, batching, the @champion ranker, shedding),
@@ -26,7 +27,7 @@ import redis
 from feature_repo.definitions import ITEM_NEIGHBOURS
 from feature_repo.online import OnlineReader
 from infra.settings import Settings
-from models.recall import merge, neighbours_of
+from models.recall import merge, neighbours_of, source_weights
 from serving.inference import Inference, RankRequest, Shed, new_request_id
 from serving.nearline import Keys, redis_client
 
@@ -56,6 +57,7 @@ class Recommended:
 class Recommender:
     def __init__(self, s: Settings, inference: Inference) -> None:
         self.s, self.inference, self.keys = s, inference, Keys(s.retrieval.key_prefix)
+        self.weights = source_weights(s.retrieval.source_weights)
         timeout = s.serving.default_deadline_ms / 1000
         self.redis = redis_client(s, timeout)
         self.neighbours = OnlineReader(s, timeout)
@@ -95,7 +97,7 @@ class Recommender:
         if exclude_seen and listed:
             exclude = {i for i, hit in zip(listed, self.redis.smismember(k.clicked(user_id), listed)) if hit}
         sources = {name: [i for i in items if i not in exclude][: r.per_source] for name, items in found.items()}
-        merged = merge(sources, r.candidates)
+        merged = merge(sources, r.candidates, self.weights)
         categories = seen[1] if seen is not None and current is not None else {}
         return Retrieved([Item(i, categories.get(i, "")) for i, _, _ in merged], [names for _, _, names in merged],
                          current)

@@ -7,13 +7,13 @@ cd "$(dirname "$0")/.."
 log=$(mktemp)
 .venv/bin/python -m pytest -ra -p no:cacheprovider -m "not stack" "$@" >"$log" 2>&1 &
 fast=$!
+trap 'kill "$fast" 2>/dev/null; rm -f "$log"' EXIT  # an interrupted run leaves no lane behind
 .venv/bin/python -m pytest -ra --durations=15 -m stack "$@"
 stack=$?
 wait "$fast"
 fast_rc=$?
 echo "=============================== the tests that start no service ==============================="
 cat "$log"
-rm -f "$log"
 ok() { [ "$1" = 0 ] || [ "$1" = 5 ]; }  # 5: the arguments left a lane no test
 ok "$stack" || exit "$stack"
 ok "$fast_rc" || exit "$fast_rc"

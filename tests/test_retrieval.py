@@ -4,9 +4,16 @@ co-interaction, the merge favours what sources agree on, and the offline measure
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from models.recall import co_interaction, merge, ndcg_at_k, neighbours_of, popular, recall_at_k, top_k
+from infra.settings import Settings
+from models.baselines import Interactions, ease, item_knn
+from models.recall import (co_interaction, merge, ndcg_at_k, neighbours_of, popular, recall_at_k, recently_popular,
+                           source_weights, top_k)
 from models.retrieval import Catalogue, Profiles, Split, TwoTower, judge
+from serving.nearline import count_popular, redis_client
+
+DAY = 86_400.0
 
 ITEMS = [{"item_id": str(i), "release_year": str(1990 + i % 10), "class": "Drama" if i < 20 else "Comedy"}
          for i in range(40)]
@@ -48,12 +55,55 @@ def test_graph_recall_follows_co_interaction_and_popularity_counts() -> None:
     assert popular(["b", "a", "b", "c", "a", "b"]) == ["b", "a", "c"]
 
 
+def test_popularity_follows_time() -> None:
+    now = 1_795_000_000.0  # 2026; the other positives are 28 years older: weights 2^-1460 of today's
+    positives = ([("old", now - 60 * DAY)] * 10 + [("new", now - DAY)] * 3 + [("1998", now - 28 * 365 * DAY)] * 50
+                 + [("today", now)])
+    assert popular(i for i, _ in positives) == ["1998", "old", "new", "today"]
+    # half-life 7 days: 3 positives a day old outweigh one today, which outweighs 10 two months old
+    assert recently_popular(positives, 7 * DAY) == ["new", "today", "old", "1998"]
+    assert recently_popular(positives, 1000 * 365 * DAY) == ["1998", "old", "new", "today"]  # ~no decay: counts
+
+
+def test_the_baselines_recommend_from_the_users_side_of_the_catalogue() -> None:
+    clicks = _clicks()
+    x = Interactions(clicks)
+    seen = {"u1": {"0", "1"}, "u40": {"20"}}
+    for weights in (ease(x.x, l2=10.0), item_knn(x.x, neighbours=10)):
+        lists = x.lists(weights, ["u1", "u40", "unknown"], 10, seen)
+        assert all(int(i) < 20 for i in lists["u1"]) and all(int(i) >= 20 for i in lists["u40"]), lists
+        assert not set(lists["u1"]) & seen["u1"] and lists["unknown"] == []
+
+
+@pytest.mark.stack
+def test_the_near_line_popularity_orders_items_as_the_benchmark_does(redis_stack: Settings) -> None:
+    rng, now = np.random.default_rng(5), 1_795_000_000.0
+    # and a history from 1998 (no two items with equal weights: Redis orders ties the other way round)
+    ages = np.concatenate([rng.exponential(20 * DAY, 400), 28 * 365 * DAY + rng.uniform(0, DAY, 30)])
+    positives = [(f"i{int(rng.zipf(1.5)) % 40}", now - float(age)) for age in rng.permutation(ages)]
+    r, key = redis_client(redis_stack), "test:popular"
+    r.delete(key)
+    for batch in (positives[:150], positives[150:]):  # a running sum: batches as the embedder polls them
+        pipe = r.pipeline(transaction=False)
+        count_popular(pipe, key, batch, 7 * DAY)
+        pipe.execute()
+    served = [i.decode() for i in r.zrevrange(key, 0, -1)]
+    assert served == recently_popular(positives, 7 * DAY)
+    assert served != popular(i for i, _ in positives)  # it is not the all-time count
+
+
 def test_the_merge_favours_agreement_and_names_the_sources() -> None:
     merged = merge({"two-tower": ["x", "y", "z"], "graph": ["y", "w"], "popularity": ["p", "x"]}, k=3)
     assert [m[0] for m in merged] == ["x", "y", "p"]  # x and y: two sources each (tied, by id); then a first place
     named = {item: sources for item, _, sources in merged}
     assert named["y"] == ["two-tower", "graph"] and named["x"] == ["two-tower", "popularity"]
     assert len(merged) == 3 and len({m[0] for m in merged}) == 3
+    # weighted: popularity's first place outweighs two sources' agreement
+    weights = source_weights((1.0, 1.0, 4.0))
+    assert [m[0] for m in merge({"two-tower": ["x", "y"], "graph": ["y"], "popularity": ["p"]}, 2, weights)] == ["p", "y"]
+    for bad in ((1.0, 1.0), (1.0, 1.0, 0.0)):  # one per source, none switched off
+        with pytest.raises(ValueError, match="one weight"):
+            source_weights(bad)
 
 
 def test_recall_and_ndcg() -> None:
