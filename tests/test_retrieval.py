@@ -75,6 +75,23 @@ def test_the_baselines_recommend_from_the_users_side_of_the_catalogue() -> None:
         assert not set(lists["u1"]) & seen["u1"] and lists["unknown"] == []
 
 
+def test_ease_is_a_ridge_regression_of_each_item_on_the_others_and_knn_keeps_the_nearest() -> None:
+    x = (np.random.default_rng(2).random((30, 6)) < 0.4).astype(np.float32)
+    b = ease(x, l2=3.0)
+    for j in range(6):  # EASE's closed form, column by column: item j regressed on the other items
+        others = [i for i in range(6) if i != j]
+        xo = x[:, others].astype(np.float64)
+        expected = np.linalg.solve(xo.T @ xo + 3.0 * np.eye(5), xo.T @ x[:, j])
+        assert np.allclose(b[others, j], expected, atol=1e-4) and b[j, j] == 0
+    sim = item_knn(x, neighbours=2)
+    norms = np.linalg.norm(x, axis=0)
+    cosine = (x.T @ x) / np.outer(norms, norms)
+    for i in range(6):
+        kept = np.flatnonzero(sim[i])
+        nearest = sorted((j for j in range(6) if j != i), key=lambda j: -cosine[i, j])[:2]
+        assert set(kept) == set(nearest) and np.allclose(sim[i, kept], cosine[i, kept]), (i, kept, nearest)
+
+
 @pytest.mark.stack
 def test_the_near_line_popularity_orders_items_as_the_benchmark_does(redis_stack: Settings) -> None:
     rng, now = np.random.default_rng(5), 1_795_000_000.0
