@@ -55,25 +55,28 @@ class Window:
         return {u: [i for i in ranked if i not in self.split.seen[u]][:n] for u in self.split.users}
 
 
-def source_lists(s: Settings, w: Window, items: list, profiles: Profiles, seed: int, epochs: int, n: int
-                 ) -> tuple[dict[str, dict[str, list[str]]], float, list[float], TwoTower]:
-    """Each source's top n per judged user of window `w`, as /recommend finds them; the two-tower model
-    trained on the window's past with `seed`."""
+def fixed_lists(s: Settings, w: Window, n: int) -> dict[str, dict[str, list[str]]]:
+    """The graph's and popularity's top n per judged user of window `w`, as /recommend finds them (no seed)."""
     split, click = w.split, s.movielens.click_min_rating
-    catalogue = Catalogue.build(items, dict(zip(*np.unique([i for _, i in split.clicks], return_counts=True))))
     half_life = s.graph.half_life_days * 86_400
     neighbours = co_interaction(((r.user_id, r.item_id, s.graph.click_weight * 2 ** (-(w.cut - r.timestamp) / half_life))
                                  for r in w.train if r.rating >= click), keep=s.graph.neighbours)
+    return {"graph": {u: neighbours_of(split.recent[u][-s.retrieval.graph_seeds:], neighbours, n, split.seen[u])
+                      for u in split.users},
+            "popularity": w.unseen(recently_popular(w.clicked, s.retrieval.popularity_half_life_days * 86_400), n)}
+
+
+def two_tower(s: Settings, w: Window, items: list, profiles: Profiles, seed: int, epochs: int, n: int
+              ) -> tuple[dict[str, list[str]], float, list[float], TwoTower]:
+    """The two-tower source's top n per judged user of window `w`, its model trained on the window's past
+    with `seed`; the training's seconds and losses, and the model."""
+    split = w.split
+    catalogue = Catalogue.build(items, dict(zip(*np.unique([i for _, i in split.clicks], return_counts=True))))
     keras.utils.set_random_seed(seed)
     model = TwoTower(catalogue, profiles, sorted(split.seen), s.retrieval.dim, s.retrieval.sequence_length)
     started = time.perf_counter()
     losses = model.fit(model.positives(split.clicks), epochs=epochs, seed=seed)
-    train_s = time.perf_counter() - started
-    lists = {"two-tower": two_tower_lists(model, split, n),
-             "graph": {u: neighbours_of(split.recent[u][-s.retrieval.graph_seeds:], neighbours, n, split.seen[u])
-                       for u in split.users},
-             "popularity": w.unseen(recently_popular(w.clicked, s.retrieval.popularity_half_life_days * 86_400), n)}
-    return lists, train_s, losses, model
+    return two_tower_lists(model, split, n), time.perf_counter() - started, losses, model
 
 
 def merged(lists: dict[str, dict[str, list[str]]], users: list[str], k: int, weights: dict[str, float]
@@ -115,8 +118,8 @@ def main() -> None:
                            s.retrieval.sequence_length)
     users, served = test.split.users, source_weights(s.retrieval.source_weights)
     x = Interactions(test.split.clicks)
-    half_life = s.retrieval.popularity_half_life_days * 86_400
-    baselines = {"popularity (decayed, the popularity source)": test.unseen(recently_popular(test.clicked, half_life), n),
+    fixed = {"test": fixed_lists(s, test, n), "validation": fixed_lists(s, validation, n)}
+    baselines = {"popularity (decayed, the popularity source)": fixed["test"]["popularity"],
                  "popularity (all time)": test.unseen(popular(i for i, _ in test.clicked), n),
                  "popularity (last 30 days)": test.unseen(popular(i for i, t in test.clicked if t >= split_s - 30 * 86_400), n),
                  "EASE": x.lists(ease(x.x), users, n, test.split.seen),
@@ -124,9 +127,10 @@ def main() -> None:
     baseline_scores = {name: judge(lists, test.split, k) for name, lists in baselines.items()}
     test_runs, validation_runs = [], []
     for seed in range(args.seeds):  # the two-tower model's initialisation moves its figures: several seeds
-        validation_runs.append(source_lists(s, validation, items, profiles, seed, args.epochs, n)[0])
-        lists, train_s, losses, model = source_lists(s, test, items, profiles, seed, args.epochs, n)
-        test_runs.append(lists)
+        validation_runs.append(fixed["validation"] | {"two-tower": two_tower(s, validation, items, profiles, seed,
+                                                                             args.epochs, n)[0]})
+        ann, train_s, losses, model = two_tower(s, test, items, profiles, seed, args.epochs, n)
+        test_runs.append(fixed["test"] | {"two-tower": ann})
     tuned = tuned_weights(validation_runs, validation.split, k)
     rows: dict[str, list[tuple[float, float]]] = {name: [judge(lists[name], test.split, k) for lists in test_runs]
                                                  for name in SOURCES}

@@ -5,8 +5,8 @@ positives (the behavior graph's co-interaction score, models/graph.py), and popu
 a user the other two know nothing of (decayed: it follows what is popular now). Merged by weighted
 reciprocal-rank fusion: an item's score is the sum over the sources that list it of the source's weight
 / (60 + its rank there), so an item two sources agree on rises, and no source's score scale has to be
-comparable to another's; the weights are tuned on a validation window before the benchmark's split
-(`make bench-retrieval`), never on its test.
+comparable to another's (`retrieval.source_weights`; `make bench-retrieval` tunes them on a validation
+window before its split, never on its test, and serves them only where that beats the seeds' spread).
 """
 
 from __future__ import annotations

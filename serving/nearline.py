@@ -186,7 +186,7 @@ class Embedder:
                 row = dict(zip(self.fields, _decode_row(record.value())))
                 user, items = row["user_id"], [str(i) for i in row["seq_item_ids"] or []]
                 times = row["seq_event_times"] or []
-                t = times[-1] / 1000 if items and len(times) == len(items) else None  # the newest action's, ms
+                t = times[-1] / 1000 if items and len(times) == len(items) else None  # the newest action's (stored in ms)
             except (TypeError, KeyError, msgspec.DecodeError):  # a tombstone or not a row of this view
                 continue
             if items:
