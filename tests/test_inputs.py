@@ -54,6 +54,13 @@ def test_each_candidate_gets_its_categorys_long_history_shares_and_attributes() 
     assert again.item_tokens.tolist() == ex.item_tokens.tolist()
     assert again.user_tokens.tolist() == ex.user_tokens.tolist()
     assert ex.numeric_names == NUMERIC_FEATURES
+    # a training frame holds each row's own copy of the user's lists (serving's rows share one, computed
+    # once per request and category): the same inputs either way
+    copied = {name: [list(v) if isinstance(v, list) else v for v in values] for name, values in columns.items()}
+    own = to_examples(copied, np.full(n, 500), np.zeros(n), sequence_length=4)
+    for part in ("categories", "numeric", "sequences", "sequence_types", "long_sequences", "long_types",
+                 "item_tokens", "user_tokens"):
+        assert getattr(own, part).tolist() == getattr(ex, part).tolist(), part
 
 
 def test_training_rows_read_the_long_history_point_in_time_and_only_their_category(tmp_path: Path) -> None:
