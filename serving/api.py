@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from infra.process import exit_with_parent
 from infra.settings import Settings
+from models.recall import SOURCES
 from serving import metrics
 from serving.inference import Inference, NotReady, RankRequest, Shed
 from serving.recommend import Recommender
@@ -91,7 +92,7 @@ class RecommendIn(BaseModel):
 class RecommendedItem(BaseModel):
     item_id: str
     score: float = Field(description="The ranker's click probability.")
-    sources: list[Literal["two-tower", "graph", "popularity"]]
+    sources: list[Literal[SOURCES]]  # type: ignore[valid-type]
 
 
 class RecommendOut(BaseModel):
