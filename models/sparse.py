@@ -13,6 +13,7 @@ a push, `delta` what each shard publishes to the serving replicas.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,7 +83,7 @@ class SparseTable:
         """Rows of `ids` ([n] int64). In training, counts each id toward admission and admits it
         once seen `admit_after` times; unknown ids get the default row."""
         if not train:
-            return np.fromiter((self.index.get(i, DEFAULT_ROW) for i in ids), np.int64, len(ids))
+            return np.fromiter(map(self.index.get, ids, itertools.repeat(DEFAULT_ROW)), np.int64, len(ids))
         rows = np.empty(len(ids), np.int64)
         now = self.step + 1
         for n, id_ in enumerate(ids):
