@@ -179,8 +179,10 @@ class AirflowSettings:
     metadata_db: str = "sqlite"  # or "postgres": database `airflow` on settings.postgres
     # CPU priority of the scheduler, the DAG processor and so of every task they start (nice(1)).
     # Training and graph runs are batch work: on a host they share with the ranking server and the
-    # stream job, they take the cores those leave idle, not the ones a request is waiting for.
-    niceness: int = 10
+    # stream job, they take the cores those leave idle, not the ones a request is waiting for. 19, the
+    # lowest: at 10 a training task (TensorFlow, ~1.5 cores) still took a tenth of the CPU a waiting
+    # request wanted and set the serving checks' p99 (docs/benchmarks.md, seventh session).
+    niceness: int = 19
     # DAG cadences. Minutes, not seconds: each Airflow run costs seconds of scheduling and process
     # start-up, and a training run needs enough new labelled impressions to move the model.
     full_training_schedule: str = "@daily"  # cron or preset; empty: only when triggered
