@@ -97,6 +97,8 @@ def test_the_served_auc_per_version_outlives_a_broker_restart(tmp_path: Path) ->
         raw = Producer(s.kafka.client_options("librdkafka"))
         raw.produce(s.serving.predictions_topic, b"{not json")
         raw.produce(s.serving.predictions_topic, json.dumps(sent[0] | {"served_at": "yesterday"}).encode())
+        not_an_object = {"features": [1]} | {k: v for k, v in sent[1].items() if k != "features"}
+        raw.produce(s.serving.predictions_topic, json.dumps(not_an_object).encode())
         assert raw.flush(10) == 0
         with EventProducer(s) as producer:
             for n in range(40):
@@ -108,9 +110,10 @@ def test_the_served_auc_per_version_outlives_a_broker_restart(tmp_path: Path) ->
         before = auc_by_version(served_outcomes(s)).set_index("model_version")
         dlq = s.kafka.dlq_topic(s.serving.predictions_topic)
         letters = [read_dead_letter(r) for r in read_range(s, dlq, {}, end_offsets(s, dlq))]
-        assert [d.reason.split(":")[0] for d in letters] == ["malformed prediction record"] * 2
+        assert [d.reason.split(":")[0] for d in letters] == ["malformed prediction record"] * 3
         reasons = {d.value[:9]: d.reason for d in letters}  # partitions: in either order
-        assert set(reasons) == {b"{not json", b'{"request'} and "served_at" in reasons[b'{"request']
+        assert set(reasons) == {b"{not json", b'{"request', b'{"feature'} and "served_at" in reasons[b'{"request']
+        assert "features" in reasons[b'{"feature']
     finally:
         for p in archives:
             p.terminate()
