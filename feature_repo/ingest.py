@@ -65,10 +65,8 @@ class FeatureIngestor:
         self.writer = OnlineWriter(s)
         self.stats = IngestStats()
         # librdkafka: fetching and decoding in C, a prefetch queue filled while this process writes; a
-        # fetch answered within 20 ms, not its default 500, on a stream too slow to fill it (freshness)
-        self.consumer = Consumer(s.kafka.client_options("librdkafka") | {
-            "group.id": GROUP, "enable.auto.commit": False, "auto.offset.reset": "earliest", "fetch.wait.max.ms": 20,
-            "session.timeout.ms": s.kafka.session_timeout_ms, "heartbeat.interval.ms": s.kafka.heartbeat_interval_ms})
+        # fetch answered within `kafka.fetch_wait_ms`, not its default 500, on a quiet stream (freshness)
+        self.consumer = Consumer(s.kafka.stream_consumer(GROUP))
         self.consumer.subscribe(list(VIEWS_BY_TOPIC))
 
     def run_once(self) -> int:

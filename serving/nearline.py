@@ -106,9 +106,7 @@ class Embedder:
         self.model = None  # the TwoTower of `self.version`
         self.version: str | None = None
         self.fields = tuple(name for name, _ in row_schema(topics()[SEQUENCE_TOPIC]))
-        self.consumer = Consumer(s.kafka.client_options("librdkafka") | {
-            "group.id": GROUP, "enable.auto.commit": False, "auto.offset.reset": "earliest", "fetch.wait.max.ms": 20,
-            "session.timeout.ms": s.kafka.session_timeout_ms, "heartbeat.interval.ms": s.kafka.heartbeat_interval_ms})
+        self.consumer = Consumer(s.kafka.stream_consumer(GROUP))
         self.consumer.subscribe([SEQUENCE_TOPIC])
         self._followed_at = 0.0
 
