@@ -105,8 +105,9 @@ class KafkaSettings:
         return topic + self.dlq_suffix
 
     def stream_consumer(self, group: str) -> dict[str, Any]:
-        """librdkafka options of a consumer of the stream's topics that commits its own offsets after
-        writing (the ingestor, the embedder): from the earliest record, fetches held `fetch_wait_ms`."""
+        """librdkafka options of a consumer of the platform's topics that commits its own offsets after
+        writing (the ingestor, the embedder, the archives): from the earliest record, fetches held
+        `fetch_wait_ms`."""
         return self.client_options("librdkafka") | {
             "group.id": group, "enable.auto.commit": False, "auto.offset.reset": "earliest",
             "fetch.wait.max.ms": self.fetch_wait_ms, "session.timeout.ms": self.session_timeout_ms,
