@@ -59,7 +59,7 @@ def fixed_lists(s: Settings, w: Window, n: int) -> dict[str, dict[str, list[str]
     """The graph's and popularity's top n per judged user of window `w`, as /recommend finds them (no seed)."""
     split, click = w.split, s.movielens.click_min_rating
     half_life = s.graph.half_life_days * 86_400
-    neighbours = co_interaction(((r.user_id, r.item_id, s.graph.click_weight * 2 ** (-(w.cut - r.timestamp) / half_life))
+    neighbours = co_interaction(((r.user_id, r.item_id, s.spec.weights[s.spec.labels[0]] * 2 ** (-(w.cut - r.timestamp) / half_life))
                                  for r in w.train if r.rating >= click), keep=s.graph.neighbours)
     return {"graph": {u: neighbours_of(split.recent[u][-s.retrieval.graph_seeds:], neighbours, n, split.seen[u])
                       for u in split.users},

@@ -34,7 +34,7 @@ from benchmarks.record import record
 from infra import process, stack
 from infra.services import enabled_services
 from infra.settings import Settings, load_settings
-from streaming.events import TEST_TRAFFIC, Event, EventType
+from streaming.events import TEST_TRAFFIC, Event, dataset_spec
 from streaming.produce import fixed_rate_pace, produce
 from streaming.producer import EventProducer
 from streaming.synthetic import SyntheticConfig, SyntheticGenerator
@@ -50,7 +50,7 @@ def settings(data_dir: Path, profile: str) -> Settings:
 
 def click(user: str) -> Event:
     now = int(time.time() * 1000)
-    return Event(event_id=f"probe-{user}", user_id=user, item_id="probe-item", event_type=EventType.CLICK,
+    return Event(event_id=f"probe-{user}", user_id=user, item_id="probe-item", event_type=dataset_spec().labels[0],
                  request_id=f"probe-{user}", event_time=now, context={"category": "probe", TEST_TRAFFIC: True})
 
 

@@ -43,7 +43,7 @@ def write_batch(s: Settings, batch: list[Consumed]) -> int:
     for (date, partition), items in groups.items():
         events = [c.event for c in items]
         columns = {"event_id": [e.event_id for e in events], "user_id": [e.user_id for e in events],
-                   "item_id": [e.item_id for e in events], "event_type": [e.event_type.value for e in events],
+                   "item_id": [e.item_id for e in events], "event_type": [e.event_type for e in events],
                    "request_id": [e.request_id for e in events], "event_time": [e.event_time for e in events],
                    "context": [json.dumps(e.context, sort_keys=True) for e in events],
                    "kafka_partition": [c.partition for c in items], "kafka_offset": [c.offset for c in items]}

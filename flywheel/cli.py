@@ -193,7 +193,7 @@ def _replay(s: Settings, topic: str, limit: int | None, speed: float) -> Produce
     with EventProducer(s, topic) as producer:
         report = produce(replay_events(s, limit), producer, pace=event_time_pace(speed),
                          desc="replay ml-100k")
-    ratings = report.by_type["impression"]  # one impression per rating
+    ratings = report.by_type[s.spec.exposures[0]]  # one exposure per rating
     click.echo(f"replayed {ratings} ratings as {report.total} events "
                f"({dict(report.by_type)}) in {report.seconds:.1f}s = {report.rate:,.0f} events/s")
     return report

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote, urlsplit
 
+from infra.dataset import DatasetSpec, SpecError, load_spec
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV_PREFIX = "FLYWHEEL_"
 # Every service group the local stack can run; the default profile runs DEFAULT_SERVICES. "postgres",
@@ -249,6 +251,12 @@ class S3Settings:
 
 
 @dataclass(frozen=True)
+class DatasetSettings:
+    # What the data means (event types and their roles): one file, docs/dataset-spec.md.
+    spec: Path = REPO_ROOT / "datasets" / "movielens" / "dataset.toml"
+
+
+@dataclass(frozen=True)
 class MovielensSettings:
     wheel: str = "recbole==1.2.1"  # ships ml-100k; downloaded at run time, never committed
     click_min_rating: int = 4
@@ -337,10 +345,6 @@ class GraphSettings:
     # of a module type, which a Redis Cluster cannot shard: the cluster profile gives it a server of its own.
     redis_url: str = ""
     half_life_days: float = 30.0  # an edge's weight halves in this time without new behavior
-    # Behavior weights; impressions are exposure, not interest, and add no edge.
-    click_weight: float = 1.0
-    add_to_cart_weight: float = 2.0
-    purchase_weight: float = 4.0
     neighbours: int = 20  # item-item neighbours kept per item
     batch_size: int = 2000  # edges per Cypher upsert
     # A run takes events up to the newest one in the log minus this, so events this late still
@@ -448,6 +452,7 @@ class Settings:
     redis: RedisSettings = field(default_factory=RedisSettings)
     mlflow: MlflowSettings = field(default_factory=MlflowSettings)
     airflow: AirflowSettings = field(default_factory=AirflowSettings)
+    dataset: DatasetSettings = field(default_factory=DatasetSettings)
     movielens: MovielensSettings = field(default_factory=MovielensSettings)
     flink: FlinkSettings = field(default_factory=FlinkSettings)
     postgres: PostgresSettings = field(default_factory=PostgresSettings)
@@ -457,6 +462,11 @@ class Settings:
     graph: GraphSettings = field(default_factory=GraphSettings)
     retrieval: RetrievalSettings = field(default_factory=RetrievalSettings)
     serving: ServingSettings = field(default_factory=ServingSettings)
+
+    @property
+    def spec(self) -> DatasetSpec:
+        """The dataset spec at `dataset.spec` (read once per process)."""
+        return load_spec(self.dataset.spec)
 
 
 def peer_port(port: int) -> int:
@@ -543,6 +553,10 @@ def load_settings(environ: dict[str, str] | None = None, config_file: Path | Non
     if settings.redis.cluster_nodes and not settings.graph.redis_url:
         raise SettingsError("redis.cluster_nodes: the graph store cannot shard; give it a Redis of its own "
                             "(graph.redis_url, a server with the FalkorDB module)")
+    try:  # the spec is checked whole before anything starts
+        load_spec(settings.dataset.spec)
+    except SpecError as exc:
+        raise SettingsError(f"dataset.spec: {exc}") from None
     bad = set(settings.stack.services) - set(LOCAL_SERVICES)
     if bad:
         raise SettingsError(f"stack.services: unknown services {sorted(bad)}; known: {list(LOCAL_SERVICES)}")

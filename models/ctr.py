@@ -24,13 +24,11 @@ import tensorflow as tf  # noqa: E402
 from models.examples import PAD, Examples, fit_width  # noqa: E402
 from models.networks import LogisticRegression, Ranker, RankerV1  # noqa: E402
 from models.sparse import DEFAULT_ROW, SparseConfig, SparseTable, TableSnapshot, apply_delta  # noqa: E402
-from streaming.events import EventType  # noqa: E402
+from streaming.events import declared_types  # noqa: E402
 
 TABLES = ("user", "item", "category", "attribute")  # behaviors share the item table; attribute: item and user tokens
 EMBEDDED = ("user", "item", "category", "sequence", "long_sequence", "item_tokens", "user_tokens")
 KINDS = ("ranker", "ranker-v1", "logreg")
-# Event types of behaviors as the network's type ids (0: padding or a type this list does not know).
-EVENT_TYPE_IDS = {kind.value: n + 1 for n, kind in enumerate(EventType)}
 
 
 @dataclass(frozen=True)
@@ -45,6 +43,9 @@ class ModelSpec:
     learning_rate: float = 1e-3  # the dense network's Adam
     batch_size: int = 256
     jit_compile: bool = True
+    # The behaviors' event types the type embedding is sized for (id n + 1; 0: padding or a type not in it):
+    # the dataset spec's when trained, kept with the version whatever the spec says later.
+    event_types: tuple[str, ...] = field(default_factory=declared_types)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -55,12 +56,13 @@ class ModelSpec:
         if "long_length" not in raw:  # exported before the long history: its ranker is ranker-v1
             raw |= {"kind": "ranker-v1" if raw["kind"] == "ranker" else raw["kind"], "long_length": 0}
         return cls(**raw | {"sparse": SparseConfig(**raw["sparse"]), "numeric_features": tuple(raw["numeric_features"]),
-                            "hidden": tuple(raw["hidden"])})
+                            "hidden": tuple(raw["hidden"])}
+                   | ({"event_types": tuple(raw["event_types"])} if "event_types" in raw else {}))
 
 
 def _network(spec: ModelSpec) -> keras.Model:
     if spec.kind == "ranker":
-        return Ranker(spec.sparse.dim, len(EVENT_TYPE_IDS) + 1, list(spec.hidden))
+        return Ranker(spec.sparse.dim, len(spec.event_types) + 1, list(spec.hidden))
     return RankerV1(list(spec.hidden)) if spec.kind == "ranker-v1" else LogisticRegression()
 
 
@@ -71,6 +73,7 @@ class CtrModel:
         if spec.kind == "logreg" and spec.sparse.dim != 1:
             raise ValueError("logreg learns one weight per id: its sparse dim must be 1")
         self.spec = spec
+        self._type_ids = {kind: n + 1 for n, kind in enumerate(spec.event_types)}
         self.tables = {name: SparseTable(name, spec.sparse) for name in TABLES} | (tables or {})
         self.network = _network(spec)
         self.optimizer = keras.optimizers.Adam(spec.learning_rate)
@@ -105,14 +108,13 @@ class CtrModel:
         rows[real] = self.tables[table].lookup(ids[real].tolist(), train)  # training: each occurrence counts
         return rows, real.astype(np.float32)
 
-    @staticmethod
-    def _types(types: np.ndarray) -> np.ndarray:
+    def _types(self, types: np.ndarray) -> np.ndarray:
         """Event types [N, L] str as type ids [N, L] int32."""
         if not types.size:
             return np.zeros(types.shape, np.int32)
         # Hashed, not sorted (np.unique of strings was a third of a batch's input preparation).
         codes, kinds = pd.factorize(types.ravel(), use_na_sentinel=False)
-        return np.array([EVENT_TYPE_IDS.get(k, 0) for k in kinds], np.int32)[codes].reshape(types.shape)
+        return np.array([self._type_ids.get(k, 0) for k in kinds], np.int32)[codes].reshape(types.shape)
 
     def _lookup(self, ex: Examples, train: bool) -> dict[str, np.ndarray]:
         """Rows of every id of the batch; list padding -> the default row, never counted. Only the newest

@@ -56,8 +56,9 @@ def labelled_impressions(s: Settings, window: Window) -> pd.DataFrame:
     log = log.filter(pc.field("event_id").is_valid())
     frame = log.select(["event_id", "user_id", "item_id", "event_type", "request_id", "event_time", "context"]
                        ).to_pandas().drop_duplicates("event_id")
-    imps = frame[(frame.event_type == "impression") & (frame.event_time >= start) & (frame.event_time < end)]
-    clicks = frame[frame.event_type == "click"][["request_id", "item_id"]].drop_duplicates()
+    # Examples are the spec's exposures; labelled by its label types on the same request and item.
+    imps = frame[frame.event_type.isin(s.spec.exposures) & (frame.event_time >= start) & (frame.event_time < end)]
+    clicks = frame[frame.event_type.isin(s.spec.labels)][["request_id", "item_id"]].drop_duplicates()
     clicks["label"] = 1.0
     out = imps.merge(clicks, on=["request_id", "item_id"], how="left")
     out["label"] = out["label"].fillna(0.0)

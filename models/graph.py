@@ -107,8 +107,8 @@ def connect(s: Settings) -> falkordb.Graph:
 
 
 def behavior_weights(s: Settings) -> dict[str, float]:
-    g = s.graph
-    return {"click": g.click_weight, "add_to_cart": g.add_to_cart_weight, "purchase": g.purchase_weight}
+    """Each positive's edge weight (the dataset spec's); exposures are not interest and add no edge."""
+    return s.spec.weights
 
 
 def half_life_ms(s: Settings) -> float:

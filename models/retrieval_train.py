@@ -33,7 +33,6 @@ from models.registry import CHAMPION, Decision, alias_version, connect, decide
 from models.retrieval import Catalogue, Profiles, Split, TwoTower, judge, two_tower_lists
 from streaming.events import TEST_TRAFFIC
 
-POSITIVE = ("click", "add_to_cart", "purchase")
 NEXT_N = 10  # a judged user's next positives
 
 
@@ -59,7 +58,7 @@ def behavior(s: Settings, start_ms: int, end_ms: int) -> list[tuple[str, str, in
     df = df.drop_duplicates("event_id")
     df = df[[TEST_TRAFFIC not in c or json.loads(c).get(TEST_TRAFFIC) is not True for c in df["context"]]]
     df = df.sort_values("event_time", kind="stable")
-    return list(zip(df["user_id"], df["item_id"], df["event_time"].astype(int), df["event_type"].isin(POSITIVE)))
+    return list(zip(df["user_id"], df["item_id"], df["event_time"].astype(int), df["event_type"].isin(s.spec.positives)))
 
 
 def _latest(s: Settings, view: str, key: str) -> pd.DataFrame:

@@ -24,7 +24,7 @@ def served_outcomes(s: Settings, since_ms: int | None = None, until_ms: int | No
     request_id, item_id, model_version, route, served_at (ms), score, label (1.0 if the user clicked it
     on that request), sources (the candidate sources of a recommended item; None: a ranked one)."""
     log = read_event_log(s, since_ms)  # clicks follow what they click: none before the period
-    log = log.filter(pc.field("event_type") == "click")
+    log = log.filter(pc.field("event_type").isin(list(s.spec.labels)))
     clicks = set(zip(log.column("request_id").to_pylist(), log.column("item_id").to_pylist()))
     shown = read_predictions(s, since_ms, until_ms).filter(~pc.field("shadow"))
     rows = []

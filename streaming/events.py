@@ -7,8 +7,9 @@ stay in order on one partition::
      "event_type": "click", "request_id": "...", "event_time": 874965758000,
      "context": {"source": "movielens-100k"}}
 
-``event_time`` is milliseconds since the Unix epoch (UTC). ``request_id`` names the ranking request
-that produced an impression; a click or purchase carries the request id of its impression.
+``event_time`` is milliseconds since the Unix epoch (UTC). ``event_type`` is one the dataset spec
+declares (infra/dataset.py; MovieLens': impression, click, add_to_cart, purchase). ``request_id`` names
+the ranking request that produced an exposure; an action on it carries the same request id.
 ``context`` is free-form (string, number or boolean values); ``"test_traffic": true`` marks load-test
 traffic, which training and evaluation skip.
 Standard library only: the Flink job's environment imports this module too.
@@ -16,10 +17,14 @@ Standard library only: the Flink job's environment imports this module too.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
+
+from infra.dataset import DatasetSpec
+from infra.settings import get_settings
 
 SCHEMA_VERSION = 1
 MAX_ID_CHARS = 128
@@ -41,11 +46,14 @@ DLQ_REASON, DLQ_TOPIC, DLQ_PARTITION, DLQ_OFFSET = "dlq.reason", "dlq.topic", "d
 DLQ_ORIGINAL_SIZE = "dlq.original_size"
 
 
-class EventType(str, Enum):
-    IMPRESSION = "impression"
-    CLICK = "click"
-    ADD_TO_CART = "add_to_cart"
-    PURCHASE = "purchase"
+@functools.cache
+def dataset_spec() -> DatasetSpec:
+    """This process's dataset spec (`dataset.spec`): the event types and their roles."""
+    return get_settings().spec
+
+
+def declared_types() -> tuple[str, ...]:
+    return dataset_spec().type_names
 
 
 class InvalidEvent(ValueError):
@@ -61,7 +69,7 @@ class Event:
     event_id: str
     user_id: str
     item_id: str
-    event_type: EventType
+    event_type: str
     request_id: str
     event_time: int
     context: dict[str, ContextValue] = field(default_factory=dict)
@@ -69,7 +77,7 @@ class Event:
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": self.schema_version, "event_id": self.event_id, "user_id": self.user_id,
-                "item_id": self.item_id, "event_type": self.event_type.value, "request_id": self.request_id,
+                "item_id": self.item_id, "event_type": self.event_type, "request_id": self.request_id,
                 "event_time": self.event_time, "context": self.context}
 
     def encode(self, max_bytes: int) -> bytes:
@@ -89,8 +97,9 @@ _STRING_FIELDS = ("event_id", "user_id", "item_id", "request_id")
 _FIELDS = {"schema_version", "event_type", "event_time", "context", *_STRING_FIELDS}
 
 
-def validate(record: Any) -> Event:
-    """Check a decoded JSON value against the schema and build the Event, or raise InvalidEvent."""
+def validate(record: Any, types: Collection[str] | None = None) -> Event:
+    """Check a decoded JSON value against the schema and build the Event, or raise InvalidEvent.
+    `types`: the event types to accept (default: the dataset spec's)."""
     if not isinstance(record, dict):
         raise InvalidEvent(f"not a JSON object: got {type(record).__name__}")
     if record.keys() != _FIELDS:
@@ -109,11 +118,10 @@ def validate(record: Any) -> Event:
             raise InvalidEvent(f"wrong type: {name} must be a string, got {type(value).__name__}")
         if not value or len(value) > MAX_ID_CHARS:
             raise InvalidEvent(f"bad value: {name} must have 1..{MAX_ID_CHARS} characters")
-    try:
-        event_type = EventType(record["event_type"])
-    except ValueError:
-        known = ", ".join(t.value for t in EventType)
-        raise InvalidEvent(f"unknown event_type {record['event_type']!r} (known: {known})") from None
+    types = declared_types() if types is None else types
+    event_type = record["event_type"]
+    if not isinstance(event_type, str) or event_type not in types:
+        raise InvalidEvent(f"unknown event_type {event_type!r} (declared: {', '.join(types)})")
     event_time = record["event_time"]
     if type(event_time) is not int:
         raise InvalidEvent(f"wrong type: event_time must be integer milliseconds, got {type(event_time).__name__}")
@@ -128,10 +136,10 @@ def validate(record: Any) -> Event:
         if not isinstance(value, (str, int, float, bool)):
             raise InvalidEvent(f"wrong type: context[{key!r}] must be a string, number or boolean, "
                                f"got {type(value).__name__}")
-    return Event(event_type=event_type, **{k: record[k] for k in _FIELDS if k != "event_type"})
+    return Event(**{k: record[k] for k in _FIELDS})
 
 
-def decode(payload: bytes | None, max_bytes: int) -> Event:
+def decode(payload: bytes | None, max_bytes: int, types: Collection[str] | None = None) -> Event:
     """Parse and validate one wire record, or raise InvalidEvent with the reason."""
     if payload is None:
         raise InvalidEvent("empty record (null value)")
@@ -140,7 +148,7 @@ def decode(payload: bytes | None, max_bytes: int) -> Event:
         record = json.loads(payload)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidEvent(f"malformed JSON: {exc}") from None
-    return validate(record)
+    return validate(record, types)
 
 
 def _check_size(payload: bytes, max_bytes: int) -> None:

@@ -31,6 +31,7 @@ from pyflink.datastream import StreamExecutionEnvironment
 from pyflink.java_gateway import get_gateway
 from pyflink.table import Schema, StreamTableEnvironment, Table
 
+from infra.dataset import JVM_SEPARATOR
 from infra.flink_jars import udf_jar
 from infra.settings import Settings, get_settings
 from streaming.events import DLQ_OFFSET, DLQ_ORIGINAL_SIZE, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC
@@ -83,6 +84,8 @@ def table_environment(s: Settings) -> StreamTableEnvironment:
         "restart-strategy.failure-rate.max-failures-per-interval": "10",
         "restart-strategy.failure-rate.failure-rate-interval": "10 min",
         "restart-strategy.failure-rate.delay": "2 s",
+        # The dataset spec's vocabulary, for the functions that parse events and rank their types.
+        "pipeline.global-job-parameters": _job_parameters(s),
     }
     if s.streaming.mini_batch_ms > 0:  # one update per key per batch, combined before the shuffle
         options |= {"table.exec.mini-batch.enabled": "true",
@@ -106,6 +109,18 @@ def table_environment(s: Settings) -> StreamTableEnvironment:
     remote = get_gateway().jvm.org.apache.flink.streaming.api.environment.StreamExecutionEnvironment(
         config._j_configuration)
     return StreamTableEnvironment.create(StreamExecutionEnvironment(remote))
+
+
+def _job_parameters(s: Settings) -> str:
+    """`pipeline.global-job-parameters`: the spec's event types in order and its exposures ('|'-separated;
+    spec names hold no separator: infra/dataset.py)."""
+    sep = JVM_SEPARATOR
+    return (f"flywheel.event-types:{sep.join(s.spec.type_names)},"
+            f"flywheel.exposure-types:{sep.join(s.spec.exposures)}")
+
+
+def _in(names: tuple[str, ...]) -> str:
+    return f"event_type IN ({', '.join(_sql_string(n) for n in names)})"
 
 
 # --- tables ------------------------------------------------------------------------------------
@@ -181,11 +196,12 @@ def create_tables(env: StreamTableEnvironment, s: Settings) -> None:
                source_topic, source_partition, source_offset, {PARSED}
         FROM events_raw, LATERAL TABLE(parse_event(payload, {s.kafka.max_event_bytes})) AS T({PARSED})""")
     env.create_temporary_view("parsed", _materialized(env, parsed))
-    env.execute_sql("""
+    # The counts' "impressions" and "clicks": the spec's exposures and the positives that label the ranker.
+    env.execute_sql(f"""
         CREATE TEMPORARY VIEW valid_events AS
         SELECT event_id, user_id, item_id, event_type, event_time, category, proctime,
-               CASE WHEN event_type = 'impression' THEN 1 ELSE 0 END AS is_impression,
-               CASE WHEN event_type = 'click' THEN 1 ELSE 0 END AS is_click
+               CASE WHEN {_in(s.spec.exposures)} THEN 1 ELSE 0 END AS is_impression,
+               CASE WHEN {_in(s.spec.labels)} THEN 1 ELSE 0 END AS is_click
         FROM parsed WHERE reason IS NULL""")
 
 

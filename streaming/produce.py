@@ -66,7 +66,7 @@ def produce(events: Iterable[Event], producer: EventProducer, *,
                 if delay > 0.001:
                     time.sleep(delay)
             producer.send(event)
-            report.by_type[event.event_type.value] += 1
+            report.by_type[event.event_type] += 1
             if i % 1000 == 999:
                 bar.update(1000)
         bar.update(report.total - bar.n)
@@ -80,7 +80,7 @@ def count_landed(s: Settings, topic: str, start: dict[int, int], end: dict[int, 
     counts: Counter = Counter()
     for record in read_range(s, topic, start, end):
         try:
-            counts[decode(record.value, s.kafka.max_event_bytes).event_type.value] += 1
+            counts[decode(record.value, s.kafka.max_event_bytes).event_type] += 1
         except InvalidEvent:
             counts["invalid"] += 1
     return counts

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from streaming.events import TEST_TRAFFIC, Event, EventType
+from streaming.events import TEST_TRAFFIC, Event, dataset_spec
 
 SOURCE = "synthetic"
 
@@ -67,7 +67,9 @@ class SyntheticGenerator:
 
     def events(self, now_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> Iterator[Event]:
         """An endless stream: per request, the slate's impressions then their clicks and purchases."""
-        c, rng = self.config, self.rng
+        c, rng, spec = self.config, self.rng, dataset_spec()
+        # The spec's first exposure, its first label, and its strongest positive as the purchase.
+        exposure, click, purchase = spec.exposures[0], spec.labels[0], spec.positives[-1]
         while True:
             user = rng.randrange(c.users)
             request_id = self._new_id()
@@ -77,14 +79,14 @@ class SyntheticGenerator:
             for position, item in enumerate(slate):
                 ctx = {"source": SOURCE, "position": position, "category": str(self.item_category[item])} | \
                     ({TEST_TRAFFIC: True} if c.test_traffic else {})
-                yield self._event(user, item, EventType.IMPRESSION, request_id, t, ctx)
+                yield self._event(user, item, exposure, request_id, t, ctx)
                 if rng.random() < self.click_probability(user, item):
-                    follow_ups.append(self._event(user, item, EventType.CLICK, request_id, t, ctx))
+                    follow_ups.append(self._event(user, item, click, request_id, t, ctx))
                     if rng.random() < c.purchase_rate:
-                        follow_ups.append(self._event(user, item, EventType.PURCHASE, request_id, t, ctx))
+                        follow_ups.append(self._event(user, item, purchase, request_id, t, ctx))
             yield from follow_ups
 
-    def _event(self, user: int, item: int, kind: EventType, request_id: str, t: int, ctx: dict) -> Event:
+    def _event(self, user: int, item: int, kind: str, request_id: str, t: int, ctx: dict) -> Event:
         return Event(event_id=self._new_id(), user_id=f"u{user}", item_id=f"i{item}",
                      event_type=kind, request_id=request_id, event_time=t, context=ctx)
 

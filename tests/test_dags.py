@@ -119,7 +119,7 @@ class Platform:
                 producer.send(e)
         self.produced += events
         last = events[-1].user_id
-        impressions = sum(e.user_id == last and e.event_type.value == "impression" for e in self.produced)
+        impressions = sum(e.user_id == last and e.event_type == "impression" for e in self.produced)
         store = feature_store(self.s)
 
         def caught_up() -> None:

@@ -15,7 +15,7 @@ from feature_repo.store import apply, feature_store, online_row
 from infra.settings import Settings, override
 from models import graph
 from streaming.consumer import Consumed
-from streaming.events import Event, EventType
+from streaming.events import Event
 
 pytestmark = pytest.mark.stack
 
@@ -30,7 +30,7 @@ class EventLog:
     def __init__(self, s: Settings) -> None:
         self.s, self.offset = s, 0
 
-    def add(self, *events: tuple[str, str, EventType, int], event_id: str | None = None) -> None:
+    def add(self, *events: tuple[str, str, str, int], event_id: str | None = None) -> None:
         batch = []
         for user, item, kind, t in events:
             self.offset += 1
@@ -69,10 +69,10 @@ def neighbours_online(s: Settings, item: str) -> tuple[list, list]:
 
 def test_known_events_give_exact_decayed_weights_and_neighbours(s: Settings) -> None:
     log = EventLog(s)
-    log.add(("u1", "i1", EventType.CLICK, T0), ("u1", "i1", EventType.PURCHASE, T0 + DAY),
-            ("u1", "i2", EventType.CLICK, T0 + DAY), ("u2", "i1", EventType.CLICK, T0 + 2 * DAY),
-            ("u2", "i3", EventType.ADD_TO_CART, T0 + 2 * DAY), ("u3", "i1", EventType.IMPRESSION, T0 + 2 * DAY))
-    log.add(("u2", "i1", EventType.CLICK, T0 + 2 * DAY), event_id="e4")  # the same event logged twice
+    log.add(("u1", "i1", "click", T0), ("u1", "i1", "purchase", T0 + DAY),
+            ("u1", "i2", "click", T0 + DAY), ("u2", "i1", "click", T0 + 2 * DAY),
+            ("u2", "i3", "add_to_cart", T0 + 2 * DAY), ("u3", "i1", "impression", T0 + 2 * DAY))
+    log.add(("u2", "i1", "click", T0 + 2 * DAY), event_id="e4")  # the same event logged twice
 
     added = graph.add_edges(s)
     assert (added.events, added.edges, added.users, added.items) == (5, 4, 2, 3)
@@ -99,8 +99,8 @@ def test_known_events_give_exact_decayed_weights_and_neighbours(s: Settings) -> 
 
 def test_runs_are_incremental_and_touch_only_new_behavior(s: Settings) -> None:
     log = EventLog(s)
-    log.add(("u1", "i1", EventType.PURCHASE, T0 + DAY), ("u1", "i2", EventType.CLICK, T0 + DAY),
-            ("u2", "i1", EventType.CLICK, T0 + 2 * DAY), ("u2", "i3", EventType.CLICK, T0 + 2 * DAY))
+    log.add(("u1", "i1", "purchase", T0 + DAY), ("u1", "i2", "click", T0 + DAY),
+            ("u2", "i1", "click", T0 + 2 * DAY), ("u2", "i3", "click", T0 + 2 * DAY))
     graph.add_edges(s)
     graph.refresh_neighbours(s)
     before_edges, before_nodes, before_i1 = edges(s), nodes(s), neighbours_online(s, "i1")
@@ -110,7 +110,7 @@ def test_runs_are_incremental_and_touch_only_new_behavior(s: Settings) -> None:
     assert graph.refresh_neighbours(s).items == 0
     assert edges(s) == before_edges and nodes(s) == before_nodes
 
-    log.add(("u1", "i2", EventType.CLICK, T0 + 3 * DAY), ("u3", "i4", EventType.CLICK, T0 + 3 * DAY))
+    log.add(("u1", "i2", "click", T0 + 3 * DAY), ("u3", "i4", "click", T0 + 3 * DAY))
     added = graph.add_edges(s)
     assert (added.start_ms, added.until_ms, added.events, added.edges) == (T0 + 2 * DAY, T0 + 3 * DAY, 2, 2)
     after = edges(s)
@@ -131,7 +131,7 @@ def test_runs_are_incremental_and_touch_only_new_behavior(s: Settings) -> None:
 
 def test_an_interrupted_run_is_finished_exactly_once(s: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     log = EventLog(s)
-    log.add(("u1", "i1", EventType.CLICK, T0), ("u1", "i2", EventType.CLICK, T0), ("u1", "i3", EventType.CLICK, T0))
+    log.add(("u1", "i1", "click", T0), ("u1", "i2", "click", T0), ("u1", "i3", "click", T0))
     upserts, real_query = [], graph.falkordb.Graph.query
 
     def crash_on_second_upsert(self, q, params=None, *args, **kwargs):
@@ -148,7 +148,7 @@ def test_an_interrupted_run_is_finished_exactly_once(s: Settings, monkeypatch: p
     assert graph.watermark(graph.connect(s)) == (None, T0)  # the window is pending
     assert set(edges(s)) == {("u1", "i1")}
 
-    log.add(("u1", "i4", EventType.CLICK, T0 + DAY))  # arrives before the retry
+    log.add(("u1", "i4", "click", T0 + DAY))  # arrives before the retry
     retry = graph.add_edges(s)
     assert (retry.start_ms, retry.until_ms) == (None, T0)  # the interrupted window, no more
     got = edges(s)

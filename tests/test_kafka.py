@@ -11,7 +11,7 @@ from kafka import KafkaProducer
 
 from infra.settings import Settings, to_environ
 from streaming.consumer import EventConsumer, read_dead_letter
-from streaming.events import Event, EventType, InvalidEvent
+from streaming.events import Event, InvalidEvent
 from streaming.producer import EventProducer
 from streaming.topics import end_offsets, ensure_topics, read_range
 from tests.conftest import run_cli
@@ -27,7 +27,7 @@ def topic(broker: Settings) -> str:
 
 
 def make_events(n: int, users: int = 7, start: int = 0) -> list[Event]:
-    return [Event(event_id=f"e{i}", user_id=f"u{i % users}", item_id=f"i{i % 13}", event_type=EventType.IMPRESSION,
+    return [Event(event_id=f"e{i}", user_id=f"u{i % users}", item_id=f"i{i % 13}", event_type="impression",
                   request_id=f"r{i}", event_time=1_700_000_000_000 + i, context={"seq": i})
             for i in range(start, start + n)]
 
@@ -113,7 +113,7 @@ def test_bad_records_go_to_the_dead_letter_topic_with_the_reason(broker: Setting
 
 
 def test_the_producer_refuses_an_invalid_event(broker: Settings, topic: str) -> None:
-    bad = Event(event_id="e", user_id="u", item_id="i", event_type=EventType.CLICK, request_id="r",
+    bad = Event(event_id="e", user_id="u", item_id="i", event_type="click", request_id="r",
                 event_time=1_700_000_000_000, context={"blob": "x" * broker.kafka.max_event_bytes})
     with EventProducer(broker, topic) as producer:
         with pytest.raises(InvalidEvent, match="oversized"):

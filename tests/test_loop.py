@@ -25,7 +25,7 @@ from models.registry import CHAMPION, alias_version, connect, version_tags
 from serving.nearline import Keys, redis_client
 from serving.outcomes import served_outcomes
 from serving.recommend import NEIGHBOURS
-from streaming.events import Event, EventType
+from streaming.events import Event
 from streaming.produce import count_landed
 from streaming.producer import EventProducer
 from streaming.topics import end_offsets
@@ -170,8 +170,8 @@ def test_recommend_answers_from_the_whole_catalogue_and_follows_a_fresh_users_cl
     now = int(time.time() * 1000)
     with EventProducer(s) as producer:
         for n, item in enumerate(clicked):
-            for kind, dt in ((EventType.IMPRESSION, 0), (EventType.CLICK, 1)):
-                producer.send(Event(event_id=f"{fresh}-{item}-{kind.value}", user_id=fresh, item_id=item,
+            for kind, dt in (("impression", 0), ("click", 1)):
+                producer.send(Event(event_id=f"{fresh}-{item}-{kind}", user_id=fresh, item_id=item,
                                     event_type=kind, request_id=f"{fresh}-r{item}", event_time=now + 10 * n + dt,
                                     context={}))
 

@@ -21,7 +21,7 @@ from serving.outcomes import auc_by_version, auc_over_time, ctr_by_source, perce
 from serving.prediction_archive import read_predictions
 from serving.prediction_log import PredictionLog
 from streaming.consumer import read_dead_letter
-from streaming.events import Event, EventType
+from streaming.events import Event
 from streaming.producer import EventProducer
 from streaming.topics import end_offsets, ensure_topics, read_range
 from tests.conftest import REPO, run_cli, stack_environ
@@ -103,7 +103,7 @@ def test_the_served_auc_per_version_outlives_a_broker_restart(tmp_path: Path) ->
         with EventProducer(s) as producer:
             for n in range(40):
                 producer.send(Event(event_id=f"c{n}", user_id=f"u{n % 5}", item_id="clicked",
-                                    event_type=EventType.CLICK, request_id=f"r{n}", event_time=now + n + 500))
+                                    event_type="click", request_id=f"r{n}", event_time=now + n + 500))
         for archive in ("event-log", "prediction-archive"):
             assert wait_caught_up(s, archive, wait_s=60) == 0, archive
         time.sleep(1.0)  # the embedded broker lists a topic's end up to a batch early (infra/progress.py)

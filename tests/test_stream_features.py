@@ -28,7 +28,7 @@ from models.dataset import Window, labelled_impressions, training_set
 from models.examples import PAD
 from models.inputs import NUMERIC_FEATURES
 from streaming.consumer import read_dead_letter
-from streaming.events import Event, EventType, InvalidEvent, decode
+from streaming.events import Event, InvalidEvent, decode
 from streaming.producer import EventProducer
 from streaming.topics import end_offsets, read_range
 from tests.conftest import running_stack, wait_for
@@ -36,7 +36,7 @@ from tests.conftest import running_stack, wait_for
 pytestmark = pytest.mark.stack
 
 MINUTE = 60_000
-CLICK, IMP, BUY = EventType.CLICK, EventType.IMPRESSION, EventType.PURCHASE
+CLICK, IMP, BUY = "click", "impression", "purchase"
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def timeline() -> Timeline:
     return Timeline()
 
 
-def event(n: int, user: str, item: str, kind: EventType, t: int, category: str | None = "c1") -> Event:
+def event(n: int, user: str, item: str, kind: str, t: int, category: str | None = "c1") -> Event:
     context = {"category": category} if category else {}
     return Event(event_id=f"e{n}", user_id=user, item_id=item, event_type=kind, request_id=f"r{n}",
                  event_time=t, context=context)

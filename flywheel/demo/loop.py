@@ -57,7 +57,7 @@ def history_events(s: Settings, plan: LoopPlan, summary: Summary, say: Say) -> d
     store = feature_store(s)
     last = events[-1].user_id
     expected = (online_user(store, last)["user_impressions_total"] or 0) + sum(
-        e.user_id == last and e.event_type.value == "impression" for e in events)
+        e.user_id == last and e.event_type in s.spec.exposures for e in events)
     start = end_offsets(s, topic)
     t0 = time.monotonic()
     with EventProducer(s, topic) as producer:

@@ -12,6 +12,7 @@ import httpx
 from feature_repo.store import online_row
 from flywheel.demo.plan import LoopError, Say
 from infra.settings import Settings
+from streaming.events import dataset_spec
 from streaming.features import STREAM_VIEWS
 
 # What the demo shows of a user after the history: every user-keyed stream feature and the profile.
@@ -28,7 +29,7 @@ def await_features(store, events: list, expected: int, timeout: float) -> dict:
     of its last user is `expected` (what was online before plus that user's impressions in it). Returns
     the online features of one of the most active users whose behavior sequence is online (the other
     views' topics can be a little behind `user_total`)."""
-    impressions = Counter(e.user_id for e in events if e.event_type.value == "impression")
+    impressions = Counter(e.user_id for e in events if e.event_type in dataset_spec().exposures)
     last, deadline = events[-1].user_id, time.monotonic() + timeout
     while (got := online_user(store, last)["user_impressions_total"] or 0) < expected:
         if time.monotonic() > deadline:

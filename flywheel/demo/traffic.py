@@ -97,7 +97,7 @@ class Traffic:
                                self.categories, ranker_version(body))
         for event in events:
             self.producer.send(event)
-            self.events[event.event_type.value] += 1
+            self.events[event.event_type] += 1
         self.probes.sent(sess.user_id)
         if probe:
             self.probes.start(sess.user_id, before + len(shown))

@@ -3,8 +3,10 @@ package flywheel;
 import java.util.ArrayList;
 import java.util.Arrays;
 import java.util.HashMap;
+import java.util.HashSet;
 import java.util.List;
 import java.util.Map;
+import java.util.Set;
 
 import org.apache.flink.table.annotation.DataTypeHint;
 import org.apache.flink.table.annotation.FunctionHint;
@@ -13,6 +15,7 @@ import org.apache.flink.table.data.GenericRowData;
 import org.apache.flink.table.data.RowData;
 import org.apache.flink.table.data.StringData;
 import org.apache.flink.table.functions.AggregateFunction;
+import org.apache.flink.table.functions.FunctionContext;
 import org.apache.flink.table.runtime.typeutils.RowDataSerializer;
 import org.apache.flink.table.types.logical.ArrayType;
 import org.apache.flink.table.types.logical.BigIntType;
@@ -54,8 +57,11 @@ import org.apache.flink.table.types.logical.VarCharType;
                 + "counts ARRAY<BIGINT>, items ARRAY<STRING>, types ARRAY<STRING>>", bridgedTo = RowData.class))
 public class LongHistory extends AggregateFunction<RowData, LongHistory.Ring> {
 
-    /** Event types from the weakest to the strongest (streaming/events.py's EventType). */
-    static final List<String> STRENGTH = List.of("impression", "click", "add_to_cart", "purchase");
+    /** Job parameter: the dataset spec's exposure types, '|'-separated (the rest are actions). */
+    static final String EXPOSURE_TYPES = "flywheel.exposure-types";
+    /** Each declared type's rank, from the weakest to the strongest (the spec's order). */
+    private Map<String, Integer> rank;
+    private Set<String> exposures;
     /** How far back an action looks for the exposure it follows. */
     static final int FOLLOW_UP = 64;
     /** The emitted row's layout, to build it in Flink's binary format (one per task thread). */
@@ -157,6 +163,16 @@ public class LongHistory extends AggregateFunction<RowData, LongHistory.Ring> {
     }
 
     @Override
+    public void open(FunctionContext context) {
+        List<String> types = ParseEvent.jobList(context, ParseEvent.EVENT_TYPES);
+        rank = new HashMap<>();
+        for (int i = 0; i < types.size(); i++) {
+            rank.put(types.get(i), i);
+        }
+        exposures = new HashSet<>(ParseEvent.jobList(context, EXPOSURE_TYPES));
+    }
+
+    @Override
     public Ring createAccumulator() {
         return new Ring();
     }
@@ -178,17 +194,16 @@ public class LongHistory extends AggregateFunction<RowData, LongHistory.Ring> {
         ring.newest = Math.max(ring.newest, eventTime);
         add(ring, item, category == null ? "" : category, type);
         ring.pending++;
-        if (ring.rowTime == Long.MIN_VALUE || strength(type) > 0 || ring.pending >= emitEvery) {
+        if (ring.rowTime == Long.MIN_VALUE || !exposures.contains(type) || ring.pending >= emitEvery) {
             condense(ring);
         }
     }
 
-    static int strength(String type) {
-        int rank = STRENGTH.indexOf(type);
-        return rank < 0 ? 1 : rank;  // a type this list does not know counts as an action
+    int strength(String type) {
+        return rank.getOrDefault(type, 0);  // every type the parser passes is declared
     }
 
-    static void add(Ring ring, String item, String category, String type) {
+    void add(Ring ring, String item, String category, String type) {
         if (ring.names.size() >= 2 * ring.capacity + 16) {
             ring.compact();  // before any code is taken: compacting renumbers them
         }

@@ -14,6 +14,7 @@ import org.apache.flink.table.annotation.FunctionHint;
 import org.apache.flink.table.data.GenericRowData;
 import org.apache.flink.table.data.RowData;
 import org.apache.flink.table.data.StringData;
+import org.apache.flink.table.functions.FunctionContext;
 import org.apache.flink.table.functions.TableFunction;
 
 /**
@@ -35,7 +36,8 @@ public class ParseEvent extends TableFunction<RowData> {
     static final long MIN_EVENT_TIME_MS = 0L;
     static final long MAX_EVENT_TIME_MS = 4_102_444_800_000L;
     static final String[] STRING_FIELDS = {"event_id", "user_id", "item_id", "request_id"};
-    static final List<String> EVENT_TYPES = List.of("impression", "click", "add_to_cart", "purchase");
+    /** Job parameter: the dataset spec's event types, '|'-separated (streaming/job.py sets it). */
+    static final String EVENT_TYPES = "flywheel.event-types";
     static final Set<String> FIELDS = new TreeSet<>(List.of(
             "schema_version", "event_type", "event_time", "context", "event_id", "user_id", "item_id", "request_id"));
 
@@ -43,10 +45,26 @@ public class ParseEvent extends TableFunction<RowData> {
     private static final ObjectMapper JSON = JsonMapper.builder()
             .enable(JsonReadFeature.ALLOW_NON_NUMERIC_NUMBERS).build();
 
+    private List<String> types;
+
+    @Override
+    public void open(FunctionContext context) {
+        types = jobList(context, EVENT_TYPES);
+    }
+
+    /** A '|'-separated list the job must pass (the dataset spec's vocabulary: no default here). */
+    static List<String> jobList(FunctionContext context, String key) {
+        String value = context.getJobParameter(key, null);
+        if (value == null || value.isEmpty()) {
+            throw new IllegalStateException("job parameter " + key + " is not set (pipeline.global-job-parameters)");
+        }
+        return List.of(value.split("\\|"));
+    }
+
     public void eval(byte[] payload, Integer maxBytes) {
         String reason;
         try {
-            collect(parse(payload, maxBytes));
+            collect(parse(payload, maxBytes, types));
             return;
         } catch (Invalid e) {
             reason = e.getMessage();
@@ -60,7 +78,7 @@ public class ParseEvent extends TableFunction<RowData> {
         }
     }
 
-    static RowData parse(byte[] payload, int maxBytes) throws Invalid {
+    static RowData parse(byte[] payload, int maxBytes, List<String> types) throws Invalid {
         if (payload == null) {
             throw new Invalid("empty record (null value)");
         }
@@ -112,8 +130,8 @@ public class ParseEvent extends TableFunction<RowData> {
             strings[i] = text;
         }
         JsonNode type = record.get("event_type");
-        if (!type.isTextual() || !EVENT_TYPES.contains(type.textValue())) {
-            throw new Invalid("unknown event_type " + repr(type) + " (known: " + String.join(", ", EVENT_TYPES) + ")");
+        if (!type.isTextual() || !types.contains(type.textValue())) {
+            throw new Invalid("unknown event_type " + repr(type) + " (declared: " + String.join(", ", types) + ")");
         }
         JsonNode time = record.get("event_time");
         if (!isInt(time)) {

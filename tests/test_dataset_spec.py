@@ -1,0 +1,109 @@
+"""The dataset spec: a company's own event vocabulary is declared in one file, and a wrong spec is refused
+before anything starts, with the file, the key and what was expected."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infra.dataset import SpecError, parse_spec
+from infra.settings import SettingsError, load_settings
+from streaming.events import InvalidEvent, decode
+
+SHOP = """
+[dataset]
+name = "shop"
+
+[[events.types]]
+name = "view"
+role = "exposure"
+
+[[events.types]]
+name = "cart"
+role = "positive"
+weight = 2
+
+[[events.types]]
+name = "order"
+role = "positive"
+weight = 5.0
+label = true
+"""
+
+
+def shop(tmp_path: Path, text: str = SHOP) -> Path:
+    path = tmp_path / "shop.toml"
+    path.write_text(text)
+    return path
+
+
+def test_the_default_spec_is_movielens_and_every_role_derives_from_it() -> None:
+    spec = load_settings({"FLYWHEEL_CONFIG": "/dev/null"}).spec
+    assert spec.name == "movielens-100k"
+    assert spec.type_names == ("impression", "click", "add_to_cart", "purchase")
+    assert (spec.exposures, spec.labels) == (("impression",), ("click",))
+    assert spec.weights == {"click": 1.0, "add_to_cart": 2.0, "purchase": 4.0}
+
+
+def test_a_shop_declares_its_own_events(tmp_path: Path) -> None:
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(shop(tmp_path))})
+    spec = s.spec
+    assert spec.type_names == ("view", "cart", "order")
+    assert (spec.exposures, spec.positives, spec.labels) == (("view",), ("cart", "order"), ("order",))
+    assert spec.weights == {"cart": 2.0, "order": 5.0}
+    record = {"schema_version": 1, "event_id": "e1", "user_id": "u1", "item_id": "sku-9", "event_type": "order",
+              "request_id": "r1", "event_time": 1_700_000_000_000, "context": {}}
+    assert decode(json.dumps(record).encode(), 10_000, spec.type_names).event_type == "order"
+    with pytest.raises(InvalidEvent) as err:
+        decode(json.dumps(record | {"event_type": "click"}).encode(), 10_000, spec.type_names)
+    assert err.value.reason == "unknown event_type 'click' (declared: view, cart, order)"
+
+
+def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
+    import numpy as np
+
+    from models.ctr import CtrModel, ModelSpec
+    from models.sparse import SparseConfig
+
+    spec = ModelSpec(kind="logreg", sparse=SparseConfig(dim=1), jit_compile=False, event_types=("view", "cart", "order"))
+    again = ModelSpec.from_json(spec.to_json())
+    assert again.event_types == ("view", "cart", "order")
+    model = CtrModel(again)
+    ids = model._types(np.array([["order", "view", "click", ""]], dtype=object))
+    assert ids.tolist() == [[3, 1, 0, 0]]  # a type the model was not trained with is unknown (0), not another's id
+    legacy = json.loads(spec.to_json())
+    del legacy["event_types"]  # exported before the spec: the configured spec's vocabulary
+    assert ModelSpec.from_json(json.dumps(legacy)).event_types == ("impression", "click", "add_to_cart", "purchase")
+
+
+@pytest.mark.parametrize("change, message", [
+    (("[dataset]", "[datasets]"), "unknown key 'datasets' (expected: dataset, events)"),
+    (('name = "shop"', 'name = "shop"\nowner = "me"'), "[dataset]: unknown key 'owner' (expected: name)"),
+    (('name = "shop"', ""), "[dataset]: missing key 'name'"),
+    (('name = "shop"', "name = 7"), "[dataset].name: expected str, got int 7"),
+    (('role = "exposure"', 'role = "seen"'), "#1.role: expected one of exposure, positive, got 'seen'"),
+    (('role = "exposure"', "role = true"), "#1.role: expected str, got bool"),
+    (("weight = 2", 'weight = "2"'), "#2.weight: expected int or float, got str '2'"),
+    (("weight = 2", "weight = 0"), "#2.weight: expected a number > 0 for a positive, got 0.0"),
+    (("label = true", 'label = "yes"'), "#3.label: expected bool, got str 'yes'"),
+    (("label = true", "label = false"), "expected at least one positive with label = true"),
+    (('role = "exposure"', 'role = "positive"'), 'expected at least one type with role = "exposure"'),
+    (('name = "cart"', 'name = "view"'), "the name 'view' is declared twice"),
+    (('name = "cart"', 'name = "add to cart"'), "#2.name: expected a name of letters"),
+    (('name = "view"\nrole = "exposure"', 'name = "view"\nrole = "exposure"\nlabel = true'),
+     "an exposure has no weight and labels nothing"),
+    (("[dataset]", "[dataset"), "not TOML"),
+])
+def test_a_wrong_spec_is_refused_with_the_file_the_key_and_what_was_expected(
+        tmp_path: Path, change: tuple[str, str], message: str) -> None:
+    path = shop(tmp_path, SHOP.replace(*change, 1))
+    with pytest.raises(SpecError) as err:
+        parse_spec(path.read_text(), path)
+    assert str(path) in str(err.value) and message in str(err.value)
+    with pytest.raises(SettingsError, match="^dataset.spec: "):  # before anything starts: settings refuse it
+        load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(path)})
+
+
+def test_a_missing_spec_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="nowhere.toml: cannot read the dataset spec"):
+        load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(tmp_path / "nowhere.toml")})
