@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -125,12 +126,35 @@ def wait_healthy(s: Settings, services: list[Service], timeout_s: float) -> dict
     return last
 
 
+def dataset_record(s: Settings) -> Path:
+    """Which dataset spec the data directory's data were made with (written by the first `up`)."""
+    return s.paths.data_dir / "dataset.json"
+
+
+def check_dataset(s: Settings) -> None:
+    """Refuse to start on data of another dataset spec: the old events, features and versions would be read
+    with the new vocabulary. The first `up` on a data directory records the spec it starts with."""
+    spec, record = s.spec, dataset_record(s)
+    if record.exists():
+        held = json.loads(record.read_text())
+        if held["digest"] != spec.digest:
+            raise StackError(
+                f"the data directory {s.paths.data_dir} holds data of dataset {held['name']!r} (spec {held['spec']}, "
+                f"digest {held['digest']}), but dataset.spec is now {spec.path} ({spec.name!r}, digest {spec.digest}). "
+                f"Give the new dataset a data directory of its own (paths.data_dir), or set dataset.spec back; if "
+                f"the change is one the data can take (a weight, a type added), accept it by deleting {record}.")
+        return
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"name": spec.name, "spec": str(spec.path), "digest": spec.digest}))
+
+
 def up(s: Settings) -> list[str]:
     """Start every enabled service that is not running, then wait until all are healthy.
 
     Phase by phase: infrastructure, the pipeline, serving; a phase's setup commands run before its
     processes start. Returns the names of the services this call started.
     """
+    check_dataset(s)
     services = enabled_services(s)
     _check_ports(s, services)
     started: list[str] = []

@@ -136,7 +136,7 @@ def _sequence(s: Settings) -> str:
     return f"""
         SELECT user_id, MAX(event_time) OVER w, ARRAY_AGG(item_id) OVER w, ARRAY_AGG(event_type) OVER w,
                ARRAY_AGG(event_time) OVER w
-        FROM valid_events WHERE event_type <> 'impression'
+        FROM valid_events WHERE is_impression = 0
         WINDOW w AS (PARTITION BY user_id ORDER BY proctime ROWS BETWEEN {n - 1} PRECEDING AND CURRENT ROW)"""
 
 
@@ -174,7 +174,7 @@ def _interest(s: Settings) -> str:
         SELECT user_id, MAX(event_time), JSON_ARRAYAGG(JSON_ARRAY(category, weight))
         FROM (SELECT user_id, category, MAX(event_time) AS event_time,
                      SUM(EXP({_interest_rate(s)!r} * (event_time - {s.streaming.interest_epoch_ms}))) AS weight
-              FROM valid_events WHERE event_type <> 'impression' AND category IS NOT NULL
+              FROM valid_events WHERE is_impression = 0 AND category IS NOT NULL
               GROUP BY user_id, category)
         GROUP BY user_id"""
 

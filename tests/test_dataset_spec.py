@@ -107,3 +107,20 @@ def test_a_wrong_spec_is_refused_with_the_file_the_key_and_what_was_expected(
 def test_a_missing_spec_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="nowhere.toml: cannot read the dataset spec"):
         load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(tmp_path / "nowhere.toml")})
+
+
+def test_a_stack_holding_one_dataset_refuses_another_spec(tmp_path: Path) -> None:
+    from infra.stack import StackError, check_dataset, dataset_record
+
+    base = {"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path / "data")}
+    movielens = load_settings(base)
+    check_dataset(movielens)  # the first start records the spec
+    check_dataset(movielens)  # and the same spec starts again
+    other = load_settings(base | {"FLYWHEEL_DATASET_SPEC": str(shop(tmp_path))})
+    with pytest.raises(StackError) as err:
+        check_dataset(other)
+    assert "holds data of dataset 'movielens-100k'" in str(err.value) and "paths.data_dir" in str(err.value)
+    check_dataset(load_settings(base | {"FLYWHEEL_DATASET_SPEC": str(shop(tmp_path)),
+                                        "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path / "shop-data")}))
+    dataset_record(movielens).unlink()  # the documented way to accept a change the data can take
+    check_dataset(other)
