@@ -56,7 +56,8 @@ class EventConsumer:
         self.invalid = 0
         self.dlq_topic = s.kafka.dlq_topic(self.topic)
         self.max_bytes = s.kafka.max_event_bytes
-        self.decoder = decoder or (lambda value: decode(value, self.max_bytes))
+        types = s.spec.type_names
+        self.decoder = decoder or (lambda value: decode(value, self.max_bytes, types))
         self.dead_lettered = 0
         # Not on a freshness path (the archives): librdkafka's default fetch wait, the broker's CPU spared.
         options = s.kafka.stream_consumer(group_id) | {"fetch.wait.max.ms": 500} | client_overrides

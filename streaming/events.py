@@ -80,10 +80,10 @@ class Event:
                 "item_id": self.item_id, "event_type": self.event_type, "request_id": self.request_id,
                 "event_time": self.event_time, "context": self.context}
 
-    def encode(self, max_bytes: int) -> bytes:
+    def encode(self, max_bytes: int, types: Collection[str] | None = None) -> bytes:
         """The wire bytes of this event, validated by the same checks a consumer applies."""
         record = self.to_dict()
-        validate(record)
+        validate(record, types)
         payload = json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
         _check_size(payload, max_bytes)
         return payload

@@ -80,7 +80,7 @@ def count_landed(s: Settings, topic: str, start: dict[int, int], end: dict[int, 
     counts: Counter = Counter()
     for record in read_range(s, topic, start, end):
         try:
-            counts[decode(record.value, s.kafka.max_event_bytes).event_type] += 1
+            counts[decode(record.value, s.kafka.max_event_bytes, s.spec.type_names).event_type] += 1
         except InvalidEvent:
             counts["invalid"] += 1
     return counts

@@ -27,6 +27,7 @@ class EventProducer:
     def __init__(self, s: Settings, topic: str | None = None, **librdkafka_overrides: object):
         self.topic = topic or s.kafka.events_topic
         self.max_bytes = s.kafka.max_event_bytes
+        self.types = s.spec.type_names  # the event types this producer's dataset spec declares
         self.sent = 0
         self._producer = confluent_kafka.Producer(
             s.kafka.client_options("librdkafka") | PRODUCER_OPTIONS | librdkafka_overrides)
@@ -37,7 +38,7 @@ class EventProducer:
             self._failures.append(err)
 
     def send(self, event: Event) -> None:
-        payload = event.encode(self.max_bytes)
+        payload = event.encode(self.max_bytes, self.types)
         while True:
             try:
                 self._producer.produce(self.topic, payload, event.key, on_delivery=self._delivered)
