@@ -1,6 +1,7 @@
 """Slow features from the catalog: item attributes and user profiles, as batch feature views.
 
-They come from side tables, not from events: each load writes one Parquet snapshot per view into the
+They come from the item and user tables the dataset spec declares (a CSV or Parquet file, or MovieLens'
+files through the bundled loader), one column per declared attribute, not from events: each load writes one Parquet snapshot per view into the
 offline store, stamped with the time from which it holds (by default the time of the load), and
 `materialize` copies what is new into the online store (the feature_materialization DAG schedules
 it). Materialization goes by that stamp, so a snapshot older than the last materialization would
@@ -9,13 +10,18 @@ never reach the online store: writing one is an error.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import math
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
 
 from feature_repo.definitions import (
     BATCH_VIEWS, ITEM_ATTRIBUTES, USER_PROFILE, BatchView, offline_rows)
 from feature_repo.files import view_dir, write_atomic
 from feature_repo.store import apply, feature_store
+from infra.dataset import AttributeSpec, TableSpec
 from infra.settings import Settings
 from streaming.movielens import dataset_dir, load_ratings, load_side_table
 
@@ -36,27 +42,74 @@ def write_snapshot(s: Settings, view: BatchView, rows: list[dict], as_of: dateti
     return write_atomic(offline_rows(view, rows, as_of), snapshot_path(s, view, as_of))
 
 
-def _int(text: str) -> int | None:
-    return int(text) if text.isdigit() else None
+class CatalogError(ValueError):
+    """A table that does not match its spec; nothing of it was written."""
 
 
-def load_movielens(s: Settings) -> dict[str, int]:
-    """MovieLens-100k's item attributes and user profiles, as of its first rating (the catalog
-    exists before any behavior, so every label's point-in-time join sees it). Loading it again
-    changes nothing. Returns rows per view."""
-    data = dataset_dir(s)
-    as_of = datetime.fromtimestamp(load_ratings(data / "ml-100k.inter")[0].timestamp, UTC)
-    items = [{"item_id": r["item_id"], "item_genres": r["class"].split(" ") if r.get("class") else [],
-              "item_release_year": _int(r.get("release_year", ""))}
-             for r in load_side_table(data / "ml-100k.item")]
-    users = [{"user_id": r["user_id"], "user_age": _int(r["age"]), "user_gender": r["gender"],
-              "user_occupation": r["occupation"]}
-             for r in load_side_table(data / "ml-100k.user")]
+def _missing(value: object) -> bool:
+    return value is None or value == "" or (isinstance(value, float) and math.isnan(value))
+
+
+def _value(a: AttributeSpec, value: object) -> object:
+    """One cell as the attribute's kind stores it (a value that does not read as its kind: missing)."""
+    if a.kind == "multi":
+        if isinstance(value, (list, tuple)):
+            return [str(v) for v in value if not _missing(v)]
+        return [] if _missing(value) else [v for v in str(value).split(a.separator or None) if v]
+    if _missing(value):
+        return None
+    if a.kind == "categorical":
+        return str(value)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    if a.kind == "number":
+        return None if math.isnan(number) else number
+    return int(number) if number.is_integer() else None
+
+
+def _source(s: Settings, table: TableSpec) -> list[dict]:
+    if table.source == "movielens":
+        return load_side_table(dataset_dir(s) / f"ml-100k.{table.entity}")
+    path = s.spec.path.parent / table.source
+    if path.suffix == ".csv":
+        return pcsv.read_csv(path, convert_options=pcsv.ConvertOptions(strings_can_be_null=True)).to_pylist()
+    if path.suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    raise CatalogError(f"{s.spec.path} [tables.{table.entity}] source: expected \"movielens\" or a .csv or "
+                       f".parquet file, got {table.source!r}")
+
+
+def catalog_rows(s: Settings, table: TableSpec) -> list[dict]:
+    """The table's rows as its view's (id and one feature per attribute), or CatalogError when a declared
+    column is not in it."""
+    rows = _source(s, table)
+    present = set(rows[0]) if rows else set()
+    missing = [c for c in dict.fromkeys([table.id, *(a.column for a in table.attributes)]) if c not in present]
+    if missing:
+        raise CatalogError(f"{s.spec.path} [tables.{table.entity}]: the table ({table.source}) has no column "
+                           f"{', '.join(map(repr, missing))} (it has: {', '.join(sorted(present)) or 'no rows'})")
+    key = f"{table.entity}_id"
+    return [{key: str(r[table.id]), **{table.feature(a): _value(a, r[a.column]) for a in table.attributes}}
+            for r in rows]
+
+
+def load_catalog(s: Settings) -> dict[str, int]:
+    """The spec's item and user tables as catalog snapshots, every table checked before any is written.
+    MovieLens' hold from its first rating, a file's from 1970-01-02: the catalog exists before any behavior,
+    so every label's point-in-time join sees it. Loading it again changes nothing. Returns rows per view."""
+    views = ((ITEM_ATTRIBUTES, s.spec.table("item")), (USER_PROFILE, s.spec.table("user")))
+    rows = {view: catalog_rows(s, table) for view, table in views}
+    if any(table.source == "movielens" for _, table in views):
+        as_of = datetime.fromtimestamp(load_ratings(dataset_dir(s) / "ml-100k.inter")[0].timestamp, UTC)
+    else:  # just after the first materialization's start (EPOCH), which it must follow
+        as_of = EPOCH + timedelta(days=1)
     apply(s)
-    for view, rows in ((ITEM_ATTRIBUTES, items), (USER_PROFILE, users)):
+    for view, _ in views:
         if not snapshot_path(s, view, as_of).exists():
-            write_snapshot(s, view, rows, as_of)
-    return {ITEM_ATTRIBUTES.name: len(items), USER_PROFILE.name: len(users)}
+            write_snapshot(s, view, rows[view], as_of)
+    return {view.name: len(rows[view]) for view, _ in views}
 
 
 def materialize(s: Settings, end: datetime | None = None) -> list[str]:

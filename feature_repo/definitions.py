@@ -20,8 +20,10 @@ from feast.types import Array, FeastType, Float64, Int64, String
 from feast.value_type import ValueType
 
 from feature_repo.files import view_dir
+from infra.dataset import TableSpec
 from infra.settings import Settings
-from streaming.features import BIGINT, DOUBLE_ARRAY, STREAM_VIEWS, STRING, STRING_ARRAY, StreamView
+from streaming.events import dataset_spec
+from streaming.features import BIGINT, DOUBLE, DOUBLE_ARRAY, STREAM_VIEWS, STRING, STRING_ARRAY, StreamView
 
 FEAST_TYPES: dict[str, FeastType] = {
     "BIGINT": Int64, "DOUBLE": Float64, "STRING": String,
@@ -51,10 +53,17 @@ class BatchView:
     description: str = "Catalog snapshots, materialized into the online store."
 
 
-ITEM_ATTRIBUTES = BatchView("item_attributes", ("item_id",), (
-    ("item_genres", STRING_ARRAY), ("item_release_year", BIGINT)))
-USER_PROFILE = BatchView("user_profile", ("user_id",), (
-    ("user_age", BIGINT), ("user_gender", STRING), ("user_occupation", STRING)))
+# The catalog's views: one column per attribute the dataset spec declares for its item and user tables.
+SQL_TYPES = {"categorical": STRING, "multi": STRING_ARRAY, "integer": BIGINT, "number": DOUBLE}
+
+
+def catalog_view(name: str, table: TableSpec) -> BatchView:
+    return BatchView(name, (f"{table.entity}_id",),
+                     tuple((table.feature(a), SQL_TYPES[a.kind]) for a in table.attributes))
+
+
+ITEM_ATTRIBUTES = catalog_view("item_attributes", dataset_spec().table("item"))
+USER_PROFILE = catalog_view("user_profile", dataset_spec().table("user"))
 BATCH_VIEWS: tuple[BatchView, ...] = (ITEM_ATTRIBUTES, USER_PROFILE)  # materialized from their files
 # Written online by the graph update itself (models/graph.py), and offline for training sets.
 ITEM_NEIGHBOURS = BatchView("item_neighbours", ("item_id",), (

@@ -215,9 +215,9 @@ def replay(limit: int | None, speed: float, topic: str | None) -> None:
 
 
 def _load_catalog(s: Settings) -> None:
-    from feature_repo.catalog import load_movielens, materialize
+    from feature_repo.catalog import load_catalog, materialize
 
-    rows = load_movielens(s)
+    rows = load_catalog(s)
     materialize(s)
     click.echo(f"catalog in the offline store and materialized online: {rows}")
 

@@ -4,6 +4,8 @@ The settings say where the spec is (`dataset.spec`); the spec says what the data
 declares the event types, by the dataset's own names, and their roles; every stage derives its event
 vocabulary from it (the schema's validation in Python and in the JVM, the stream's counts, the long
 history's type order, the ranker's labels and type ids, the graph's weights, retrieval's positives).
+And the item and user tables: where they are, their id column and their attributes by kind, from which
+the catalog's feature views, its loader and the ranker's attribute tokens and numeric inputs derive.
 
 A spec is checked whole before anything uses it: an unknown key, a missing one or a value of the wrong
 type is refused with the file, the key and what was expected.
@@ -21,6 +23,10 @@ from pathlib import Path
 from typing import Any
 
 ROLES = ("exposure", "positive")  # shown to a user / an action that signals interest
+ENTITIES = ("item", "user")  # the tables a spec declares, each keyed by the entity's id
+# An attribute's kind: a string, a list of strings, an integer or a number.
+KINDS = ("categorical", "multi", "integer", "number")
+TOKENS = ("value", "decade", "none")  # an attribute's tokens: one per value, its decade, none
 # A type's name travels to the JVM in a job parameter: no separators, nothing to escape.
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 JVM_SEPARATOR = "|"
@@ -39,10 +45,42 @@ class EventTypeSpec:
 
 
 @dataclass(frozen=True)
+class AttributeSpec:
+    name: str
+    kind: str  # one of KINDS
+    column: str  # in the source table
+    separator: str = ""  # multi: the separator of a string column's entries (a list column needs none)
+    token: str = ""  # its tokens' prefix ("genre:Drama")
+    tokens: str = "value"  # one of TOKENS
+    origin: float = 0.0  # integer and number: the model's numeric input is max(x - origin, 0) * scale
+    scale: float = 1.0
+
+    @property
+    def numeric(self) -> bool:
+        return self.kind in ("integer", "number")
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    entity: str  # one of ENTITIES
+    source: str  # "movielens" (the bundled loader), or a CSV or Parquet file (relative to the spec's directory)
+    id: str  # the column holding the entity's id
+    attributes: tuple[AttributeSpec, ...]
+
+    def feature(self, attribute: AttributeSpec) -> str:
+        """The attribute's feature name in the store and the models ("item_genres")."""
+        return f"{self.entity}_{attribute.name}"
+
+
+@dataclass(frozen=True)
 class DatasetSpec:
     name: str
     path: Path
     event_types: tuple[EventTypeSpec, ...]  # from the weakest signal to the strongest
+    tables: tuple[TableSpec, ...] = ()  # one per entity of ENTITIES, in that order
+
+    def table(self, entity: str) -> TableSpec:
+        return next(t for t in self.tables if t.entity == entity)
 
     @property
     def type_names(self) -> tuple[str, ...]:
@@ -68,7 +106,7 @@ class DatasetSpec:
     @property
     def digest(self) -> str:
         """Identifies what the spec declares (not how the file is laid out)."""
-        return hashlib.sha256(repr((self.name, self.event_types)).encode()).hexdigest()[:16]
+        return hashlib.sha256(repr((self.name, self.event_types, self.tables)).encode()).hexdigest()[:16]
 
 
 def _check(where: str, table: Any, required: dict[str, type | tuple[type, ...]],
@@ -108,13 +146,41 @@ def _event_type(where: str, raw: Any) -> EventTypeSpec:
     return EventTypeSpec(t["name"], t["role"], weight, t.get("label", False))
 
 
+def _attribute(where: str, name: str, raw: Any) -> AttributeSpec:
+    a = _check(where, raw, {"kind": str}, {"column": str, "separator": str, "token": str, "tokens": str,
+                                           "origin": (int, float), "scale": (int, float)})
+    if not NAME.fullmatch(name):
+        raise SpecError(f"{where}: expected an attribute name of letters, digits, '_' or '-', got {name!r}")
+    if a["kind"] not in KINDS:
+        raise SpecError(f"{where}.kind: expected one of {', '.join(KINDS)}, got {a['kind']!r}")
+    numeric = a["kind"] in ("integer", "number")
+    tokens = a.get("tokens", "none" if numeric else "value")
+    if tokens not in TOKENS or (tokens == "decade" and not numeric):
+        raise SpecError(f"{where}.tokens: expected one of {', '.join(TOKENS)} (decade: integer and number only), "
+                        f"got {tokens!r}")
+    if not numeric and ("origin" in a or "scale" in a):
+        raise SpecError(f"{where}: origin and scale are for integer and number attributes (the numeric inputs)")
+    if "separator" in a and a["kind"] != "multi":
+        raise SpecError(f"{where}.separator: only a multi attribute has a separator")
+    return AttributeSpec(name, a["kind"], a.get("column", name), a.get("separator", ""), a.get("token", name),
+                         tokens, float(a.get("origin", 0.0)), float(a.get("scale", 1.0)))
+
+
+def _table(where: str, entity: str, raw: Any) -> TableSpec:
+    t = _check(where, raw, {"source": str, "id": str, "attributes": dict}, {})
+    attributes = tuple(_attribute(f"{where}.attributes.{name}", name, a) for name, a in t["attributes"].items())
+    if not attributes:
+        raise SpecError(f"{where}.attributes: expected at least one attribute")
+    return TableSpec(entity, t["source"], t["id"], attributes)
+
+
 def parse_spec(text: str, path: Path) -> DatasetSpec:
     """The spec in `text` (read from `path`), checked whole, or SpecError."""
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{path}: not TOML: {exc}") from None
-    top = _check(str(path), raw, {"dataset": dict, "events": dict}, {})
+    top = _check(str(path), raw, {"dataset": dict, "events": dict, "tables": dict}, {})
     dataset = _check(f"{path} [dataset]", top["dataset"], {"name": str}, {})
     events = _check(f"{path} [events]", top["events"], {"types": list}, {})
     types = tuple(_event_type(f"{path} [[events.types]] #{n + 1}", t) for n, t in enumerate(events["types"]))
@@ -122,7 +188,9 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise SpecError(f"{path} [[events.types]]: the name {twice[0]!r} is declared twice")
-    spec = DatasetSpec(dataset["name"], path, types)
+    tables = _check(f"{path} [tables]", top["tables"], {e: dict for e in ENTITIES}, {})
+    spec = DatasetSpec(dataset["name"], path, types,
+                       tuple(_table(f"{path} [tables.{e}]", e, tables[e]) for e in ENTITIES))
     if not spec.exposures:
         raise SpecError(f"{path} [[events.types]]: expected at least one type with role = \"exposure\" "
                         "(the ranker's examples are exposures)")

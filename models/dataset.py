@@ -25,7 +25,7 @@ from feature_repo.event_log import read_event_log
 from feature_repo.files import view_dir
 from infra.settings import Settings
 from models.examples import PAD, Examples
-from models.inputs import COUNTS, DECADES, NUMERIC_FEATURES, RAW_FEATURES, TOKENS
+from models.inputs import ATTRIBUTES, COUNTS, DECADES, NUMERIC_FEATURES, RAW_FEATURES, TOKENS
 from streaming.events import TEST_TRAFFIC
 from streaming.features import LONG_HISTORY_VIEW
 
@@ -332,12 +332,12 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
                                              features["history_category_counts"], _numbers(features["history_length"]))
         elif name == "interest_category_share":
             numeric[:, j] = _category_shares(categories, features["interest_categories"], features["interest_weights"])
-        elif name == "item_release_year":  # 0 for a missing year, and for 1900
-            numeric[:, j] = np.maximum(_numbers(features[name]) - 1900.0, 0.0) / 100.0
+        elif name in ATTRIBUTES:  # the catalog's numbers as the spec scales them (a missing one: 0)
+            a = ATTRIBUTES[name]
+            numeric[:, j] = np.maximum(_numbers(features[name]) - a.origin, 0.0) * a.scale
         else:
             values = _numbers(features[name])
-            numeric[:, j] = np.log1p(np.maximum(values, 0.0)) if name in COUNTS else (
-                values / 100.0 if name == "user_age" else values)
+            numeric[:, j] = np.log1p(np.maximum(values, 0.0)) if name in COUNTS else values
     sequences, types = _sequences(features, times_ms, sequence_length)
     long, long_types = _long_sequences(categories, features["history_categories"], features["history_item_ids"],
                                        features["history_event_types"])

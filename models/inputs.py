@@ -7,7 +7,12 @@ order): training sets and the server compute all of them, and each version takes
 
 from __future__ import annotations
 
+from streaming.events import dataset_spec
 from streaming.features import BIGINT, DOUBLE, STREAM_VIEWS
+
+# The catalog's attributes (the dataset spec's item and user tables) and their features ("item_genres").
+_TABLES = {entity: dataset_spec().table(entity) for entity in ("user", "item")}
+ATTRIBUTES = {t.feature(a): a for t in _TABLES.values() for a in t.attributes}
 
 # Numeric inputs of the models, from the stream views' scalar columns (counts: BIGINT, log-scaled;
 # rates: DOUBLE, as they are), the catalog's and the long history's; a missing value (a window without
@@ -17,23 +22,26 @@ RATES = tuple(name for view in STREAM_VIEWS for name, sql_type in view.columns i
 # Per candidate, from the user's long history and interest histogram: the share of the user's kept
 # behaviors in the candidate's category, and of the decayed interest weight.
 CATEGORY_SHARES = ("history_category_share", "interest_category_share")
-NUMERIC_FEATURES: tuple[str, ...] = (*COUNTS, *RATES, "user_age", "item_release_year", *CATEGORY_SHARES)
+# The catalog's integer and number attributes, users' first: max(x - origin, 0) * scale.
+CATALOG_NUMERIC = tuple(name for name, a in ATTRIBUTES.items() if a.numeric)
+NUMERIC_FEATURES: tuple[str, ...] = (*COUNTS, *RATES, *CATALOG_NUMERIC, *CATEGORY_SHARES)
 # What the long history adds (left out: the "long history off" ablation, and the previous architecture).
 LONG_HISTORY_FEATURES = ("history_length", "history_category_share")
-# The previous architecture's numeric inputs (ranker-v1): the stream counts and rates and the user's age.
+# The previous architecture's numeric inputs (ranker-v1): the stream counts and rates and the user's numbers.
 V1_NUMERIC_FEATURES: tuple[str, ...] = tuple(
-    name for name in (*COUNTS, *RATES, "user_age") if name not in LONG_HISTORY_FEATURES)
+    name for name in (*COUNTS, *RATES, *(n for n in CATALOG_NUMERIC if n.startswith("user_")))
+    if name not in LONG_HISTORY_FEATURES)
 
 SEQUENCE = ("seq_item_ids", "seq_event_types", "seq_event_times")
 LONG_HISTORY = ("history_length", "history_categories", "history_category_counts", "history_item_ids",
                 "history_event_types")
 INTEREST = ("interest_categories", "interest_weights")
-# Each entity's attribute tokens ("genre:Drama", "age:20s"): (prefix, raw feature) pairs; a list feature
-# gives one token per entry, a year or an age (DECADES) its decade.
+# Each entity's attribute tokens ("genre:Drama", "age:20s"): (prefix, raw feature) pairs, in the spec's
+# order; a list feature gives one token per entry, a number whose tokens are "decade" (DECADES) its decade.
 TOKENS: dict[str, tuple[tuple[str, str], ...]] = {
-    "item_tokens": (("genre", "item_genres"), ("year", "item_release_year")),
-    "user_tokens": (("gender", "user_gender"), ("occupation", "user_occupation"), ("age", "user_age"))}
-DECADES = ("item_release_year", "user_age")
+    f"{entity}_tokens": tuple((a.token, t.feature(a)) for a in t.attributes if a.tokens != "none")
+    for entity, t in (("item", _TABLES["item"]), ("user", _TABLES["user"]))}
+DECADES = tuple(name for name, a in ATTRIBUTES.items() if a.tokens == "decade")
 SIDE = tuple(dict.fromkeys(feature for pairs in TOKENS.values() for _, feature in pairs))
 # Everything a scoring row is built from, as stored online (the derived shares are not stored).
 RAW_FEATURES: tuple[str, ...] = tuple(dict.fromkeys(

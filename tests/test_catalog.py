@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from feature_repo.catalog import load_movielens, materialize, write_snapshot
+from feature_repo.catalog import load_catalog, materialize, write_snapshot
 from feature_repo.definitions import USER_PROFILE
 from feature_repo.store import feature_store, online_row
 from infra.settings import Settings
@@ -34,7 +34,7 @@ def _online(s: Settings, features: list[str], **entity: str) -> dict:
 
 def test_catalog_materializes_online_and_joins_point_in_time(redis_stack: Settings) -> None:
     s = redis_stack
-    assert load_movielens(s) == {"item_attributes": 1682, "user_profile": 943}
+    assert load_catalog(s) == {"item_attributes": 1682, "user_profile": 943}
     assert materialize(s) == ["item_attributes", "user_profile"]
 
     raw_items = _raw(dataset_dir(s) / "ml-100k.item")
@@ -49,7 +49,7 @@ def test_catalog_materializes_online_and_joins_point_in_time(redis_stack: Settin
                                                  "user_occupation": occupation}
     assert _online(s, PROFILE, user_id="no-such-user")["user_age"] is None
 
-    assert load_movielens(s) == {"item_attributes": 1682, "user_profile": 943}  # idempotent
+    assert load_catalog(s) == {"item_attributes": 1682, "user_profile": 943}  # idempotent
     changed = [{"user_id": "2", "user_age": int(age) + 1, "user_gender": gender, "user_occupation": "writer"}]
     with pytest.raises(ValueError, match="not newer than the last materialization"):
         write_snapshot(s, USER_PROFILE, changed, datetime(2020, 1, 1, tzinfo=UTC))

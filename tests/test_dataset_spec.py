@@ -28,6 +28,30 @@ name = "order"
 role = "positive"
 weight = 5.0
 label = true
+
+[tables.item]
+source = "products.csv"
+id = "sku"
+
+[tables.item.attributes.brand]
+kind = "categorical"
+
+[tables.item.attributes.price]
+kind = "number"
+scale = 0.01
+tokens = "decade"
+
+[tables.item.attributes.tags]
+kind = "multi"
+separator = "|"
+
+[tables.user]
+source = "customers.parquet"
+id = "customer"
+
+[tables.user.attributes.region]
+kind = "categorical"
+column = "home_region"
 """
 
 
@@ -77,7 +101,13 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    (("[dataset]", "[datasets]"), "unknown key 'datasets' (expected: dataset, events)"),
+    (("[dataset]", "[datasets]"), "unknown key 'datasets' (expected: dataset, events, tables)"),
+    (('kind = "categorical"', 'kind = "text"'), "[tables.item].attributes.brand.kind: expected one of categorical"),
+    (('kind = "categorical"', 'kind = "categorical"\nseparator = ","'), "brand.separator: only a multi attribute"),
+    (('kind = "categorical"', 'kind = "categorical"\ntokens = "decade"'), "brand.tokens: expected one of"),
+    (('kind = "categorical"', 'kind = "categorical"\nscale = 2'), "brand: origin and scale are for integer"),
+    (('id = "sku"', 'key = "sku"'), "[tables.item]: unknown key 'key' (expected: source, id, attributes)"),
+    (("[tables.user]", "[tables.shop]"), "[tables]: unknown key 'shop' (expected: item, user)"),
     (('name = "shop"', 'name = "shop"\nowner = "me"'), "[dataset]: unknown key 'owner' (expected: name)"),
     (('name = "shop"', ""), "[dataset]: missing key 'name'"),
     (('name = "shop"', "name = 7"), "[dataset].name: expected str, got int 7"),
@@ -124,3 +154,35 @@ def test_a_stack_holding_one_dataset_refuses_another_spec(tmp_path: Path) -> Non
                                         "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path / "shop-data")}))
     dataset_record(movielens).unlink()  # the documented way to accept a change the data can take
     check_dataset(other)
+
+
+def test_a_shops_catalog_is_read_from_its_own_files_by_the_spec(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from feature_repo.catalog import CatalogError, catalog_rows
+
+    (tmp_path / "products.csv").write_text("sku,brand,price,tags,unused\nA1,acme,1999,new|sale,x\nB2,,250,,y\n")
+    pq.write_table(pa.table({"customer": ["c1", "c2"], "home_region": ["north", None]}), tmp_path / "customers.parquet")
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(shop(tmp_path))})
+    assert catalog_rows(s, s.spec.table("item")) == [
+        {"item_id": "A1", "item_brand": "acme", "item_price": 1999.0, "item_tags": ["new", "sale"]},
+        {"item_id": "B2", "item_brand": None, "item_price": 250.0, "item_tags": []}]
+    assert catalog_rows(s, s.spec.table("user")) == [{"user_id": "c1", "user_region": "north"},
+                                                      {"user_id": "c2", "user_region": None}]
+    (tmp_path / "products.csv").write_text("sku,maker,price,tags\nA1,acme,1999,new\n")  # brand renamed
+    with pytest.raises(CatalogError, match=r"\[tables.item\]: the table \(products.csv\) has no column 'brand' "
+                                           r"\(it has: maker, price, sku, tags\)"):
+        catalog_rows(s, s.spec.table("item"))
+
+    # A wrong table is refused before any table is written: the items were fine, the users are not.
+    from feature_repo.catalog import load_catalog
+    from feature_repo.files import view_dir
+
+    (tmp_path / "products.csv").write_text("sku,brand,price,tags\nA1,acme,1999,new\n")
+    pq.write_table(pa.table({"customer": ["c1"], "region": ["north"]}), tmp_path / "customers.parquet")
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(shop(tmp_path)),
+                       "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path / "data")})
+    with pytest.raises(CatalogError, match="has no column 'home_region'"):
+        load_catalog(s)
+    assert not view_dir(s, "item_attributes").exists()

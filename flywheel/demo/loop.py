@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import asdict
 from datetime import UTC, datetime
 
-from feature_repo.catalog import load_movielens, materialize
+from feature_repo.catalog import load_catalog, materialize
 from feature_repo.store import feature_store
 from flywheel.demo.drills import drills
 from flywheel.demo.plan import LoopError, LoopPlan, Say, Summary
@@ -69,7 +69,7 @@ def history_events(s: Settings, plan: LoopPlan, summary: Summary, say: Say) -> d
     summary.history_events = dict(landed)
     say(f"history: {sent.total:,} events of the ratings before {plan.split:%Y-%m-%d} in Kafka "
         f"({dict(sorted(landed.items()))}) in {sent.seconds:.1f}s")
-    say(f"catalog (batch features) in the offline store and online: {load_movielens(s)}; "
+    say(f"catalog (batch features) in the offline store and online: {load_catalog(s)}; "
         f"materialized {materialize(s)}")
     row = await_features(store, events, expected, plan.feature_timeout_s)
     say(f"Flink -> Feast caught up with the history {time.monotonic() - t0:.0f}s after the replay began. "
