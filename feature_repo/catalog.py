@@ -72,7 +72,7 @@ def _value(a: AttributeSpec, value: object) -> object:
 def _source(s: Settings, table: TableSpec) -> list[dict]:
     if table.source == "movielens":
         return load_side_table(dataset_dir(s) / f"ml-100k.{table.entity}")
-    path = s.spec.path.parent / table.source
+    path = s.spec.source_path(table.source)
     if path.suffix == ".csv":
         return pcsv.read_csv(path, convert_options=pcsv.ConvertOptions(strings_can_be_null=True)).to_pylist()
     if path.suffix == ".parquet":

@@ -186,26 +186,29 @@ def topics(names: tuple[str, ...]) -> None:
 
 
 def _replay(s: Settings, topic: str, limit: int | None, speed: float) -> ProduceReport:
-    from streaming.movielens import replay_events
+    from streaming.history import HistoryError, history_events
     from streaming.produce import event_time_pace, produce
     from streaming.producer import EventProducer
 
     with EventProducer(s, topic) as producer:
-        report = produce(replay_events(s, limit), producer, pace=event_time_pace(speed),
-                         desc="replay ml-100k")
-    ratings = report.by_type[s.spec.exposures[0]]  # one exposure per rating
-    click.echo(f"replayed {ratings} ratings as {report.total} events "
-               f"({dict(report.by_type)}) in {report.seconds:.1f}s = {report.rate:,.0f} events/s")
+        try:
+            report = produce(history_events(s, limit), producer, pace=event_time_pace(speed),
+                             desc=f"replay {s.spec.name}")
+        except HistoryError as exc:
+            raise click.ClickException(str(exc)) from None
+    click.echo(f"replayed {s.spec.name}: {report.total} events ({dict(report.by_type)}) in {report.seconds:.1f}s "
+               f"= {report.rate:,.0f} events/s")
     return report
 
 
 @main.command()
-@click.option("--limit", type=int, default=None, help="Replay only the first N ratings.")
+@click.option("--limit", type=int, default=None, help="Replay only the first N ratings (MovieLens) or events (a file).")
 @click.option("--speed", type=float, default=0.0, show_default=True,
               help="Event-time speed-up (86400 = a day per second); 0 = as fast as possible.")
 @click.option("--topic", default=None, help="Target topic (default: settings kafka.events_topic).")
 def replay(limit: int | None, speed: float, topic: str | None) -> None:
-    """Replay MovieLens-100k into Kafka in event-time order (rating >= 4 also emits a click)."""
+    """Replay the dataset spec's past events into Kafka in event-time order (`[events.history]`; MovieLens:
+    each rating an impression, >= 4 also a click)."""
     from streaming.topics import ensure_topics
 
     s = _settings()

@@ -45,6 +45,20 @@ class EventTypeSpec:
 
 
 @dataclass(frozen=True)
+class HistorySpec:
+    """Past events to replay (`flywheel replay`): the bundled MovieLens ratings, or a file's columns."""
+
+    source: str  # "movielens", or a CSV or Parquet file (relative to the spec's directory)
+    user: str = "user_id"  # the columns holding each event field
+    item: str = "item_id"
+    type: str = "event_type"
+    time: str = "event_time"  # a timestamp column, or numbers in `time_unit` since the epoch
+    time_unit: str = "ms"  # "s" or "ms"
+    request: str = ""  # the request id column: an action labels the exposure of its request; none: each event its own
+    context: tuple[str, ...] = ()  # columns kept in each event's context (the ones the features read: category)
+
+
+@dataclass(frozen=True)
 class AttributeSpec:
     name: str
     kind: str  # one of KINDS
@@ -78,6 +92,7 @@ class DatasetSpec:
     path: Path
     event_types: tuple[EventTypeSpec, ...]  # from the weakest signal to the strongest
     tables: tuple[TableSpec, ...] = ()  # one per entity of ENTITIES, in that order
+    history: HistorySpec | None = None
 
     def table(self, entity: str) -> TableSpec:
         return next(t for t in self.tables if t.entity == entity)
@@ -107,6 +122,10 @@ class DatasetSpec:
     def digest(self) -> str:
         """Identifies what the spec declares (not how the file is laid out)."""
         return hashlib.sha256(repr((self.name, self.event_types, self.tables)).encode()).hexdigest()[:16]
+
+    def source_path(self, source: str) -> Path:
+        """A table's or the history's file, relative to the spec's directory."""
+        return self.path.parent / source
 
 
 def _check(where: str, table: Any, required: dict[str, type | tuple[type, ...]],
@@ -174,6 +193,16 @@ def _table(where: str, entity: str, raw: Any) -> TableSpec:
     return TableSpec(entity, t["source"], t["id"], attributes)
 
 
+def _history(where: str, raw: Any) -> HistorySpec:
+    h = _check(where, raw, {"source": str}, {"user": str, "item": str, "type": str, "time": str, "time_unit": str,
+                                             "request": str, "context": list})
+    if h.get("time_unit", "ms") not in ("s", "ms"):
+        raise SpecError(f"{where}.time_unit: expected s or ms, got {h['time_unit']!r}")
+    if not all(isinstance(c, str) for c in h.get("context", [])):
+        raise SpecError(f"{where}.context: expected a list of column names")
+    return HistorySpec(**h | {"context": tuple(h.get("context", []))})
+
+
 def parse_spec(text: str, path: Path) -> DatasetSpec:
     """The spec in `text` (read from `path`), checked whole, or SpecError."""
     try:
@@ -182,7 +211,7 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
         raise SpecError(f"{path}: not TOML: {exc}") from None
     top = _check(str(path), raw, {"dataset": dict, "events": dict, "tables": dict}, {})
     dataset = _check(f"{path} [dataset]", top["dataset"], {"name": str}, {})
-    events = _check(f"{path} [events]", top["events"], {"types": list}, {})
+    events = _check(f"{path} [events]", top["events"], {"types": list}, {"history": dict})
     types = tuple(_event_type(f"{path} [[events.types]] #{n + 1}", t) for n, t in enumerate(events["types"]))
     names = [t.name for t in types]
     twice = sorted({n for n in names if names.count(n) > 1})
@@ -190,7 +219,8 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
         raise SpecError(f"{path} [[events.types]]: the name {twice[0]!r} is declared twice")
     tables = _check(f"{path} [tables]", top["tables"], {e: dict for e in ENTITIES}, {})
     spec = DatasetSpec(dataset["name"], path, types,
-                       tuple(_table(f"{path} [tables.{e}]", e, tables[e]) for e in ENTITIES))
+                       tuple(_table(f"{path} [tables.{e}]", e, tables[e]) for e in ENTITIES),
+                       _history(f"{path} [events.history]", events["history"]) if "history" in events else None)
     if not spec.exposures:
         raise SpecError(f"{path} [[events.types]]: expected at least one type with role = \"exposure\" "
                         "(the ranker's examples are exposures)")

@@ -1,5 +1,6 @@
 """The MovieLens replay and the synthetic generator: what they emit, and through the CLI, what lands."""
 
+import json
 import math
 from collections import Counter
 
@@ -10,7 +11,7 @@ from streaming.movielens import (Rating, dataset_dir, load_ratings, rating_event
                                   sessions)
 from streaming.produce import count_landed, event_time_pace, fixed_rate_pace
 from streaming.synthetic import SyntheticConfig, SyntheticGenerator
-from streaming.topics import end_offsets
+from streaming.topics import end_offsets, read_range
 from tests.conftest import run_cli, stack_environ
 
 
@@ -113,7 +114,7 @@ def test_replay_and_generate_through_the_cli_land_in_kafka(broker: Settings, tmp
                             FLYWHEEL_KAFKA_EVENTS_TOPIC="cli-events", FLYWHEEL_STACK_SERVICES="kafka")
     done = run_cli(environ, "replay", "--limit", "2000")
     assert done.returncode == 0, done.stderr
-    assert "replayed 2000 ratings" in done.stdout
+    assert "replayed movielens-100k: " in done.stdout and "'impression': 2000" in done.stdout
     s = load_settings(environ)
     after_replay = end_offsets(s, "cli-events")
     landed = count_landed(s, "cli-events", {}, after_replay)
@@ -127,3 +128,43 @@ def test_replay_and_generate_through_the_cli_land_in_kafka(broker: Settings, tmp
 
     counted = run_cli(environ, "count")
     assert f"cli-events: {sum(expected.values()) + 3000} records" in counted.stdout
+
+
+@pytest.mark.stack
+def test_a_shops_history_file_replays_through_its_spec_and_a_wrong_one_sends_nothing(broker: Settings,
+                                                                                    tmp_path) -> None:
+    from tests.test_dataset_spec import SHOP
+
+    (tmp_path / "shop.toml").write_text(SHOP.replace("[tables.item]", """[events.history]
+source = "history.csv"
+user = "customer"
+item = "sku"
+type = "action"
+time = "at"
+time_unit = "s"
+request = "visit"
+context = ["category"]
+
+[tables.item]"""))
+    (tmp_path / "history.csv").write_text("customer,sku,action,at,visit,category\n"
+                                          "c1,A1,view,1700000060,v1,shoes\nc1,A1,order,1700000090,v1,shoes\n"
+                                          "c2,B2,view,1700000000,v2,\n")
+    environ = stack_environ(tmp_path, FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS=broker.kafka.bootstrap_servers,
+                            FLYWHEEL_KAFKA_EVENTS_TOPIC="shop-events", FLYWHEEL_STACK_SERVICES="kafka",
+                            FLYWHEEL_DATASET_SPEC=str(tmp_path / "shop.toml"))
+    done = run_cli(environ, "replay")
+    assert done.returncode == 0, done.stderr
+    s = load_settings(environ)
+    records = [json.loads(r.value) for r in read_range(s, "shop-events", {}, end_offsets(s, "shop-events"))]
+    assert sorted((r["user_id"], r["item_id"], r["event_type"], r["event_time"], r["request_id"], r["context"])
+                  for r in records) == [
+        ("c1", "A1", "order", 1_700_000_090_000, "v1", {"category": "shoes"}),
+        ("c1", "A1", "view", 1_700_000_060_000, "v1", {"category": "shoes"}),
+        ("c2", "B2", "view", 1_700_000_000_000, "v2", {})]
+
+    (tmp_path / "history.csv").write_text("customer,sku,action,at,visit,category\n"
+                                          "c3,A1,view,1700000000,v3,shoes\nc3,A1,click,1700000001,v3,shoes\n")
+    done = run_cli(environ, "replay")
+    assert done.returncode != 0
+    assert "history.csv row 2: event type 'click' is not declared" in done.stderr
+    assert sum(end_offsets(s, "shop-events").values()) == len(records)  # nothing of the wrong file was sent
