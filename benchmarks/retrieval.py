@@ -23,13 +23,14 @@ import keras
 import numpy as np
 import psutil
 
+from feature_repo.catalog import catalog_rows
 from infra import stack
 from infra.settings import Settings, get_settings, load_settings, override, redis_password
 from models.baselines import Interactions, ease, item_knn
 from models.recall import SOURCES, co_interaction, merge, neighbours_of, popular, recently_popular, source_weights
 from models.retrieval import Catalogue, Profiles, Split, TwoTower, judge, two_tower_lists
 from serving.nearline import redis_client
-from streaming.movielens import dataset_dir, load_ratings, load_side_table
+from streaming.movielens import dataset_dir, load_ratings
 
 
 WEIGHT_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)  # each source's weight in the merge, tuned on the validation window
@@ -71,7 +72,8 @@ def two_tower(s: Settings, w: Window, items: list, profiles: Profiles, seed: int
     """The two-tower source's top n per judged user of window `w`, its model trained on the window's past
     with `seed`; the training's seconds and losses, and the model."""
     split = w.split
-    catalogue = Catalogue.build(items, dict(zip(*np.unique([i for _, i in split.clicks], return_counts=True))))
+    catalogue = Catalogue.build(items, dict(zip(*np.unique([i for _, i in split.clicks], return_counts=True))),
+                                s.spec.table("item"))
     keras.utils.set_random_seed(seed)
     model = TwoTower(catalogue, profiles, sorted(split.seen), s.retrieval.dim, s.retrieval.sequence_length)
     started = time.perf_counter()
@@ -112,7 +114,8 @@ def main() -> None:
     split_s = int(datetime.fromisoformat(args.split).replace(tzinfo=UTC).timestamp())
     data = dataset_dir(s)
     ratings = load_ratings(data / "ml-100k.inter")
-    items, profiles = load_side_table(data / "ml-100k.item"), Profiles.build(load_side_table(data / "ml-100k.user"))
+    items = catalog_rows(s, s.spec.table("item"))  # the catalog's rows, as the DAG's training reads them
+    profiles = Profiles.build(catalog_rows(s, s.spec.table("user")), s.spec.table("user"))
     test = Window.of(ratings, split_s, 2**62, args.next, click, s.retrieval.sequence_length)
     validation = Window.of(ratings, split_s - args.validation_days * 86_400, split_s, args.next, click,
                            s.retrieval.sequence_length)

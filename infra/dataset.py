@@ -80,6 +80,13 @@ class TableSpec:
     source: str  # "movielens" (the bundled loader), or a CSV or Parquet file (relative to the spec's directory)
     id: str  # the column holding the entity's id
     attributes: tuple[AttributeSpec, ...]
+    category: str = ""  # item: the attribute whose first value is the item's category (default: the first
+    # categorical or multi one); the category events carry in their context, for the ranker's affinity features
+
+    @property
+    def category_attribute(self) -> AttributeSpec:
+        named = [a for a in self.attributes if a.name == self.category] or [a for a in self.attributes if not a.numeric]
+        return named[0] if named else self.attributes[0]
 
     def feature(self, attribute: AttributeSpec) -> str:
         """The attribute's feature name in the store and the models ("item_genres")."""
@@ -186,11 +193,14 @@ def _attribute(where: str, name: str, raw: Any) -> AttributeSpec:
 
 
 def _table(where: str, entity: str, raw: Any) -> TableSpec:
-    t = _check(where, raw, {"source": str, "id": str, "attributes": dict}, {})
+    t = _check(where, raw, {"source": str, "id": str, "attributes": dict}, {"category": str} if entity == "item" else {})
     attributes = tuple(_attribute(f"{where}.attributes.{name}", name, a) for name, a in t["attributes"].items())
     if not attributes:
         raise SpecError(f"{where}.attributes: expected at least one attribute")
-    return TableSpec(entity, t["source"], t["id"], attributes)
+    category = t.get("category", "")
+    if category and not any(a.name == category and not a.numeric for a in attributes):
+        raise SpecError(f"{where}.category: expected the name of a categorical or multi attribute, got {category!r}")
+    return TableSpec(entity, t["source"], t["id"], attributes, category)
 
 
 def _history(where: str, raw: Any) -> HistorySpec:

@@ -1,5 +1,6 @@
-"""Two-tower retrieval: a user tower (id, recent positive items, profile) and an item tower (id, genres,
-release year, popularity) map into one space; a user's candidates are the catalogue items nearest to
+"""Two-tower retrieval: a user tower (id, recent positive items, profile) and an item tower (id, attribute
+tokens, numbers, popularity) map into one space; the attributes are the dataset spec's item and user tables'
+(MovieLens: genres and release year; age, gender and occupation); a user's candidates are the catalogue items nearest to
 its embedding (cosine), so retrieval covers the whole catalogue, not a list the caller brings.
 
 Trained on positives (clicks) with in-batch negatives: the other items of a batch are each example's
@@ -20,10 +21,25 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from infra.dataset import AttributeSpec, TableSpec
 from models.layers import MLP
 from models.recall import ndcg_at_k, recall_at_k, top_k
 
 PAD = 0  # index 0 of every vocabulary: padding and ids not seen in training
+
+
+def _values(value: object) -> list[str]:
+    """A categorical or multi cell's values (a missing one: none)."""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [str(v) for v in value if v is not None and v == v]
+    return [] if value is None or value != value or value == "" else [str(value)]
+
+
+def _number(value: object) -> float:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return float("nan")
 
 
 @dataclass(frozen=True)
@@ -31,55 +47,66 @@ class Catalogue:
     """The items the model can retrieve and their side inputs, row k = item k + 1 of the vocabulary."""
 
     item_ids: list[str]
-    genres: np.ndarray  # (n, G) multi-hot
-    dense: np.ndarray  # (n, 2): release year (standardized), log popularity (standardized)
-    categories: list[str]  # each item's first genre: the category the ranker's affinity features use
+    tokens: np.ndarray  # (n, T) multi-hot: the values of its categorical and multi attributes
+    dense: np.ndarray  # (n, F): its number attributes and log popularity, standardized (missing: the mean)
+    categories: list[str]  # each item's category (the spec's): what the ranker's affinity features use
     popular: list[str]  # items by positives in training, most first: the fallback source
 
     @classmethod
-    def build(cls, items: list[dict[str, str]], counts: dict[str, int]) -> Catalogue:
-        """From the `.item` rows (item_id, release_year, class) and positives per item in training."""
-        genres = sorted({g for row in items for g in row.get("class", "").split()})
+    def build(cls, items: list[dict], counts: dict[str, int], table: TableSpec) -> Catalogue:
+        """From the item view's rows (item_id and each attribute's feature of `table`) and positives per
+        item in training."""
         ids = [row["item_id"] for row in items]
-        hot = np.array([[g in row.get("class", "").split() for g in genres] for row in items], dtype="float32")
-        year = np.array([_number(row.get("release_year", "")) for row in items], dtype="float32")
-        year = np.nan_to_num(year, nan=float(np.nanmean(year)) if np.isfinite(year).any() else 0.0)
-        pop = np.log1p(np.array([counts.get(i, 0) for i in ids], dtype="float32"))
-        dense = np.stack([year, pop], axis=1)
-        categories = [(row.get("class", "").split() or [""])[0] for row in items]
+        listed = [a for a in table.attributes if not a.numeric]
+        per_row = [{f"{a.token}:{v}" for a in listed for v in _values(row.get(table.feature(a)))} for row in items]
+        vocabulary = sorted(set().union(*per_row))
+        hot = np.array([[v in r for v in vocabulary] for r in per_row], "float32").reshape(len(ids), len(vocabulary))
+        columns = []
+        for a in (a for a in table.attributes if a.numeric):
+            x = np.array([_number(row.get(table.feature(a))) for row in items], "float32")
+            columns.append(np.nan_to_num(x, nan=float(np.nanmean(x)) if np.isfinite(x).any() else 0.0))
+        columns.append(np.log1p(np.array([counts.get(i, 0) for i in ids], "float32")))
+        dense = np.stack(columns, axis=1)
+        category = table.feature(table.category_attribute)
+        categories = [(_values(row.get(category)) or [""])[0] for row in items]
         popular = sorted((i for i in ids if counts.get(i, 0) > 0), key=lambda i: (-counts[i], i))
-        return cls(ids, hot.reshape(len(ids), len(genres)), (dense - dense.mean(0)) / (dense.std(0) + 1e-6),
-                   categories, popular)
+        return cls(ids, hot, (dense - dense.mean(0)) / (dense.std(0) + 1e-6), categories, popular)
 
 
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:  # MovieLens spells a missing year "unkonwn"
-        return float("nan")
+def _profile_key(a: AttributeSpec, value: object) -> object:
+    """A user attribute's value as a profile input: a category, a list's first entry, a number's decade."""
+    if a.numeric:
+        x = _number(value)
+        return None if x != x else int(x) // 10 * 10
+    return (_values(value) or [None])[0]
 
 
 @dataclass(frozen=True)
 class Profiles:
-    """User id -> (age bucket, gender, occupation) indices; unknown users get PAD."""
+    """User id -> one index per profile attribute (the spec's user attributes with tokens: a category, a
+    list's first entry, a number's decade); unknown users and missing values get PAD."""
 
-    index: dict[str, tuple[int, int, int]]
-    sizes: tuple[int, int, int]
+    index: dict[str, tuple[int, ...]]
+    sizes: tuple[int, ...]
 
     @classmethod
-    def build(cls, users: list[dict[str, str]]) -> Profiles:
-        genders = {g: k + 1 for k, g in enumerate(sorted({u["gender"] for u in users}))}
-        jobs = {o: k + 1 for k, o in enumerate(sorted({u["occupation"] for u in users}))}
-        index = {u["user_id"]: (min(int(u["age"]) // 10, 7) + 1, genders[u["gender"]], jobs[u["occupation"]])
-                 for u in users}
-        return cls(index, (9, len(genders) + 1, len(jobs) + 1))
+    def build(cls, users: list[dict], table: TableSpec) -> Profiles:
+        """From the user view's rows (user_id and each attribute's feature of `table`)."""
+        used = [a for a in table.attributes if a.tokens != "none"]
+        keys = [[_profile_key(a, row.get(table.feature(a))) for a in used] for row in users]
+        vocabularies = [{v: k + 1 for k, v in enumerate(sorted({row[j] for row in keys} - {None}))}
+                        for j in range(len(used))]
+        index = {row["user_id"]: tuple(vocab.get(k, PAD) for vocab, k in zip(vocabularies, key))
+                 for row, key in zip(users, keys)}
+        return cls(index, tuple(len(v) + 1 for v in vocabularies))
 
     def of(self, user_ids: Sequence[str]) -> np.ndarray:
-        return np.array([self.index.get(u, (PAD, PAD, PAD)) for u in user_ids], dtype="int32")
+        missing = (PAD,) * len(self.sizes)
+        return np.array([self.index.get(u, missing) for u in user_ids], dtype="int32").reshape(-1, len(self.sizes))
 
 
 class UserTower(keras.layers.Layer):
-    """(user (B,) int, recent (B, L) int with PAD, profile (B, 3) int) -> (B, D) unit vectors."""
+    """(user (B,) int, recent (B, L) int with PAD, profile (B, P) int) -> (B, D) unit vectors."""
 
     def __init__(self, users: int, item_embedding: keras.layers.Embedding, profile_sizes: Sequence[int], dim: int,
                  **kwargs) -> None:
@@ -97,15 +124,15 @@ class UserTower(keras.layers.Layer):
 
 
 class ItemTower(keras.layers.Layer):
-    """(item (B,) int, genres (B, G), dense (B, 2)) -> (B, D) unit vectors."""
+    """(item (B,) int, tokens (B, T), dense (B, F)) -> (B, D) unit vectors."""
 
     def __init__(self, item_embedding: keras.layers.Embedding, dim: int, **kwargs) -> None:
         super().__init__(**kwargs)
         self.items = item_embedding
         self.mlp = MLP([2 * dim, dim])
 
-    def call(self, item, genres, dense):
-        return tf.math.l2_normalize(self.mlp(tf.concat([self.items(item), genres, dense], -1)), -1)
+    def call(self, item, tokens, dense):
+        return tf.math.l2_normalize(self.mlp(tf.concat([self.items(item), tokens, dense], -1)), -1)
 
 
 def in_batch_loss(users: tf.Tensor, items: tf.Tensor, item_index: tf.Tensor, log_q: tf.Tensor,
@@ -149,8 +176,8 @@ class TwoTower:
         shared = keras.layers.Embedding(len(catalogue.item_ids) + 1, dim)
         self.user_tower = UserTower(len(user_ids) + 1, shared, profiles.sizes, dim)
         self.item_tower = ItemTower(shared, dim)
-        self.genres = np.vstack([np.zeros((1, catalogue.genres.shape[1]), "float32"), catalogue.genres])
-        self.dense = np.vstack([np.zeros((1, 2), "float32"), catalogue.dense]).astype("float32")
+        self.tokens = np.vstack([np.zeros((1, catalogue.tokens.shape[1]), "float32"), catalogue.tokens])
+        self.dense = np.vstack([np.zeros((1, catalogue.dense.shape[1]), "float32"), catalogue.dense]).astype("float32")
 
     def positives(self, clicks: Sequence[tuple[str, str]]) -> Positives:
         """Every (user, item) click, in time order, with the user's clicks before it."""
@@ -183,7 +210,7 @@ class TwoTower:
         def step(u, rec, prof, it):
             with tf.GradientTape() as tape:
                 loss = in_batch_loss(self.user_tower(u, rec, prof),
-                                     self.item_tower(it, tf.gather(self.genres, it), tf.gather(self.dense, it)),
+                                     self.item_tower(it, tf.gather(self.tokens, it), tf.gather(self.dense, it)),
                                      it, tf.gather(log_q, it), self.temperature)
             variables = [v for t in towers for v in t.trainable_variables]
             variables = list({id(v): v for v in variables}.values())  # the shared item table once
@@ -203,7 +230,7 @@ class TwoTower:
     def item_embeddings(self) -> np.ndarray:
         """(n, D): row k is catalogue item k."""
         idx = np.arange(1, len(self.catalogue.item_ids) + 1, dtype="int32")
-        return self.item_tower(idx, self.genres[idx], self.dense[idx]).numpy()
+        return self.item_tower(idx, self.tokens[idx], self.dense[idx]).numpy()
 
     def user_embeddings(self, user_ids: Sequence[str], recent: Sequence[Sequence[str]]) -> np.ndarray:
         """(B, D) for users with their recent clicked items (oldest first); a new user is PAD everywhere."""
@@ -221,7 +248,7 @@ class TwoTower:
         (path / "model.json").write_text(json.dumps({
             "dim": self.dim, "sequence_length": self.length, "temperature": self.temperature,
             "user_ids": self.user_ids, "profiles": {"index": p.index, "sizes": p.sizes},
-            "catalogue": {"item_ids": c.item_ids, "genres": c.genres.tolist(), "dense": c.dense.tolist(),
+            "catalogue": {"item_ids": c.item_ids, "tokens": c.tokens.tolist(), "dense": c.dense.tolist(),
                           "categories": c.categories, "popular": c.popular}}))
         weights = [*self.user_tower.get_weights(), *self.item_tower.get_weights()]
         np.savez(path / "weights.npz", *weights)
@@ -231,8 +258,8 @@ class TwoTower:
         meta = json.loads((path / "model.json").read_text())
         c = meta["catalogue"]
         n = len(c["item_ids"])
-        catalogue = Catalogue(c["item_ids"], np.array(c["genres"], "float32").reshape(n, -1),
-                              np.array(c["dense"], "float32").reshape(n, 2), c["categories"], c["popular"])
+        catalogue = Catalogue(c["item_ids"], np.array(c.get("tokens", c.get("genres")), "float32").reshape(n, -1),
+                              np.array(c["dense"], "float32").reshape(n, -1), c["categories"], c["popular"])
         profiles = Profiles({u: tuple(v) for u, v in meta["profiles"]["index"].items()},
                             tuple(meta["profiles"]["sizes"]))
         model = cls(catalogue, profiles, meta["user_ids"], meta["dim"], meta["sequence_length"], meta["temperature"])

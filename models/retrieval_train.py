@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import tensorflow as tf
 
-from feature_repo.definitions import ITEM_ATTRIBUTES, TIMESTAMP_FIELD, USER_PROFILE
+from feature_repo.definitions import ITEM_ATTRIBUTES, TIMESTAMP_FIELD, USER_PROFILE, BatchView
 from feature_repo.event_log import read_event_log
 from feature_repo.files import view_dir
 from infra.settings import Settings, override
@@ -70,18 +70,13 @@ def _latest(s: Settings, view: str, key: str) -> pd.DataFrame:
     return df.sort_values(TIMESTAMP_FIELD, kind="stable").drop_duplicates(key, keep="last")
 
 
-def catalogue_rows(s: Settings) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """The catalogue's items and users as the model's side tables read them (`.item`, `.user` rows)."""
-    items = _latest(s, ITEM_ATTRIBUTES.name, "item_id")
-    users = _latest(s, USER_PROFILE.name, "user_id")
-    item_rows = [{"item_id": i, "class": " ".join(g if g is not None else []),
-                  "release_year": "" if pd.isna(y) else str(int(y))}
-                 for i, g, y in zip(items.get("item_id", []), items.get("item_genres", []),
-                                    items.get("item_release_year", []))]
-    user_rows = [{"user_id": u, "age": str(int(a)) if not pd.isna(a) else "0", "gender": g or "", "occupation": o or ""}
-                 for u, a, g, o in zip(users.get("user_id", []), users.get("user_age", []),
-                                       users.get("user_gender", []), users.get("user_occupation", []))]
-    return item_rows, user_rows
+def catalogue_rows(s: Settings) -> tuple[list[dict], list[dict]]:
+    """The catalogue's items and users: each one's newest row of the catalog's views (id and a feature per
+    attribute the dataset spec declares)."""
+    def rows(view: BatchView) -> list[dict]:
+        df = _latest(s, view.name, view.keys[0])
+        return df[[c for c in (*view.keys, *(name for name, _ in view.columns)) if c in df]].to_dict("records")
+    return rows(ITEM_ATTRIBUTES), rows(USER_PROFILE)
 
 
 def split_of(s: Settings, start: datetime, end: datetime) -> Split:
@@ -98,7 +93,8 @@ def build_model(s: Settings, split: Split) -> TwoTower:
     items += [{"item_id": i} for i in sorted({i for _, i in split.clicks} - known)]
     counts = pd.Series([i for _, i in split.clicks]).value_counts().to_dict()
     r = s.retrieval
-    return TwoTower(Catalogue.build(items, counts), Profiles.build(users), sorted(split.seen), r.dim,
+    return TwoTower(Catalogue.build(items, counts, s.spec.table("item")), Profiles.build(users, s.spec.table("user")),
+                    sorted(split.seen), r.dim,
                     r.sequence_length)
 
 

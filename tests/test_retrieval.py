@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from infra.settings import Settings
+from infra.settings import Settings, load_settings
 from models.baselines import Interactions, ease, item_knn
 from models.recall import (co_interaction, merge, ndcg_at_k, neighbours_of, popular, recall_at_k, recently_popular,
                            source_weights, top_k)
@@ -15,10 +15,13 @@ from serving.nearline import count_popular, redis_client
 
 DAY = 86_400.0
 
-ITEMS = [{"item_id": str(i), "release_year": str(1990 + i % 10), "class": "Drama" if i < 20 else "Comedy"}
+# The catalog's rows as the default (MovieLens) spec declares them.
+ITEMS = [{"item_id": str(i), "item_release_year": 1990 + i % 10, "item_genres": ["Drama" if i < 20 else "Comedy"]}
          for i in range(40)]
-USERS = [{"user_id": f"u{n}", "age": str(20 + n % 40), "gender": "MF"[n % 2], "occupation": "other"}
+USERS = [{"user_id": f"u{n}", "user_age": 20 + n % 40, "user_gender": "MF"[n % 2], "user_occupation": "other"}
          for n in range(60)]
+SPEC = load_settings({"FLYWHEEL_CONFIG": "/dev/null"}).spec
+ITEM_TABLE, USER_TABLE = SPEC.table("item"), SPEC.table("user")
 
 
 def _clicks(seed: int = 3) -> list[tuple[str, str]]:
@@ -34,8 +37,8 @@ def _clicks(seed: int = 3) -> list[tuple[str, str]]:
 
 def test_the_two_tower_model_retrieves_from_the_users_side_of_the_catalogue() -> None:
     clicks = _clicks()
-    catalogue = Catalogue.build(ITEMS, dict(zip(*np.unique([item for _, item in clicks], return_counts=True))))
-    model = TwoTower(catalogue, Profiles.build(USERS), [u["user_id"] for u in USERS], dim=16)
+    catalogue = Catalogue.build(ITEMS, dict(zip(*np.unique([item for _, item in clicks], return_counts=True))), ITEM_TABLE)
+    model = TwoTower(catalogue, Profiles.build(USERS, USER_TABLE), [u["user_id"] for u in USERS], dim=16)
     losses = model.fit(model.positives(clicks), epochs=6, batch_size=64)
     assert losses[-1] < losses[0]
     users = ["u1", "u40", "new-user"]
@@ -132,8 +135,8 @@ def test_recall_and_ndcg() -> None:
 
 def test_a_saved_model_loads_to_the_same_embeddings(tmp_path) -> None:
     clicks = _clicks()
-    catalogue = Catalogue.build(ITEMS, dict(zip(*np.unique([item for _, item in clicks], return_counts=True))))
-    model = TwoTower(catalogue, Profiles.build(USERS), [u["user_id"] for u in USERS], dim=8)
+    catalogue = Catalogue.build(ITEMS, dict(zip(*np.unique([item for _, item in clicks], return_counts=True))), ITEM_TABLE)
+    model = TwoTower(catalogue, Profiles.build(USERS, USER_TABLE), [u["user_id"] for u in USERS], dim=8)
     model.fit(model.positives(clicks), epochs=1, batch_size=64)
     model.save(tmp_path / "m")
     loaded = TwoTower.load(tmp_path / "m")
@@ -150,3 +153,24 @@ def test_the_split_judges_each_users_next_positives_and_never_what_they_saw() ->
     assert split.clicks == [("a", "1"), ("b", "3")] and split.seen == {"a": {"1", "2"}, "b": {"3"}}
     assert split.test == {"a": ["4"], "c": ["6"]} and split.users == ["a"]  # c has nothing before the cut
     assert judge({"a": ["9", "4"]}, split, k=2) == (1.0, 1 / np.log2(3))
+
+
+def test_the_towers_inputs_are_the_specs_attributes(tmp_path) -> None:
+    from infra.dataset import parse_spec
+    from tests.test_dataset_spec import SHOP
+
+    shop = parse_spec(SHOP, tmp_path / "shop.toml")
+    items = [{"item_id": "A1", "item_brand": "acme", "item_price": 19.5, "item_tags": ["new", "sale"]},
+             {"item_id": "B2", "item_brand": None, "item_price": None, "item_tags": []},
+             {"item_id": "C3"}]  # only behavior names it
+    catalogue = Catalogue.build(items, {"A1": 3}, shop.table("item"))
+    assert catalogue.tokens.tolist() == [[1, 1, 1], [0, 0, 0], [0, 0, 0]]  # brand:acme, tags:new, tags:sale
+    assert catalogue.dense.shape == (3, 2)  # the price (a missing one: the mean) and popularity
+    assert catalogue.dense[1, 0] == catalogue.dense[0, 0]
+    assert catalogue.categories == ["acme", "", ""]  # the first categorical attribute, as none is named
+    profiles = Profiles.build([{"user_id": "c1", "user_region": "north"}, {"user_id": "c2", "user_region": "south"},
+                               {"user_id": "c3", "user_region": None}], shop.table("user"))
+    assert profiles.sizes == (3,) and profiles.of(["c2", "c3", "nobody"]).tolist() == [[2], [0], [0]]
+    # MovieLens: a user's gender, occupation and age decade, in the spec's order
+    movielens = Profiles.build(USERS, USER_TABLE)
+    assert movielens.sizes == (3, 2, 5) and movielens.index["u2"] == (2, 1, 1)  # M, other, 20s (of 20s-50s)
