@@ -1,11 +1,13 @@
 """The dataset spec: what a company declares about its data, in one TOML file (docs/dataset-spec.md).
 
-The settings say where the spec is (`dataset.spec`); the spec says what the data means. So far it
-declares the event types, by the dataset's own names, and their roles; every stage derives its event
-vocabulary from it (the schema's validation in Python and in the JVM, the stream's counts, the long
-history's type order, the ranker's labels and type ids, the graph's weights, retrieval's positives).
-And the item and user tables: where they are, their id column and their attributes by kind, from which
-the catalog's feature views, its loader and the ranker's attribute tokens and numeric inputs derive.
+The settings say where the spec is (`dataset.spec`); the spec says what the data means:
+- the event types, by the dataset's own names, and their roles, from which every stage takes its event
+  vocabulary (validation in Python and in the JVM, the stream's counts, the long history's type order,
+  the ranker's labels and type ids, the graph's weights, retrieval's positives);
+- past events to replay, as a file's columns (streaming/history.py);
+- the item and user tables: where they are, their id column and their attributes by kind, from which the
+  catalog's feature views and loader, the ranker's attribute tokens and numeric inputs and the two-tower
+  model's towers derive.
 
 A spec is checked whole before anything uses it: an unknown key, a missing one or a value of the wrong
 type is refused with the file, the key and what was expected.
@@ -40,7 +42,7 @@ class SpecError(ValueError):
 class EventTypeSpec:
     name: str
     role: str  # one of ROLES
-    weight: float = 0.0  # a positive's weight in the behavior graph and in retrieval's positives
+    weight: float = 0.0  # a positive's weight as an edge of the behavior graph
     label: bool = False  # a positive that labels the ranker's examples
 
 
