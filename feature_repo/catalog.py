@@ -1,11 +1,14 @@
 """Slow features from the catalog: item attributes and user profiles, as batch feature views.
 
 They come from the item and user tables the dataset spec declares (a CSV or Parquet file, or MovieLens'
-files through the bundled loader), one column per declared attribute, not from events: each load writes one Parquet snapshot per view into the
-offline store, stamped with the time from which it holds (by default the time of the load), and
-`materialize` copies what is new into the online store (the feature_materialization DAG schedules
-it). Materialization goes by that stamp, so a snapshot older than the last materialization would
-never reach the online store: writing one is an error.
+files through the bundled loader), one column per declared attribute, not from events. Each load writes
+one Parquet snapshot per view into the offline store, stamped with the time from which it holds (by
+default the time of the load), and `materialize` copies what is new into the online store (the
+feature_materialization DAG schedules it). Materialization goes by that stamp, so a snapshot older than
+the last materialization would never reach the online store: writing one is an error.
+
+The views are the process's dataset spec's (feature_repo/definitions.py): load with the settings of
+that spec.
 """
 
 from __future__ import annotations

@@ -252,7 +252,7 @@ class S3Settings:
 
 @dataclass(frozen=True)
 class DatasetSettings:
-    # What the data means (event types and their roles): one file, docs/dataset-spec.md.
+    # What the data means (event types, catalog tables, past events): one file, docs/dataset-spec.md.
     spec: Path = REPO_ROOT / "datasets" / "movielens" / "dataset.toml"
 
 
