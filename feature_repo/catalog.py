@@ -17,6 +17,7 @@ import math
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
@@ -77,7 +78,9 @@ def _source(s: Settings, table: TableSpec) -> list[dict]:
         return load_side_table(dataset_dir(s) / f"ml-100k.{table.entity}")
     path = s.spec.source_path(table.source)
     if path.suffix == ".csv":
-        return pcsv.read_csv(path, convert_options=pcsv.ConvertOptions(strings_can_be_null=True)).to_pylist()
+        # The id as text ("007" stays "007", as events carry it); empty cells and "NA", "null", ... missing.
+        options = pcsv.ConvertOptions(strings_can_be_null=True, column_types={table.id: pa.string()})
+        return pcsv.read_csv(path, convert_options=options).to_pylist()
     if path.suffix == ".parquet":
         return pq.read_table(path).to_pylist()
     raise CatalogError(f"{s.spec.path} [tables.{table.entity}] source: expected \"movielens\" or a .csv or "

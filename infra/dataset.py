@@ -28,7 +28,6 @@ ROLES = ("exposure", "positive")  # shown to a user / an action that signals int
 ENTITIES = ("item", "user")  # the tables a spec declares, each keyed by the entity's id
 # An attribute's kind: a string, a list of strings, an integer or a number.
 KINDS = ("categorical", "multi", "integer", "number")
-TOKENS = ("value", "decade", "none")  # an attribute's tokens: one per value, its decade, none
 # A type's name travels to the JVM in a job parameter: no separators, nothing to escape.
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 JVM_SEPARATOR = "|"
@@ -67,7 +66,7 @@ class AttributeSpec:
     column: str  # in the source table
     separator: str = ""  # multi: the separator of a string column's entries (a list column needs none)
     token: str = ""  # its tokens' prefix ("genre:Drama")
-    tokens: str = "value"  # one of TOKENS
+    tokens: str = "value"  # the ranker's tokens: "value" (one per value), "decade" (a number's) or "none"
     origin: float = 0.0  # integer and number: the model's numeric input is max(x - origin, 0) * scale
     scale: float = 1.0
 
@@ -86,9 +85,10 @@ class TableSpec:
     # categorical or multi one); the category events carry in their context, for the ranker's affinity features
 
     @property
-    def category_attribute(self) -> AttributeSpec:
+    def category_attribute(self) -> AttributeSpec | None:
+        """The declared one, else the first categorical or multi attribute; None: items have no category."""
         named = [a for a in self.attributes if a.name == self.category] or [a for a in self.attributes if not a.numeric]
-        return named[0] if named else self.attributes[0]
+        return named[0] if named else None
 
     def feature(self, attribute: AttributeSpec) -> str:
         """The attribute's feature name in the store and the models ("item_genres")."""
@@ -178,16 +178,19 @@ def _attribute(where: str, name: str, raw: Any) -> AttributeSpec:
     a = _check(where, raw, {"kind": str}, {"column": str, "separator": str, "token": str, "tokens": str,
                                            "origin": (int, float), "scale": (int, float)})
     if not NAME.fullmatch(name):
-        raise SpecError(f"{where}: expected an attribute name of letters, digits, '_' or '-', got {name!r}")
+        raise SpecError(f"{where}: expected an attribute name of letters, digits, '_' or '-' starting with a "
+                        f"letter (at most 64), got {name!r}")
     if a["kind"] not in KINDS:
         raise SpecError(f"{where}.kind: expected one of {', '.join(KINDS)}, got {a['kind']!r}")
     numeric = a["kind"] in ("integer", "number")
     tokens = a.get("tokens", "none" if numeric else "value")
-    if tokens not in TOKENS or (tokens == "decade" and not numeric):
-        raise SpecError(f"{where}.tokens: expected one of {', '.join(TOKENS)} (decade: integer and number only), "
-                        f"got {tokens!r}")
+    allowed = ("decade", "none") if numeric else ("value", "none")
+    if tokens not in allowed:
+        raise SpecError(f"{where}.tokens: expected {' or '.join(allowed)} for a {a['kind']} attribute, got {tokens!r}")
     if not numeric and ("origin" in a or "scale" in a):
         raise SpecError(f"{where}: origin and scale are for integer and number attributes (the numeric inputs)")
+    if a.get("origin", 0) < 0:  # a missing value is 0 before the transform: it must stay 0 after it
+        raise SpecError(f"{where}.origin: expected a number >= 0, got {a['origin']}")
     if "separator" in a and a["kind"] != "multi":
         raise SpecError(f"{where}.separator: only a multi attribute has a separator")
     return AttributeSpec(name, a["kind"], a.get("column", name), a.get("separator", ""), a.get("token", name),

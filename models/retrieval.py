@@ -67,7 +67,8 @@ class Catalogue:
             columns.append(np.nan_to_num(x, nan=float(np.nanmean(x)) if np.isfinite(x).any() else 0.0))
         columns.append(np.log1p(np.array([counts.get(i, 0) for i in ids], "float32")))
         dense = np.stack(columns, axis=1)
-        category = table.feature(table.category_attribute)
+        attribute = table.category_attribute
+        category = table.feature(attribute) if attribute else ""
         categories = [(_values(row.get(category)) or [""])[0] for row in items]
         popular = sorted((i for i in ids if counts.get(i, 0) > 0), key=lambda i: (-counts[i], i))
         return cls(ids, hot, (dense - dense.mean(0)) / (dense.std(0) + 1e-6), categories, popular)

@@ -2,6 +2,7 @@
 before anything starts, with the file, the key and what was expected."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,10 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
     (("[dataset]", "[datasets]"), "unknown key 'datasets' (expected: dataset, events, tables)"),
     (('kind = "categorical"', 'kind = "text"'), "[tables.item].attributes.brand.kind: expected one of categorical"),
     (('kind = "categorical"', 'kind = "categorical"\nseparator = ","'), "brand.separator: only a multi attribute"),
-    (('kind = "categorical"', 'kind = "categorical"\ntokens = "decade"'), "brand.tokens: expected one of"),
+    (('kind = "categorical"', 'kind = "categorical"\ntokens = "decade"'),
+     "brand.tokens: expected value or none for a categorical attribute, got 'decade'"),
+    (('tokens = "decade"', 'tokens = "value"'), "price.tokens: expected decade or none for a number attribute"),
+    (("scale = 0.01", "scale = 0.01\norigin = -5"), "price.origin: expected a number >= 0, got -5"),
     (('kind = "categorical"', 'kind = "categorical"\nscale = 2'), "brand: origin and scale are for integer"),
     (('id = "sku"', 'key = "sku"'), "[tables.item]: unknown key 'key' (expected: source, id, attributes, category)"),
     (('id = "sku"', 'id = "sku"\ncategory = "price"'), "[tables.item].category: expected the name of a categorical"),
@@ -188,3 +192,20 @@ def test_a_shops_catalog_is_read_from_its_own_files_by_the_spec(tmp_path: Path) 
     with pytest.raises(CatalogError, match="has no column 'home_region'"):
         load_catalog(s)
     assert not view_dir(s, "item_attributes").exists()
+
+
+@pytest.mark.parametrize("row, reason", [
+    ("c1,A1,view,yesterday", "row 2: time 'yesterday' is neither a timestamp nor a number of s since the epoch"),
+    (f"{'c' * 200},A1,view,1700000000", "row 2: bad value: user_id must have 1..128 characters"),
+    ("c1,A1,view,1700000000000", "row 2: bad value: event_time 1700000000000000 is not milliseconds"),  # ms as s
+    ("c1,,view,1700000000", "row 2: no item (sku)"),
+])
+def test_a_history_file_is_checked_whole_before_its_first_event(tmp_path: Path, row: str, reason: str) -> None:
+    from streaming.history import HistoryError, history_events
+
+    spec = shop(tmp_path, SHOP.replace("[tables.item]", '[events.history]\nsource = "history.csv"\nuser = "customer"\n'
+                                       'item = "sku"\ntype = "action"\ntime = "at"\ntime_unit = "s"\n\n[tables.item]'))
+    (tmp_path / "history.csv").write_text(f"customer,sku,action,at\nc0,A1,view,1700000000\n{row}\n")
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(spec)})
+    with pytest.raises(HistoryError, match=re.escape(f"history.csv {reason}")):
+        next(history_events(s))  # not even the good first row is yielded

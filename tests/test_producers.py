@@ -148,7 +148,7 @@ context = ["category"]
 [tables.item]"""))
     (tmp_path / "history.csv").write_text("customer,sku,action,at,visit,category\n"
                                           "c1,A1,view,1700000060,v1,shoes\nc1,A1,order,1700000090,v1,shoes\n"
-                                          "c2,B2,view,1700000000,v2,\n")
+                                          "c2,007,view,1700000000,v2,\n")
     environ = stack_environ(tmp_path, FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS=broker.kafka.bootstrap_servers,
                             FLYWHEEL_KAFKA_EVENTS_TOPIC="shop-events", FLYWHEEL_STACK_SERVICES="kafka",
                             FLYWHEEL_DATASET_SPEC=str(tmp_path / "shop.toml"))
@@ -160,11 +160,11 @@ context = ["category"]
                   for r in records) == [
         ("c1", "A1", "order", 1_700_000_090_000, "v1", {"category": "shoes"}),
         ("c1", "A1", "view", 1_700_000_060_000, "v1", {"category": "shoes"}),
-        ("c2", "B2", "view", 1_700_000_000_000, "v2", {})]
+        ("c2", "007", "view", 1_700_000_000_000, "v2", {})]  # an id that looks like a number stays text
 
     (tmp_path / "history.csv").write_text("customer,sku,action,at,visit,category\n"
                                           "c3,A1,view,1700000000,v3,shoes\nc3,A1,click,1700000001,v3,shoes\n")
     done = run_cli(environ, "replay")
     assert done.returncode != 0
-    assert "history.csv row 2: event type 'click' is not declared" in done.stderr
+    assert "history.csv row 2: unknown event_type 'click' (declared: view, cart, order)" in done.stderr
     assert sum(end_offsets(s, "shop-events").values()) == len(records)  # nothing of the wrong file was sent
