@@ -97,6 +97,8 @@ class TableSpec:
 
 @dataclass(frozen=True)
 class DatasetSpec:
+    """A checked spec. Its derived lists are computed once (consumers and the demo ask per event)."""
+
     name: str
     path: Path
     event_types: tuple[EventTypeSpec, ...]  # from the weakest signal to the strongest
@@ -106,19 +108,19 @@ class DatasetSpec:
     def table(self, entity: str) -> TableSpec:
         return next(t for t in self.tables if t.entity == entity)
 
-    @property
+    @functools.cached_property
     def type_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.event_types)
 
-    @property
+    @functools.cached_property
     def exposures(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.event_types if t.role == "exposure")
 
-    @property
+    @functools.cached_property
     def positives(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.event_types if t.role == "positive")
 
-    @property
+    @functools.cached_property
     def labels(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.event_types if t.label)
 
@@ -127,7 +129,7 @@ class DatasetSpec:
         """Each positive's weight (graph edges, retrieval positives)."""
         return {t.name: t.weight for t in self.event_types if t.role == "positive"}
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
         """Identifies what the spec declares (not how the file is laid out)."""
         return hashlib.sha256(repr((self.name, self.event_types, self.tables)).encode()).hexdigest()[:16]
