@@ -35,13 +35,13 @@ import pandas as pd
 import tensorflow as tf
 
 from benchmarks.record import record
+from contract.examples import PAD, Examples
+from contract.inputs import NUMERIC_FEATURES
 from feature_repo.store import apply
 from infra import process, stack
 from infra.services import enabled_services
 from infra.settings import ServingSettings, Settings, load_settings, override
 from models.ctr import CtrModel, ModelSpec
-from models.inputs import NUMERIC_FEATURES
-from models.examples import PAD, Examples
 from models.registry import CHAMPION, connect, log_model
 from models.sparse import SparseConfig
 from serving.batching import Batcher
@@ -149,7 +149,7 @@ def scoring_batching(model: CtrModel, batching: bool, threads: int = 16, seconds
 
 
 def _split(runner: DenseRunner, weights, model: CtrModel, parts: list[Examples]) -> list[np.ndarray]:
-    from models.examples import concat
+    from contract.examples import concat
 
     scores = runner.run(weights, model.scoring_inputs(concat(parts)))
     bounds = np.cumsum([0, *(len(p) for p in parts)])

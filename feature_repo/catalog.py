@@ -17,16 +17,13 @@ import math
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.csv as pcsv
-import pyarrow.parquet as pq
-
 from feature_repo.definitions import (
     BATCH_VIEWS, ITEM_ATTRIBUTES, USER_PROFILE, BatchView, offline_rows)
 from feature_repo.files import view_dir, write_atomic
 from feature_repo.store import apply, feature_store
 from infra.dataset import AttributeSpec, TableSpec
 from infra.settings import Settings
+from streaming.history import missing, read_source
 from streaming.movielens import dataset_dir, load_ratings, load_side_table
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -50,17 +47,13 @@ class CatalogError(ValueError):
     """A table that does not match its spec; nothing of it was written."""
 
 
-def _missing(value: object) -> bool:
-    return value is None or value == "" or (isinstance(value, float) and math.isnan(value))
-
-
 def _value(a: AttributeSpec, value: object) -> object:
     """One cell as the attribute's kind stores it (a value that does not read as its kind: missing)."""
     if a.kind == "multi":
         if isinstance(value, (list, tuple)):
-            return [str(v) for v in value if not _missing(v)]
-        return [] if _missing(value) else [v for v in str(value).split(a.separator or None) if v]
-    if _missing(value):
+            return [str(v) for v in value if not missing(v)]
+        return [] if missing(value) else [v for v in str(value).split(a.separator or None) if v]
+    if missing(value):
         return None
     if a.kind == "categorical":
         return str(value)
@@ -77,14 +70,11 @@ def _source(s: Settings, table: TableSpec) -> list[dict]:
     if table.source == "movielens":
         return load_side_table(dataset_dir(s) / f"ml-100k.{table.entity}")
     path = s.spec.source_path(table.source)
-    if path.suffix == ".csv":
-        # The id as text ("007" stays "007", as events carry it); empty cells and "NA", "null", ... missing.
-        options = pcsv.ConvertOptions(strings_can_be_null=True, column_types={table.id: pa.string()})
-        return pcsv.read_csv(path, convert_options=options).to_pylist()
-    if path.suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
-    raise CatalogError(f"{s.spec.path} [tables.{table.entity}] source: expected \"movielens\" or a .csv or "
-                       f".parquet file, got {table.source!r}")
+    try:
+        return read_source(path, [table.id]).to_pylist()
+    except ValueError:
+        raise CatalogError(f"{s.spec.path} [tables.{table.entity}] source: expected \"movielens\" or a .csv or "
+                           f".parquet file, got {table.source!r}") from None
 
 
 def catalog_rows(s: Settings, table: TableSpec) -> list[dict]:

@@ -227,7 +227,7 @@ def _load_catalog(s: Settings) -> None:
 
 @main.command()
 def catalog() -> None:
-    """Load MovieLens' item attributes and user profiles (batch feature views) and materialize them."""
+    """Load the dataset spec's item and user tables (batch feature views) and materialize them online."""
     _load_catalog(_settings())
 
 

@@ -56,7 +56,10 @@ class HistorySpec:
     time: str = "event_time"  # a timestamp column, or numbers in `time_unit` since the epoch
     time_unit: str = "ms"  # "s" or "ms"
     request: str = ""  # the request id column: an action labels the exposure of its request; none: each event its own
-    context: tuple[str, ...] = ()  # columns kept in each event's context (the ones the features read: category)
+    context: tuple[str, ...] = ()  # columns kept in each event's context (the ones the features read: the key)
+    # > 0: the history holds no exposures; per request, each item acted on and this many times as many
+    # sampled by popularity are replayed as exposures before it (streaming/history.py)
+    negatives: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,9 @@ class DatasetSpec:
     event_types: tuple[EventTypeSpec, ...]  # from the weakest signal to the strongest
     tables: tuple[TableSpec, ...] = ()  # one per entity of ENTITIES, in that order
     history: HistorySpec | None = None
+    # The context field whose value is an event's key: the per (user, key) views and the long history
+    # group by it, and the ranker's category inputs are its values (the item's category attribute).
+    key: str = "category"
 
     def table(self, entity: str) -> TableSpec:
         return next(t for t in self.tables if t.entity == entity)
@@ -132,7 +138,8 @@ class DatasetSpec:
     @functools.cached_property
     def digest(self) -> str:
         """Identifies what the spec declares (not how the file is laid out)."""
-        return hashlib.sha256(repr((self.name, self.event_types, self.tables)).encode()).hexdigest()[:16]
+        declared = (self.name, self.event_types, self.tables) + ((self.key,) if self.key != "category" else ())
+        return hashlib.sha256(repr(declared).encode()).hexdigest()[:16]
 
     def source_path(self, source: str) -> Path:
         """A table's or the history's file, relative to the spec's directory."""
@@ -212,11 +219,15 @@ def _table(where: str, entity: str, raw: Any) -> TableSpec:
 
 def _history(where: str, raw: Any) -> HistorySpec:
     h = _check(where, raw, {"source": str}, {"user": str, "item": str, "type": str, "time": str, "time_unit": str,
-                                             "request": str, "context": list})
+                                             "request": str, "context": list, "negatives": int})
     if h.get("time_unit", "ms") not in ("s", "ms"):
         raise SpecError(f"{where}.time_unit: expected s or ms, got {h['time_unit']!r}")
     if not all(isinstance(c, str) for c in h.get("context", [])):
         raise SpecError(f"{where}.context: expected a list of column names")
+    if h.get("negatives", 0) < 0:
+        raise SpecError(f"{where}.negatives: expected an integer >= 0, got {h['negatives']}")
+    if h.get("negatives") and h["source"] == "movielens":
+        raise SpecError(f"{where}.negatives: MovieLens' replay has its exposures (each rating)")
     return HistorySpec(**h | {"context": tuple(h.get("context", []))})
 
 
@@ -228,7 +239,11 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
         raise SpecError(f"{path}: not TOML: {exc}") from None
     top = _check(str(path), raw, {"dataset": dict, "events": dict, "tables": dict}, {})
     dataset = _check(f"{path} [dataset]", top["dataset"], {"name": str}, {})
-    events = _check(f"{path} [events]", top["events"], {"types": list}, {"history": dict})
+    events = _check(f"{path} [events]", top["events"], {"types": list}, {"history": dict, "key": str})
+    key = events.get("key", "category")
+    if not NAME.fullmatch(key):
+        raise SpecError(f"{path} [events].key: expected a context field name of letters, digits, '_' or '-' "
+                        f"starting with a letter (at most 64), got {key!r}")
     types = tuple(_event_type(f"{path} [[events.types]] #{n + 1}", t) for n, t in enumerate(events["types"]))
     names = [t.name for t in types]
     twice = sorted({n for n in names if names.count(n) > 1})
@@ -237,7 +252,8 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
     tables = _check(f"{path} [tables]", top["tables"], {e: dict for e in ENTITIES}, {})
     spec = DatasetSpec(dataset["name"], path, types,
                        tuple(_table(f"{path} [tables.{e}]", e, tables[e]) for e in ENTITIES),
-                       _history(f"{path} [events.history]", events["history"]) if "history" in events else None)
+                       _history(f"{path} [events.history]", events["history"]) if "history" in events else None,
+                       key)
     if not spec.exposures:
         raise SpecError(f"{path} [[events.types]]: expected at least one type with role = \"exposure\" "
                         "(the ranker's examples are exposures)")

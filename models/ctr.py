@@ -21,10 +21,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up bann
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from models.examples import PAD, Examples, fit_width  # noqa: E402
+from contract.examples import PAD, Examples, fit_width  # noqa: E402
+from contract.terms import Terms, token_prefixes  # noqa: E402
 from models.networks import LogisticRegression, Ranker, RankerV1  # noqa: E402
 from models.sparse import DEFAULT_ROW, SparseConfig, SparseTable, TableSnapshot, apply_delta  # noqa: E402
-from streaming.events import declared_types  # noqa: E402
+from streaming.events import dataset_spec, declared_types  # noqa: E402
 
 TABLES = ("user", "item", "category", "attribute")  # behaviors share the item table; attribute: item and user tokens
 EMBEDDED = ("user", "item", "category", "sequence", "long_sequence", "item_tokens", "user_tokens")
@@ -46,6 +47,13 @@ class ModelSpec:
     # The behaviors' event types the type embedding is sized for (id n + 1; 0: padding or a type not in it):
     # the dataset spec's when trained, kept with the version whatever the spec says later.
     event_types: tuple[str, ...] = field(default_factory=declared_types)
+    # The rest of its terms (contract/terms.py): empty in versions that predate them (not checked).
+    dataset: str = field(default_factory=lambda: dataset_spec().name)
+    tokens: tuple[str, ...] = field(default_factory=token_prefixes)
+
+    @property
+    def terms(self) -> Terms:
+        return Terms(self.dataset, self.event_types, self.numeric_features, self.tokens)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -57,7 +65,8 @@ class ModelSpec:
             raw |= {"kind": "ranker-v1" if raw["kind"] == "ranker" else raw["kind"], "long_length": 0}
         return cls(**raw | {"sparse": SparseConfig(**raw["sparse"]), "numeric_features": tuple(raw["numeric_features"]),
                             "hidden": tuple(raw["hidden"])}
-                   | ({"event_types": tuple(raw["event_types"])} if "event_types" in raw else {}))
+                   | ({"event_types": tuple(raw["event_types"])} if "event_types" in raw else {})
+                   | {"dataset": raw.get("dataset", ""), "tokens": tuple(raw.get("tokens", ()))})
 
 
 def _network(spec: ModelSpec) -> keras.Model:

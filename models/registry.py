@@ -23,8 +23,8 @@ import pandas as pd
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
+from contract.examples import Examples, from_frame
 from infra.settings import MLFLOW_CLIENT_ENV, Settings, mlflow_password
-from models.examples import Examples, from_frame
 from models.metrics import auc, auc_difference, calibration
 
 if TYPE_CHECKING:  # TensorFlow takes seconds to import: only the calls that score load it
@@ -60,7 +60,7 @@ def connect(s: Settings) -> MlflowClient:
 
 
 class CtrPyfunc(mlflow.pyfunc.PythonModel):
-    """`models:/<name>@<alias>` as a pyfunc: scores a frame in `models.examples.to_frame`'s layout."""
+    """`models:/<name>@<alias>` as a pyfunc: scores a frame in `contract.examples.to_frame`'s layout."""
 
     def load_context(self, context) -> None:
         from models.ctr import CtrModel

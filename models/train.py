@@ -10,6 +10,7 @@ against its parent. Nothing moves `@champion` unless the gate passes.
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 import time
@@ -20,12 +21,12 @@ from pathlib import Path
 import mlflow
 import numpy as np
 
+from contract.examples import Examples
+from contract.inputs import LONG_HISTORY_FEATURES, NUMERIC_FEATURES, V1_NUMERIC_FEATURES
 from infra.settings import Settings
 from models import plots
 from models.ctr import CtrModel, ModelSpec
 from models.dataset import Window, chronological_split, training_set
-from models.inputs import LONG_HISTORY_FEATURES, NUMERIC_FEATURES, V1_NUMERIC_FEATURES
-from models.examples import Examples
 from models.metrics import auc, evaluate
 from models.registry import (Decision, champion_watermark, connect, gate, lacking_evidence, load_version, log_model,
                              version_tags)
@@ -99,7 +100,8 @@ def train_full(s: Settings, window: Window, kind: str = "ranker", promote: bool 
         mlflow.log_figure(plots.losses(losses, val_aucs), "plots/loss_curves.png")
         version = log_model(s, best, {"kind": kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
                                       "eval_start": spans["test"].split(" .. ")[0],
-                                      "eval_end": spans["test"].split(" .. ")[1], "parent_version": ""})
+                                      "eval_end": spans["test"].split(" .. ")[1], "parent_version": "",
+                                      **_terms_tags(model.spec)})
     decision = gate(s, version, model, test, f"test window {spans['test']}") if promote else None
     return TrainOutcome(version, decision, metrics, window, samples_per_s)
 
@@ -145,7 +147,7 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
         version = log_model(s, model.save(Path(tmp) / "model"), {
             "kind": model.spec.kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
             "eval_start": eval_span[0], "eval_end": eval_span[1], "parent_version": parent,
-            "sparse_delta": f"runs:/{mlflow.active_run().info.run_id}/delta"})
+            "sparse_delta": f"runs:/{mlflow.active_run().info.run_id}/delta", **_terms_tags(model.spec)})
     decision = gate(s, version, model, evaluation, f"newest 20% of {window}") if promote else None
     return TrainOutcome(version, decision, metrics, window, samples_per_s)
 
@@ -157,6 +159,11 @@ def gate_version(s: Settings, version: str) -> Decision:
                     datetime.fromisoformat(tags["eval_end"]) + timedelta(milliseconds=1))
     ex, _ = training_set(s, window, s.streaming.sequence_length)
     return gate(s, version, load_version(s, version), ex, f"its evaluation window {window}")
+
+
+def _terms_tags(spec: ModelSpec) -> dict[str, str]:
+    """The version's terms (contract/terms.py) as registry tags: its dataset, event types and their digest."""
+    return {"dataset": spec.dataset, "event_types": json.dumps(spec.event_types), "contract": spec.terms.digest}
 
 
 def _spec_params(spec: ModelSpec) -> dict[str, object]:

@@ -3,7 +3,7 @@ Redis round trip for all entity kinds (the user's hash, the candidates' distinct
 user x category hashes), of the features the model consumes, read straight from Feast's layout
 (feature_repo/online.py, proven equal to `get_online_features`) and joined back to one row per
 candidate. The rows become model inputs by the function that builds training sets
-(`models.dataset.to_examples`), so serving and training see the same features.
+(`contract.transform.to_examples`), so serving and training see the same features.
 
 Item features are cached in the process for `serving.item_features_ttl_ms` (1 s by default): hot
 items are read once per TTL, not once per request, at the cost of item counts up to that much older.
@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from contract.inputs import NUMERIC_FEATURES, RAW_FEATURES, TOKENS
 from feature_repo.online import OnlineReader, served_features
 from infra.settings import Settings
-from models.inputs import NUMERIC_FEATURES, RAW_FEATURES, TOKENS
 
 if TYPE_CHECKING:
-    from models.examples import Examples
+    from contract.examples import Examples
 
 SERVICE = "ranking_serving"
 
@@ -122,7 +122,7 @@ class OnlineFeatures:
 
     def _with_tokens(self, keys: tuple[str, ...], values: tuple, entity_tokens: Callable) -> tuple:
         """An entity's values as read, then its token columns (`to_examples` takes them as given), built
-        by `models.dataset.entity_tokens`."""
+        by `contract.transform.entity_tokens`."""
         if not self.tokens[keys]:
             return values
         named = dict(zip(self.names[keys], values))
@@ -150,8 +150,8 @@ class OnlineFeatures:
         """Inputs for scoring `candidates` for `user_id` at `now_ms`; sequences keep the newest
         `keep_behaviors` (compute allocation) of at most `sequence_length`."""
         # Imported here, once a call: pandas, which they load, is not needed to read features (`flywheel features`).
-        from models.dataset import entity_tokens, to_examples
-        from models.examples import PAD
+        from contract.examples import PAD
+        from contract.transform import entity_tokens, to_examples
 
         rows = {"user_id": [user_id] * len(candidates), "item_id": [c.item_id for c in candidates],
                 "category": [c.category for c in candidates]}

@@ -17,23 +17,24 @@ import logging
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import redis
 
+from contract.examples import Examples, concat
+from contract.inputs import NUMERIC_FEATURES
 from infra.settings import Settings
-from models.inputs import NUMERIC_FEATURES
-from models.examples import Examples, concat
 from models.registry import CHALLENGER, CHAMPION
 from serving import access, metrics
 from serving.batching import Batcher, DeadlineExceeded, Overloaded
 from serving.features import Candidate, Fetched, OnlineFeatures
 from serving.lifecycle import ModelFollower
 from serving.prediction_log import PredictionLog
+from streaming.events import dataset_spec
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +98,15 @@ def warm_examples(sequence_length: int, rows: int = 8) -> Examples:
     def ids(prefix: str, width: int) -> np.ndarray:
         return np.array([[f"{prefix}-{(r + j) % 97}" for j in range(width)] for r in range(rows)], dtype=object)
 
+    label = dataset_spec().labels[0]  # a behavior type the version's type embedding holds
+
     return Examples(np.array([f"warm-user-{r}" for r in range(rows)], dtype=object),
                     np.array([f"warm-{r}" for r in range(rows)], dtype=object), np.full(rows, "", dtype=object),
                     ids("warm", sequence_length),
                     np.linspace(0, 1, rows * len(NUMERIC_FEATURES), dtype=np.float32).reshape(rows, -1),
-                    np.zeros(rows, np.float32), sequence_types=np.full((rows, sequence_length), "click", dtype=object),
-                    long_sequences=ids("warm", 20), long_types=np.full((rows, 20), "click", dtype=object),
-                    item_tokens=ids("genre:warm", 3), user_tokens=ids("gender:warm", 3), numeric_names=NUMERIC_FEATURES)
+                    np.zeros(rows, np.float32), sequence_types=np.full((rows, sequence_length), label, dtype=object),
+                    long_sequences=ids("warm", 20), long_types=np.full((rows, 20), label, dtype=object),
+                    item_tokens=ids("item:warm", 3), user_tokens=ids("user:warm", 3), numeric_names=NUMERIC_FEATURES)
 
 
 class Inference:

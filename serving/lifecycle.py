@@ -29,10 +29,10 @@ import numpy as np
 import tensorflow as tf
 from mlflow import MlflowClient
 
+from contract.examples import Examples
+from contract.terms import unmet
 from infra.settings import Settings
 from models.ctr import CtrModel, ModelSpec
-from models.inputs import NUMERIC_FEATURES
-from models.examples import Examples
 from models.registry import CHALLENGER, CHAMPION, aliases, connect, load_version
 from serving import metrics
 from serving.dense import DenseRunner
@@ -180,9 +180,10 @@ class ModelFollower:
         return served
 
     def _warmed(self, version: str, model: CtrModel, how: str) -> ServedModel:
-        unknown = [f for f in model.spec.numeric_features if f not in NUMERIC_FEATURES]
-        if unknown:  # any subset, in any order, is served: each version takes its own columns
-            raise ValueError(f"v{version} expects numeric features the server does not compute: {unknown}")
+        # Any subset of the numeric inputs, in any order, is served (each version takes its own columns);
+        # another dataset's event types or inputs are not.
+        if reasons := unmet(model.spec.terms):
+            raise ValueError(f"v{version} cannot be served on these online features: {'; '.join(reasons)}")
         arch = architecture(model.spec)
         runner = self.runners.get(arch)
         if runner is None:

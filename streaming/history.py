@@ -10,10 +10,14 @@ zone is UTC.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
@@ -27,19 +31,23 @@ class HistoryError(ValueError):
     """A history file that does not match the spec; nothing of it was produced."""
 
 
-def _read(path, text: list[str]) -> pa.Table:
-    """The file, the `text` columns as strings whatever they look like."""
+def read_source(path: Path, text: Sequence[str]) -> pa.Table:
+    """A CSV or Parquet file of the spec (a history, a catalog table), its `text` columns as strings
+    whatever they look like ("007" stays "007", as events carry ids). In a CSV, an empty cell or "NA",
+    "null", "N/A", "nan" is missing. ValueError for another kind of file."""
     if path.suffix == ".csv":
-        return pcsv.read_csv(path, convert_options=pcsv.ConvertOptions(column_types={c: pa.string() for c in text}))
+        options = pcsv.ConvertOptions(strings_can_be_null=True, column_types={c: pa.string() for c in text})
+        return pcsv.read_csv(path, convert_options=options)
     if path.suffix == ".parquet":
         table = pq.read_table(path)
         for c in (c for c in text if c in table.column_names):
             table = table.set_column(table.column_names.index(c), c, table[c].cast(pa.string()))
         return table
-    raise HistoryError(f"{path}: expected a .csv or .parquet file")
+    raise ValueError(f"{path}: expected a .csv or .parquet file")
 
 
-def _missing(value: object) -> bool:
+def missing(value: object) -> bool:
+    """A cell without a value, however its reader gives it (None, "", NaN)."""
     return value is None or value == "" or (isinstance(value, float) and math.isnan(value))
 
 
@@ -59,7 +67,10 @@ def history_events(s: Settings, limit: int | None = None, before: int | None = N
         return
     path = spec.source_path(h.source)
     fields = {"user": h.user, "item": h.item, "type": h.type, "time": h.time} | ({"request": h.request} if h.request else {})
-    table = _read(path, [c for k, c in fields.items() if k != "time"])
+    try:
+        table = read_source(path, [c for k, c in fields.items() if k != "time"])
+    except ValueError as exc:
+        raise HistoryError(str(exc)) from None
     wanted = list(dict.fromkeys([*fields.values(), *h.context]))
     absent = [c for c in wanted if c not in table.column_names]
     if absent:
@@ -67,7 +78,7 @@ def history_events(s: Settings, limit: int | None = None, before: int | None = N
                            f"(it has: {', '.join(table.column_names)})")
     events = []
     for n, row in enumerate(table.select(wanted).to_pylist()):
-        empty = [f"{k} ({c})" for k, c in fields.items() if _missing(row[c])]
+        empty = [f"{k} ({c})" for k, c in fields.items() if missing(row[c])]
         if empty:
             raise HistoryError(f"{path} row {n + 1}: no {', '.join(empty)}")
         try:
@@ -78,14 +89,47 @@ def history_events(s: Settings, limit: int | None = None, before: int | None = N
         user, item = row[h.user], row[h.item]
         event = Event(event_id=f"{spec.name}:{h.source}:{n}", user_id=user, item_id=item, event_type=row[h.type],
                       request_id=row[h.request] if h.request else f"{spec.name}:{user}:{item}:{t_ms}",
-                      event_time=t_ms, context={c: row[c] for c in h.context if not _missing(row[c])})
+                      event_time=t_ms, context={c: row[c] for c in h.context if not missing(row[c])})
         try:  # the checks every consumer applies, now rather than halfway through the replay
             validate(event.to_dict(), spec.type_names)
         except InvalidEvent as exc:
             raise HistoryError(f"{path} row {n + 1}: {exc.reason}") from None
         events.append(event)
+    if h.negatives:
+        events += sampled_exposures(events, spec.exposures, h.negatives, spec.key, f"{spec.name}:{h.source}:shown")
     events.sort(key=lambda e: e.event_time)  # stable: a file's order breaks ties
     for event in events[:limit]:
         if before is not None and event.event_time >= before * 1000:
             break
         yield event
+
+
+def sampled_exposures(events: list[Event], exposures: tuple[str, ...], per_item: int, key: str, prefix: str
+                      ) -> list[Event]:
+    """Exposures (the first of `exposures`) for the requests of a history that have none (a shop's
+    orders): per request, each item acted on and `per_item` times as many items the user did not act on
+    there, sampled by their popularity in the history (deterministic: their ids start with `prefix`, the
+    seed), all shown 1 ms before the request's first action. Each carries the item's context `key` as its
+    newest event in the history does: the ranker learns the acted items against what else was popular,
+    and the stream counts them as exposures."""
+    requests: dict[str, list[Event]] = {}
+    for e in events:
+        requests.setdefault(e.request_id, []).append(e)
+    counts = Counter(e.item_id for e in events)
+    items, cdf = list(counts), np.cumsum(np.array(list(counts.values()), np.float64))
+    keyed = {e.item_id: e.context[key] for e in sorted(events, key=lambda e: e.event_time) if key in e.context}
+    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(prefix.encode()).digest()[:8], "little"))
+    out: list[Event] = []
+    for request_id, acted in requests.items():
+        if any(e.event_type in exposures for e in acted):
+            continue  # shown already
+        first, user = min(e.event_time for e in acted), acted[0].user_id
+        shown = list(dict.fromkeys(e.item_id for e in acted))
+        wanted = min(per_item * len(shown), len(items) - len(shown))
+        drawn = np.searchsorted(cdf, rng.random(4 * wanted + 8) * cdf[-1], side="right")  # by popularity
+        others = [i for i in dict.fromkeys(items[j] for j in drawn) if i not in shown][:wanted]
+        for item in [*shown, *others]:
+            out.append(Event(event_id=f"{prefix}:{len(out)}", user_id=user, item_id=item, event_type=exposures[0],
+                             request_id=request_id, event_time=first - 1,
+                             context={key: keyed[item]} if item in keyed else {}))
+    return out

@@ -112,11 +112,11 @@ def table_environment(s: Settings) -> StreamTableEnvironment:
 
 
 def _job_parameters(s: Settings) -> str:
-    """`pipeline.global-job-parameters`: the spec's event types in order and its exposures ('|'-separated;
-    spec names hold no separator: infra/dataset.py)."""
+    """`pipeline.global-job-parameters`: the spec's event types in order, its exposures ('|'-separated;
+    spec names hold no separator: infra/dataset.py) and the context field of the events' key."""
     sep = JVM_SEPARATOR
     return (f"flywheel.event-types:{sep.join(s.spec.type_names)},"
-            f"flywheel.exposure-types:{sep.join(s.spec.exposures)}")
+            f"flywheel.exposure-types:{sep.join(s.spec.exposures)},flywheel.key-field:{s.spec.key}")
 
 
 def _in(names: tuple[str, ...]) -> str:

@@ -77,7 +77,7 @@ class SyntheticGenerator:
             t = now_ms()
             follow_ups: list[Event] = []
             for position, item in enumerate(slate):
-                ctx = {"source": SOURCE, "position": position, "category": str(self.item_category[item])} | \
+                ctx = {"source": SOURCE, "position": position, spec.key: str(self.item_category[item])} | \
                     ({TEST_TRAFFIC: True} if c.test_traffic else {})
                 yield self._event(user, item, exposure, request_id, t, ctx)
                 if rng.random() < self.click_probability(user, item):

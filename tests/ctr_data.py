@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from contract.examples import PAD, Examples
 from models.ctr import ModelSpec
-from models.examples import PAD, Examples
 from models.sparse import SparseConfig
 
 CATEGORIES = 8

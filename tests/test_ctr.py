@@ -11,12 +11,13 @@ import keras
 import numpy as np
 import pytest
 
+from contract.examples import PAD, Examples, from_frame, to_frame
 from models.ctr import CtrModel, ModelSpec
-from models.networks import RankerV1
-from models.examples import PAD, Examples, from_frame, to_frame
 from models.metrics import auc
+from models.networks import RankerV1
 from models.sparse import SparseConfig
 from tests.ctr_data import CATEGORIES, SPEC, synthetic
+
 
 @pytest.fixture(autouse=True)
 def seeded() -> None:

@@ -84,6 +84,36 @@ def test_a_shop_declares_its_own_events(tmp_path: Path) -> None:
     assert err.value.reason == "unknown event_type 'click' (declared: view, cart, order)"
 
 
+def test_the_events_key_is_declared(tmp_path: Path) -> None:
+    """Where it leads (the JVM's parser, the training labels) is tested on a stack: tests/test_onboarding.py."""
+    movielens = load_settings({"FLYWHEEL_CONFIG": "/dev/null"})
+    assert movielens.spec.key == "category"  # the default: MovieLens' events carry context.category
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(
+        shop(tmp_path, SHOP.replace("[[events.types]]", '[events]\nkey = "brand"\n\n[[events.types]]', 1)))})
+    assert s.spec.key == "brand"
+    assert s.spec.digest != parse_spec(SHOP, s.spec.path).digest  # another key: another dataset to a stack
+
+
+def test_a_version_records_its_terms_and_a_server_refuses_terms_it_cannot_meet() -> None:
+    from contract.terms import Terms, offered, unmet
+    from models.ctr import ModelSpec
+
+    have = offered()  # MovieLens' spec and the stream views
+    spec = ModelSpec(numeric_features=have.numeric_features[:3])
+    assert spec.terms.dataset == "movielens-100k" and unmet(spec.terms) == []  # any subset of the inputs
+    assert ModelSpec.from_json(spec.to_json()).terms == spec.terms
+    shop_terms = Terms("shop", ("view", "cart", "order"), ("user_region_share",), ("item_tokens:brand",))
+    assert unmet(shop_terms) == [
+        "trained on event types ['view', 'cart', 'order'] (dataset shop), the stream's are "
+        "['impression', 'click', 'add_to_cart', 'purchase'] (dataset movielens-100k)",
+        "expects numeric features the online features do not hold: ['user_region_share']",
+        "expects attribute tokens the catalog does not declare: ['item_tokens:brand']"]
+    legacy = json.loads(spec.to_json())
+    del legacy["dataset"], legacy["tokens"]  # exported before the terms: not checked
+    assert unmet(ModelSpec.from_json(json.dumps(legacy)).terms) == []
+    assert shop_terms.digest != have.digest and len(have.digest) == 12
+
+
 def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
     import numpy as np
 
@@ -129,6 +159,7 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
     (('name = "view"\nrole = "exposure"', 'name = "view"\nrole = "exposure"\nlabel = true'),
      "an exposure has no weight and labels nothing"),
     (("[dataset]", "[dataset"), "not TOML"),
+    (("[[events.types]]", '[events]\nkey = "the brand"\n\n[[events.types]]'), "[events].key: expected a context field"),
 ])
 def test_a_wrong_spec_is_refused_with_the_file_the_key_and_what_was_expected(
         tmp_path: Path, change: tuple[str, str], message: str) -> None:
@@ -209,3 +240,38 @@ def test_a_history_file_is_checked_whole_before_its_first_event(tmp_path: Path, 
     s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(spec)})
     with pytest.raises(HistoryError, match=re.escape(f"history.csv {reason}")):
         next(history_events(s))  # not even the good first row is yielded
+
+
+def test_a_history_without_exposures_is_replayed_with_sampled_ones(tmp_path: Path) -> None:
+    """Orders only (no views): each order's items and 2x as many others, by popularity, are shown 1 ms
+    before it in its request, so the ranker has exposures to learn from and the stream counts them."""
+    from collections import Counter
+
+    from streaming.history import history_events
+
+    spec = shop(tmp_path, SHOP.replace("[[events.types]]", '[events]\nkey = "brand"\n\n[[events.types]]', 1).replace(
+        "[tables.item]", '[events.history]\nsource = "orders.csv"\nuser = "customer"\nitem = "sku"\ntype = "action"\n'
+        'time = "at"\ntime_unit = "s"\nrequest = "basket"\ncontext = ["brand"]\nnegatives = 2\n\n[tables.item]'))
+    rows = ["customer,sku,action,at,basket,brand"]
+    for n in range(40):  # 40 baskets of two orders; p0 is in every basket (the most popular), p1..p20 in two
+        rows += [f"c{n % 7},p0,order,{1_700_000_000 + 60 * n},b{n},acme",
+                 f"c{n % 7},p{1 + n % 20},order,{1_700_000_000 + 60 * n + 5},b{n},b{n % 3}"]
+    rows.append("c1,p5,cart,1700009000,b99,b2")
+    (tmp_path / "orders.csv").write_text("\n".join(rows) + "\n")
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(spec)})
+    events = list(history_events(s))
+    assert events == list(history_events(s))  # the same sample every replay
+    shown = [e for e in events if e.event_type == "view"]
+    assert Counter(e.event_type for e in events) == {"order": 80, "cart": 1, "view": 40 * 6 + 3}
+    by_request: dict[str, list] = {}
+    for e in events:
+        by_request.setdefault(e.request_id, []).append(e)
+    for request, its in by_request.items():
+        acted = {e.item_id for e in its if e.event_type != "view"}
+        views = [e for e in its if e.event_type == "view"]
+        assert len(views) == 3 * len(acted) and len({e.item_id for e in views}) == len(views)  # each once
+        assert acted <= {e.item_id for e in views}  # an order's item was shown in its request
+        assert {e.event_time for e in views} == {min(e.event_time for e in its if e.event_type != "view") - 1}
+        assert its[: len(views)] == views  # replayed first
+    assert all(e.context == {"brand": "acme"} for e in shown if e.item_id == "p0")  # the item's key travels
+    assert len({e.event_id for e in events}) == len(events)

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from contract.examples import PAD, concat
 from models.ctr import CtrModel
-from models.examples import PAD, concat
 from serving.dense import DenseRunner
 from tests.ctr_data import SPEC, synthetic
 

@@ -7,9 +7,9 @@ from datetime import timedelta
 
 import pytest
 
+from contract.inputs import CATEGORY_SHARES, COUNTS, NUMERIC_FEATURES, RATES
 from feature_repo.definitions import definitions, stream_feature_view
 from infra.settings import load_settings
-from models.inputs import CATEGORY_SHARES, COUNTS, NUMERIC_FEATURES, RATES
 from streaming.features import BIGINT, DOUBLE, STREAM_VIEWS, StreamView, topics, total_view, window_view
 
 

@@ -1,4 +1,4 @@
-"""Model inputs from feature rows (`models.dataset.to_examples`, shared by training and serving): each
+"""Model inputs from feature rows (`contract.transform.to_examples`, shared by training and serving): each
 candidate gets the long history of its own category, its category's shares, the recent behaviors
 with their types, and the catalog's attributes as tokens."""
 
@@ -11,12 +11,13 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from contract.examples import PAD
+from contract.inputs import NUMERIC_FEATURES, RAW_FEATURES, TOKENS
+from contract.transform import entity_tokens, to_examples
 from feature_repo.definitions import TIMESTAMP_FIELD, offline_schema
 from feature_repo.files import view_dir
 from infra.settings import load_settings
-from models.dataset import entity_tokens, long_history_as_of, to_examples
-from models.examples import PAD
-from models.inputs import NUMERIC_FEATURES, RAW_FEATURES, TOKENS
+from models.dataset import long_history_as_of
 from streaming.features import LONG_HISTORY_VIEW
 
 

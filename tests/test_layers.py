@@ -1,5 +1,5 @@
-"""The house rule of the tree: the stages import only down the data path (streaming -> feature_repo ->
-models -> serving), the ground floor (infra/) imports no stage, and nothing but the top floor
+"""The house rule of the tree: the stages import only down the data path (streaming -> contract ->
+feature_repo -> models -> serving), the ground floor (infra/) imports no stage, and nothing but the top floor
 (flywheel/: the CLI and the demo) and the tests import the top floor. Every import statement counts,
 module level or inside a function."""
 
@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ("streaming", "feature_repo", "models", "serving")
+STAGES = ("streaming", "contract", "feature_repo", "models", "serving")
 GROUND, TOP = "infra", "flywheel"
 
 
@@ -50,5 +50,6 @@ def test_the_rule_catches_each_kind_of_wrong_import() -> None:
     assert violations("feature_repo", "serving.api") == "imports up the data path"
     assert violations("serving", "flywheel.demo") == "imports the top floor"
     assert violations("serving", "models.dataset") is None
+    assert violations("contract", "models.ctr") == "imports up the data path"  # the contract is below training
     assert violations("flywheel", "serving.api") is None
     assert violations("infra", "infra.settings") is None

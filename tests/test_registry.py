@@ -16,10 +16,10 @@ import mlflow
 import numpy as np
 import pytest
 
+from contract.examples import to_frame
 from infra.settings import Settings
 from models.ctr import CtrModel
 from models.dataset import Window
-from models.examples import to_frame
 from models.registry import CHALLENGER, CHAMPION, RegistryError, alias_version, connect, gate, log_model, rollback
 from models.train import train_full
 from tests.conftest import running_stack

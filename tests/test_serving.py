@@ -29,15 +29,15 @@ import psutil
 import pytest
 from kafka import KafkaConsumer
 
+from contract.examples import to_frame
+from contract.inputs import NUMERIC_FEATURES, V1_NUMERIC_FEATURES
+from contract.transform import to_examples
 from feature_repo.online import entity_key, field
 from feature_repo.store import apply
 from infra import process
 from infra.redis_clients import online_store
 from infra.settings import Settings
 from models.ctr import CtrModel, ModelSpec
-from models.dataset import to_examples
-from models.examples import to_frame
-from models.inputs import NUMERIC_FEATURES, V1_NUMERIC_FEATURES
 from models.registry import CHALLENGER, CHAMPION, connect, log_model
 from models.sparse import SparseConfig
 from serving import access
@@ -151,12 +151,15 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         v2 = _register(s, "v2", model.save(tmp / "v2"), {"parent_version": v1}, delta=tmp / "v2-delta")
         model.network.set_weights([w * np.nan for w in model.network.get_weights()])
         bad = _register(s, "bad", model.save(tmp / "bad"))
+        # trained on another dataset's events (a shop's): its type embedding means other behaviors
+        shop = _register(s, "shop", CtrModel(replace(SPEC, dataset="corner-shop", event_types=("view", "cart", "order"))
+                                             ).save(tmp / "shop"))
         previous = CtrModel(replace(SPEC, kind="ranker-v1", numeric_features=V1_NUMERIC_FEATURES, long_length=0))
         previous.fit(_examples(2000, seed=3), progress=False)  # the previous architecture: other inputs
         v1_arch = _register(s, "ranker-v1", previous.save(tmp / "ranker-v1"), {"kind": "ranker-v1"})
         connect(s).set_registered_model_alias(s.models.name, CHAMPION, v1)
         wait_for(lambda: _ready(url), timeout_s=120)
-        yield Platform(s, url, {"v1": v1, "v2": v2, "bad": bad, "ranker-v1": v1_arch}, _server_pid(s))
+        yield Platform(s, url, {"v1": v1, "v2": v2, "bad": bad, "shop": shop, "ranker-v1": v1_arch}, _server_pid(s))
 
 
 def _request(user: int, n: int, **extra) -> dict:
@@ -471,6 +474,24 @@ def test_a_bad_version_is_refused_and_the_champion_keeps_serving(platform: Platf
     try:
         wait_for(lambda: _assert(_metric(p, "flywheel_model_refused_total") == WORKERS), timeout_s=60)  # each once
         assert "non-finite" in _served(p)["refused"][bad] and _everywhere(p, CHAMPION) == {v1}
+        out = httpx.post(f"{p.url}/rank", json=_request(_champion_user(p), 5), timeout=10)
+        assert out.status_code == 200 and out.json()["model_version"] == v1
+    finally:
+        _set_alias(p, CHAMPION, "v1")
+
+
+def test_a_version_of_another_dataset_is_refused_with_its_terms(platform: Platform) -> None:
+    """A version records the terms it was trained with (contract/terms.py); one the server's online
+    features cannot satisfy is refused with the reason, and the champion keeps serving."""
+    p = platform
+    shop, v1 = p.versions["shop"], p.versions["v1"]
+    refused = _metric(p, "flywheel_model_refused_total")
+    _set_alias(p, CHAMPION, "shop")
+    try:
+        wait_for(lambda: _assert(_metric(p, "flywheel_model_refused_total") == refused + WORKERS), timeout_s=60)
+        reason = _served(p)["refused"][shop]
+        assert "trained on event types ['view', 'cart', 'order'] (dataset corner-shop), the stream's are " \
+               "['impression', 'click', 'add_to_cart', 'purchase'] (dataset movielens-100k)" in reason, reason
         out = httpx.post(f"{p.url}/rank", json=_request(_champion_user(p), 5), timeout=10)
         assert out.status_code == 200 and out.json()["model_version"] == v1
     finally:

@@ -18,15 +18,15 @@ import pandas as pd
 import pytest
 from kafka import KafkaProducer
 
+from contract.examples import PAD
+from contract.inputs import NUMERIC_FEATURES
 from feature_repo.definitions import TIMESTAMP_FIELD
-from feature_repo.files import view_dir
 from feature_repo.event_log import read_event_log
+from feature_repo.files import view_dir
 from feature_repo.store import feature_store, online_row
 from infra import process, stack
 from infra.settings import Settings
 from models.dataset import Window, labelled_impressions, training_set
-from models.examples import PAD
-from models.inputs import NUMERIC_FEATURES
 from streaming.consumer import read_dead_letter
 from streaming.events import Event, InvalidEvent, decode
 from streaming.producer import EventProducer

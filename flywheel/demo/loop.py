@@ -22,7 +22,7 @@ from models.graph import graph_size
 from models.registry import CHAMPION, alias_version, connect, list_versions
 from serving.client import endpoint
 from serving.outcomes import percentiles
-from streaming.movielens import replay_events
+from streaming.history import history_events as past_events
 from streaming.produce import count_landed, produce
 from streaming.producer import EventProducer
 from streaming.topics import end_offsets, ensure_topics
@@ -53,7 +53,7 @@ def history_events(s: Settings, plan: LoopPlan, summary: Summary, say: Say) -> d
     """Replays the history; returns the end of its event times (exclusive)."""
     topic = s.kafka.events_topic
     ensure_topics(s, [topic])
-    events = list(replay_events(s, plan.history_limit, int(plan.split.timestamp())))
+    events = list(past_events(s, plan.history_limit, int(plan.split.timestamp())))  # the spec's [events.history]
     store = feature_store(s)
     last = events[-1].user_id
     expected = (online_user(store, last)["user_impressions_total"] or 0) + sum(
@@ -67,7 +67,7 @@ def history_events(s: Settings, plan: LoopPlan, summary: Summary, say: Say) -> d
         raise LoopError(f"Kafka topic {topic!r} holds {dict(landed)} of the history, the replay sent "
                         f"{dict(sent.by_type)}")
     summary.history_events = dict(landed)
-    say(f"history: {sent.total:,} events of the ratings before {plan.split:%Y-%m-%d} in Kafka "
+    say(f"history: {sent.total:,} past events before {plan.split:%Y-%m-%d} in Kafka "
         f"({dict(sorted(landed.items()))}) in {sent.seconds:.1f}s")
     say(f"catalog (batch features) in the offline store and online: {load_catalog(s)}; "
         f"materialized {materialize(s)}")

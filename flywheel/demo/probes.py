@@ -9,15 +9,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from feature_repo.definitions import USER_PROFILE
 from feature_repo.store import online_row
 from flywheel.demo.plan import LoopError, Say
 from infra.settings import Settings
 from streaming.events import dataset_spec
 from streaming.features import STREAM_VIEWS
 
-# What the demo shows of a user after the history: every user-keyed stream feature and the profile.
-HISTORY_FEATURES = [*(f"{v.name}:{name}" for v in STREAM_VIEWS if v.keys == ("user_id",) for name, _ in v.columns),
-                    "user_profile:user_age", "user_profile:user_occupation"]
+# What the demo shows of a user after the history: every user-keyed stream feature and the profile (the
+# dataset spec's user table).
+HISTORY_FEATURES = [*(f"{v.name}:{name}" for v in (*STREAM_VIEWS, USER_PROFILE) if v.keys == ("user_id",)
+                      for name, _ in v.columns)]
 
 
 def online_user(store, user: str) -> dict:

@@ -38,6 +38,8 @@ public class ParseEvent extends TableFunction<RowData> {
     static final String[] STRING_FIELDS = {"event_id", "user_id", "item_id", "request_id"};
     /** Job parameter: the dataset spec's event types, '|'-separated (streaming/job.py sets it). */
     static final String EVENT_TYPES = "flywheel.event-types";
+    /** The context field whose value is the event's key (the spec's `[events] key`: the item's category). */
+    static final String KEY_FIELD = "flywheel.key-field";
     static final Set<String> FIELDS = new TreeSet<>(List.of(
             "schema_version", "event_type", "event_time", "context", "event_id", "user_id", "item_id", "request_id"));
 
@@ -46,10 +48,12 @@ public class ParseEvent extends TableFunction<RowData> {
             .enable(JsonReadFeature.ALLOW_NON_NUMERIC_NUMBERS).build();
 
     private List<String> types;
+    private String keyField;
 
     @Override
     public void open(FunctionContext context) {
         types = jobList(context, EVENT_TYPES);
+        keyField = jobList(context, KEY_FIELD).get(0);
     }
 
     /** A '|'-separated list the job must pass (the dataset spec's vocabulary: no default here). */
@@ -64,7 +68,7 @@ public class ParseEvent extends TableFunction<RowData> {
     public void eval(byte[] payload, Integer maxBytes) {
         String reason;
         try {
-            collect(parse(payload, maxBytes, types));
+            collect(parse(payload, maxBytes, types, keyField));
             return;
         } catch (Invalid e) {
             reason = e.getMessage();
@@ -78,7 +82,7 @@ public class ParseEvent extends TableFunction<RowData> {
         }
     }
 
-    static RowData parse(byte[] payload, int maxBytes, List<String> types) throws Invalid {
+    static RowData parse(byte[] payload, int maxBytes, List<String> types, String keyField) throws Invalid {
         if (payload == null) {
             throw new Invalid("empty record (null value)");
         }
@@ -155,7 +159,7 @@ public class ParseEvent extends TableFunction<RowData> {
                         + "] must be a string, number or boolean, got " + typeName(value));
             }
         }
-        JsonNode category = context.get("category");
+        JsonNode category = context.get(keyField);
         String categoryText = category == null || (category.isTextual() && category.textValue().isEmpty())
                 ? null : category.isBoolean() ? (category.booleanValue() ? "True" : "False") : category.asText();
         return GenericRowData.of(null, StringData.fromString(strings[0]), StringData.fromString(strings[1]),
