@@ -218,9 +218,12 @@ def replay(limit: int | None, speed: float, topic: str | None) -> None:
 
 
 def _load_catalog(s: Settings) -> None:
-    from feature_repo.catalog import load_catalog, materialize
+    from feature_repo.catalog import CatalogError, load_catalog, materialize
 
-    rows = load_catalog(s)
+    try:
+        rows = load_catalog(s)
+    except CatalogError as exc:  # a table that does not match the spec: nothing was written
+        raise click.ClickException(str(exc)) from None
     materialize(s)
     click.echo(f"catalog in the offline store and materialized online: {rows}")
 
@@ -514,6 +517,8 @@ def trigger(dag_id: str, conf: str, wait: bool) -> None:
         state = client.wait(dag_id, run_id)
         for task_id, task_state in client.task_states(dag_id, run_id).items():
             click.echo(f"  {task_id:<20} {task_state}")
+        for task_id, error in client.failures(dag_id, run_id).items():
+            click.echo(f"{task_id} failed: {error or 'see its log in the Airflow UI'}", err=True)
     except AirflowApiError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"{dag_id}: {state}")

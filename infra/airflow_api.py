@@ -88,6 +88,23 @@ class AirflowClient:
     def task_states(self, dag_id: str, run_id: str) -> dict[str, str | None]:
         return {t["task_id"]: t["state"] for t in self.task_instances(dag_id, run_id)}
 
+    def task_error(self, dag_id: str, run_id: str, task_id: str, try_number: int) -> str | None:
+        """The exception a failed task try ended with ("NoBehavior: ..."), from its structured log; None
+        when the log holds none (or cannot be read: the caller still has the task's state)."""
+        try:
+            log = self._call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}",
+                             params={"full_content": True}, headers={"Accept": "application/json"})
+        except (AirflowApiError, httpx.HTTPError, ValueError):
+            return None
+        found = [e for line in log.get("content", []) if isinstance(line, dict)
+                 for e in line.get("error_detail") or [] if isinstance(e, dict) and "exc_type" in e]
+        return f"{found[-1]['exc_type']}: {found[-1].get('exc_value', '')}" if found else None
+
+    def failures(self, dag_id: str, run_id: str) -> dict[str, str | None]:
+        """Each failed task of a run and its error (task_error)."""
+        return {t["task_id"]: self.task_error(dag_id, run_id, t["task_id"], t.get("try_number") or 1)
+                for t in self.task_instances(dag_id, run_id) if t["state"] == "failed"}
+
     def xcom(self, dag_id: str, run_id: str, task_id: str) -> Any:
         """A task's return value."""
         return self._call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value",

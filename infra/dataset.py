@@ -20,7 +20,7 @@ import functools
 import hashlib
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,10 @@ KINDS = ("categorical", "multi", "integer", "number")
 # A type's name travels to the JVM in a job parameter: no separators, nothing to escape.
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 JVM_SEPARATOR = "|"
+# A sliding window of the stream's counts: minutes, hours or days ("5m", "1h", "7d").
+WINDOW = re.compile(r"([1-9][0-9]{0,3})([mhd])")
+WINDOW_MINUTES = {"m": 1, "h": 60, "d": 1440}
+DEFAULT_WINDOWS = ("5m", "1h")
 
 
 class SpecError(ValueError):
@@ -110,6 +114,13 @@ class DatasetSpec:
     # The context field whose value is an event's key: the per (user, key) views and the long history
     # group by it, and the ranker's category inputs are its values (the item's category attribute).
     key: str = "category"
+    # Each entity's sliding windows of exposure and label counts and CTR (`[features] windows`)
+    windows: tuple[str, ...] = DEFAULT_WINDOWS
+
+    @functools.cached_property
+    def window_buckets(self) -> tuple[tuple[str, int, int], ...]:
+        """(name, minutes, time buckets) of each window: a minute per bucket up to 12, else 12 buckets."""
+        return tuple((name, window_minutes(name), min(window_minutes(name), 12)) for name in self.windows)
 
     def table(self, entity: str) -> TableSpec:
         return next(t for t in self.tables if t.entity == entity)
@@ -138,7 +149,8 @@ class DatasetSpec:
     @functools.cached_property
     def digest(self) -> str:
         """Identifies what the spec declares (not how the file is laid out)."""
-        declared = (self.name, self.event_types, self.tables) + ((self.key,) if self.key != "category" else ())
+        declared = ((self.name, self.event_types, self.tables) + ((self.key,) if self.key != "category" else ())
+                    + ((self.windows,) if self.windows != DEFAULT_WINDOWS else ()))  # MovieLens' as before
         return hashlib.sha256(repr(declared).encode()).hexdigest()[:16]
 
     def source_path(self, source: str) -> Path:
@@ -231,13 +243,29 @@ def _history(where: str, raw: Any) -> HistorySpec:
     return HistorySpec(**h | {"context": tuple(h.get("context", []))})
 
 
+def window_minutes(name: str) -> int:
+    """A window's length ("1h" -> 60)."""
+    return int(name[:-1]) * WINDOW_MINUTES[name[-1]]
+
+
+def _windows(where: str, raw: Any) -> tuple[str, ...]:
+    windows = _check(where, raw, {}, {"windows": list}).get("windows", list(DEFAULT_WINDOWS))
+    if not 1 <= len(windows) <= 4 or not all(isinstance(w, str) and WINDOW.fullmatch(w) for w in windows):
+        raise SpecError(f"{where}.windows: expected 1 to 4 windows such as \"5m\", \"1h\" or \"7d\" (minutes, hours, "
+                        f"days), got {windows!r}")
+    minutes = [window_minutes(w) for w in windows]
+    if len(set(minutes)) < len(minutes) or len(set(windows)) < len(windows):
+        raise SpecError(f"{where}.windows: a window is declared twice: {windows!r}")
+    return tuple(windows)
+
+
 def parse_spec(text: str, path: Path) -> DatasetSpec:
     """The spec in `text` (read from `path`), checked whole, or SpecError."""
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{path}: not TOML: {exc}") from None
-    top = _check(str(path), raw, {"dataset": dict, "events": dict, "tables": dict}, {})
+    top = _check(str(path), raw, {"dataset": dict, "events": dict, "tables": dict}, {"features": dict})
     dataset = _check(f"{path} [dataset]", top["dataset"], {"name": str}, {})
     events = _check(f"{path} [events]", top["events"], {"types": list}, {"history": dict, "key": str})
     key = events.get("key", "category")
@@ -254,6 +282,8 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
                        tuple(_table(f"{path} [tables.{e}]", e, tables[e]) for e in ENTITIES),
                        _history(f"{path} [events.history]", events["history"]) if "history" in events else None,
                        key)
+    if "features" in top:
+        spec = replace(spec, windows=_windows(f"{path} [features]", top["features"]))
     if not spec.exposures:
         raise SpecError(f"{path} [[events.types]]: expected at least one type with role = \"exposure\" "
                         "(the ranker's examples are exposures)")

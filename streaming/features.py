@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from infra.settings import Settings
+from streaming.events import dataset_spec
 
 # Column types, in the Flink SQL spelling; feature_repo maps them to Feast types.
 BIGINT, DOUBLE, STRING = "BIGINT", "DOUBLE", "STRING"
@@ -73,8 +74,8 @@ def _counts_columns(entity: str, suffix: str) -> tuple[tuple[str, str], ...]:
             (f"{entity}_ctr_{suffix}", DOUBLE))
 
 
-# (suffix, minutes, time buckets) of the sliding windows of each entity with counts
-WINDOWS = (("5m", 5, 5), ("1h", 60, 12))
+# (suffix, minutes, time buckets) of the sliding windows of each entity with counts: the dataset spec's
+WINDOWS = dataset_spec().window_buckets
 
 
 def _entity_counts(entity: str) -> Callable[[Settings], str]:

@@ -332,3 +332,12 @@ def test_offline_training_through_the_rest_api(platform: Platform, first_window)
     tags = version_tags(override(s, "models", name="flywheel-ctr-api"), "1")
     assert (tags["kind"], tags["data_end"]) == ("logreg", iso(end)) and "gate_decision" not in tags
     assert alias_version(connect(s), "flywheel-ctr-api", CHAMPION) is None
+
+
+def test_a_failed_run_says_why(platform: Platform) -> None:
+    """`flywheel trigger` of a run whose task fails prints the task's exception, not only "failed"."""
+    empty = {"data_start": "2001-01-01T00:00:00+00:00", "data_end": "2001-02-01T00:00:00+00:00",
+             "model_name": "flywheel-ctr-api", "promote": False}
+    done = run_cli(platform.environ, "trigger", "offline_training", "--conf", json.dumps(empty), timeout=600)
+    assert done.returncode == 1 and "offline_training: failed" in done.stdout, (done.stdout, done.stderr)
+    assert "train failed: NoImpressions: no impressions in [2001-01-01T00:00:00+00:00, " in done.stderr, done.stderr

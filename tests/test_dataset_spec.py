@@ -94,6 +94,24 @@ def test_the_events_key_is_declared(tmp_path: Path) -> None:
     assert s.spec.digest != parse_spec(SHOP, s.spec.path).digest  # another key: another dataset to a stack
 
 
+def test_the_stream_windows_are_declared_and_name_the_features(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    assert load_settings({"FLYWHEEL_CONFIG": "/dev/null"}).spec.window_buckets == (("5m", 5, 5), ("1h", 60, 12))
+    spec = shop(tmp_path, SHOP.replace("[tables.item]", '[features]\nwindows = ["1h", "7d"]\n\n[tables.item]', 1))
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(spec)})
+    assert s.spec.window_buckets == (("1h", 60, 12), ("7d", 10080, 12))
+    assert s.spec.digest != parse_spec(SHOP, spec).digest
+    # A process of that spec: its stream views, Feast views and the ranker's inputs follow the windows.
+    code = ("from streaming.features import STREAM_VIEWS; from contract.inputs import COUNTS; "
+            "print([v.name for v in STREAM_VIEWS if v.name.startswith('user_')][:3], COUNTS[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(spec), "PATH": "/usr/bin"})
+    assert out.stdout.strip() == ("['user_1h', 'user_7d', 'user_total'] "
+                                  "('user_impressions_1h', 'user_clicks_1h', 'user_impressions_7d')")
+
+
 def test_a_version_records_its_terms_and_a_server_refuses_terms_it_cannot_meet() -> None:
     from contract.terms import Terms, offered, unmet
     from models.ctr import ModelSpec
@@ -132,7 +150,7 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    (("[dataset]", "[datasets]"), "unknown key 'datasets' (expected: dataset, events, tables)"),
+    (("[dataset]", "[datasets]"), "unknown key 'datasets' (expected: dataset, events, tables, features)"),
     (('kind = "categorical"', 'kind = "text"'), "[tables.item].attributes.brand.kind: expected one of categorical"),
     (('kind = "categorical"', 'kind = "categorical"\nseparator = ","'), "brand.separator: only a multi attribute"),
     (('kind = "categorical"', 'kind = "categorical"\ntokens = "decade"'),
@@ -160,6 +178,9 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
      "an exposure has no weight and labels nothing"),
     (("[dataset]", "[dataset"), "not TOML"),
     (("[[events.types]]", '[events]\nkey = "the brand"\n\n[[events.types]]'), "[events].key: expected a context field"),
+    (("[tables.item]", '[features]\nwindows = ["5x"]\n\n[tables.item]'), "[features].windows: expected 1 to 4 windows"),
+    (("[tables.item]", '[features]\nwindows = ["60m", "1h"]\n\n[tables.item]'), "a window is declared twice"),
+    (("[tables.item]", '[features]\nwindow = ["1h"]\n\n[tables.item]'), "[features]: unknown key 'window'"),
 ])
 def test_a_wrong_spec_is_refused_with_the_file_the_key_and_what_was_expected(
         tmp_path: Path, change: tuple[str, str], message: str) -> None:

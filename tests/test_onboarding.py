@@ -62,6 +62,9 @@ time_unit = "s"
 request = "visit"
 context = ["brand"]
 
+[features]
+windows = ["1h", "1d"]  # a shop's customers come back daily, not every five minutes
+
 [tables.item]
 source = "products.csv"
 id = "sku"
@@ -193,6 +196,8 @@ def test_the_shops_history_and_declared_features_are_online(onboarded) -> None:
     mine = h[h.customer == customer]
     assert got["user_impressions_total"] == (mine.action == "view").sum()
     assert got["user_clicks_total"] == (mine.action == "order").sum()
+    # the spec's windows: a day's views, within the user's newest visit day; no five-minute window
+    assert 0 < got["user_impressions_1d"] <= (mine.action == "view").sum() and "user_impressions_5m" not in got
     assert set(got["seq_event_types"]) <= {"cart", "order"} and got["seq_item_ids"]
     # per (customer, brand): the spec's key, which the events carry as context.brand
     globex = mine[mine.brand == "globex"]
