@@ -13,10 +13,10 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from airflow.sdk import Param, dag, task
-
-from infra.settings import setting_from_environ
 from promotion import gate_if_asked  # dags/ is on sys.path
 from task_settings import moment, task_settings
+
+from infra.settings import setting_from_environ
 
 
 @dag(
@@ -36,6 +36,9 @@ from task_settings import moment, task_settings
         "kind": Param("ranker", enum=["ranker", "ranker-v1", "logreg"],
                       description="The ranker, the previous DIN ranker or the logistic baseline."),
         "promote": Param(True, type="boolean", description="Run the promotion gate after registering."),
+        "baselines": Param(False, type="boolean",
+                           description="Also report the test AUC of popularity and logistic regression on the "
+                                       "same split (test_auc_popularity, test_auc_logreg)."),
     },
     tags=["models"],
     doc_md=__doc__,
@@ -53,7 +56,8 @@ def offline_training():
         start = (moment(params["data_start"]) if params["data_start"]
                  else end - timedelta(days=s.airflow.full_training_days))
         try:
-            outcome = train_full(s, Window(start, end), kind=params["kind"], promote=False, progress=False)
+            outcome = train_full(s, Window(start, end), kind=params["kind"], promote=False, progress=False,
+                                 baselines=params.get("baselines", False))
         except NoImpressions as exc:
             if params["data_start"] or params["data_end"]:
                 raise

@@ -17,12 +17,12 @@ import math
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from feature_repo.definitions import (
-    BATCH_VIEWS, ITEM_ATTRIBUTES, USER_PROFILE, BatchView, offline_rows)
+from feature_repo.definitions import BATCH_VIEWS, ITEM_ATTRIBUTES, USER_PROFILE, BatchView, offline_rows
 from feature_repo.files import view_dir, write_atomic
 from feature_repo.store import apply, feature_store
 from infra.dataset import AttributeSpec, TableSpec
 from infra.settings import Settings
+from streaming.adapters import source_path
 from streaming.history import missing, read_source
 from streaming.movielens import dataset_dir, load_ratings, load_side_table
 
@@ -69,7 +69,7 @@ def _value(a: AttributeSpec, value: object) -> object:
 def _source(s: Settings, table: TableSpec) -> list[dict]:
     if table.source == "movielens":
         return load_side_table(dataset_dir(s) / f"ml-100k.{table.entity}")
-    path = s.spec.source_path(table.source)
+    path = source_path(s, table.source)
     try:
         return read_source(path, [table.id]).to_pylist()
     except ValueError:

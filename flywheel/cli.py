@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
@@ -55,6 +56,37 @@ _PROFILE = click.option("--profile", default=None, expose_value=False, is_eager=
                              "distributed form, in its own data directory. Default: setting stack.profile.")
 
 
+def _use_dataset(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """`--dataset NAME` (datasets/NAME/dataset.toml) or a spec's path, as the setting dataset.spec, in a data
+    directory of its own (<paths.data_dir>-<its name>) unless FLYWHEEL_PATHS_DATA_DIR names one."""
+    if value is None:
+        return
+    from infra.dataset import SpecError, load_spec
+    from infra.settings import REPO_ROOT, DatasetSettings
+
+    bundled = sorted(p.parent.name for p in (REPO_ROOT / "datasets").glob("*/dataset.toml"))
+    path = Path(value) if value.endswith(".toml") or "/" in value else REPO_ROOT / "datasets" / value / "dataset.toml"
+    if not path.exists():
+        raise click.BadParameter(f"no spec at {path} (bundled: {', '.join(bundled)}; or a path to a dataset.toml)")
+    try:
+        name = load_spec(path.resolve()).name
+    except SpecError as exc:
+        raise click.BadParameter(str(exc)) from None
+    data_dir = _settings().paths.data_dir
+    os.environ["FLYWHEEL_DATASET_SPEC"] = str(path.resolve())
+    get_settings.cache_clear()
+    if "FLYWHEEL_PATHS_DATA_DIR" not in os.environ and path.resolve() != DatasetSettings().spec.resolve():
+        os.environ["FLYWHEEL_PATHS_DATA_DIR"] = str(data_dir.parent / f"{data_dir.name}-{name}")
+        get_settings.cache_clear()
+
+
+_DATASET = click.option(
+    "--dataset", default=None, expose_value=False, callback=_use_dataset,
+    help="A bundled dataset (instacart, movielens) or the path of a dataset.toml, as the setting dataset.spec. "
+         "Another dataset than the default (MovieLens-100k) gets a data directory of its own "
+         "(<paths.data_dir>-<name>).")
+
+
 @click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @_PROFILE
 def main() -> None:
@@ -65,9 +97,11 @@ def main() -> None:
 
 @main.command()
 @_PROFILE
+@_DATASET
 def up() -> None:
     """Start the local stack (idempotent) and wait until every service is healthy."""
-    from infra.stack import StackError, up as stack_up
+    from infra.stack import StackError
+    from infra.stack import up as stack_up
 
     s = _settings()
     t0 = time.monotonic()
@@ -82,9 +116,11 @@ def up() -> None:
 
 @main.command()
 @_PROFILE
+@_DATASET
 def down() -> None:
     """Stop the services `up` started for this data directory."""
-    from infra.stack import down as stack_down, unarchived
+    from infra.stack import down as stack_down
+    from infra.stack import unarchived
 
     s = _settings()
     for archive, lost in unarchived(s).items():
@@ -97,6 +133,7 @@ def down() -> None:
 
 @main.command()
 @_PROFILE
+@_DATASET
 @click.option("--show-secrets", is_flag=True, help="Print the UIs' passwords themselves, not where they are.")
 @click.option("--json", "as_json", is_flag=True,
               help="A JSON list of the services: name, state, pid, url, detail (no passwords).")
@@ -528,22 +565,24 @@ def trigger(dag_id: str, conf: str, wait: bool) -> None:
 
 @main.command()
 @_PROFILE
-@click.option("--split", type=_DATE, default="1998-03-01", show_default=True,
-              help="Ratings before this date are the history (replayed, trained on); the rest is live traffic.")
-@click.option("--history-limit", type=int, default=None, help="Replay at most N history ratings.")
+@_DATASET
+@click.option("--split", type=_DATE, default=None,
+              help="Events before this date are the history (replayed, trained on); the rest is live traffic. "
+                   "Default: the spec's [demo] split, else the day by which 90% of the history had happened.")
+@click.option("--history-limit", type=int, default=None, help="Replay at most N history events.")
 @click.option("--sessions", type=int, default=None,
               help="Replay only the first N sessions after --split (all by default; they start over if needed).")
 @click.option("--rate", type=float, default=2.0, show_default=True, help="Live requests per second.")
 @click.option("--tail", type=float, default=30.0, show_default=True,
               help="Seconds of live traffic kept up after the rollback drill is served.")
-def demo(split: datetime, history_limit: int | None, sessions: int | None, rate: float, tail: float) -> None:
+def demo(split: datetime | None, history_limit: int | None, sessions: int | None, rate: float, tail: float) -> None:
     """The whole loop on the local stack: history into Kafka and Flink/Feast, offline training through
-    Airflow, the first champion served, the rest of MovieLens as live traffic through the ranking API,
+    Airflow, the first champion served, the rest of the history as live traffic through the ranking API,
     incremental training from it, a refused bad model and a rollback; then the summary."""
     import warnings
 
-    from infra.airflow_api import AirflowApiError
     from flywheel.demo import LoopError, LoopPlan, run_loop, summary_lines
+    from infra.airflow_api import AirflowApiError
 
     # The drill loads and logs a model in this process: keep TensorFlow's and MLflow's chatter out of the demo.
     for name, value in {"TF_CPP_MIN_LOG_LEVEL": "2", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
@@ -551,8 +590,10 @@ def demo(split: datetime, history_limit: int | None, sessions: int | None, rate:
         os.environ.setdefault(name, value)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     s = _settings()
+    click.echo(f"dataset {s.spec.name} ({s.spec.path}); data in {s.paths.data_dir}")
     click.get_current_context().invoke(up)
-    plan = LoopPlan(split=_utc(split), history_limit=history_limit, sessions=sessions, rate=rate, tail_s=tail)
+    plan = LoopPlan.of(s, _utc(split) if split else None, history_limit=history_limit, sessions=sessions, rate=rate,
+                       tail_s=tail)
     try:
         summary = _models_call(run_loop, s, plan, click.echo)
     except (LoopError, AirflowApiError) as exc:

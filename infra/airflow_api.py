@@ -69,13 +69,18 @@ class AirflowClient:
         return self.run(dag_id, run_id)["state"]
 
     def wait(self, dag_id: str, run_id: str, timeout_s: float = 900.0) -> str:
-        """Poll until the run succeeds or fails; its final state."""
-        deadline = time.monotonic() + timeout_s
-        while (state := self.run_state(dag_id, run_id)) not in FINISHED:
+        """Poll until the run succeeds or fails; its final state. An API server too busy to answer one poll
+        (a loaded machine) is asked again, until the deadline."""
+        deadline, state = time.monotonic() + timeout_s, "unknown"
+        while True:
+            try:
+                if (state := self.run_state(dag_id, run_id)) in FINISHED:
+                    return state
+            except httpx.TransportError as exc:
+                state = f"unknown (the API did not answer: {type(exc).__name__})"
             if time.monotonic() > deadline:
                 raise AirflowApiError(f"{dag_id} run {run_id} still {state} after {timeout_s:.0f}s")
             time.sleep(2)
-        return state
 
     def active_runs(self, dag_id: str) -> list[str]:
         """Run ids of the DAG's queued and running runs."""

@@ -5,6 +5,7 @@ The settings say where the spec is (`dataset.spec`); the spec says what the data
   vocabulary (validation in Python and in the JVM, the stream's counts, the long history's type order,
   the ranker's labels and type ids, the graph's weights, retrieval's positives);
 - past events to replay, as a file's columns (streaming/history.py);
+- where its files come from: beside the spec, or written by a bundled adapter (`[dataset] adapter`);
 - the item and user tables: where they are, their id column and their attributes by kind, from which the
   catalog's feature views and loader, the ranker's attribute tokens and numeric inputs and the two-tower
   model's towers derive.
@@ -19,10 +20,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-import tomllib
 from dataclasses import dataclass, replace
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 ROLES = ("exposure", "positive")  # shown to a user / an action that signals interest
 ENTITIES = ("item", "user")  # the tables a spec declares, each keyed by the entity's id
@@ -103,6 +106,15 @@ class TableSpec:
 
 
 @dataclass(frozen=True)
+class DemoSpec:
+    """How `flywheel demo` cuts the history (`[demo]`): events from `split` on are its live traffic, and the
+    first champion trains on the `train_days` before it. None: derived from the history (see flywheel/demo)."""
+
+    split: datetime | None = None
+    train_days: int | None = None
+
+
+@dataclass(frozen=True)
 class DatasetSpec:
     """A checked spec. Its derived lists are computed once (consumers and the demo ask per event)."""
 
@@ -116,6 +128,10 @@ class DatasetSpec:
     key: str = "category"
     # Each entity's sliding windows of exposure and label counts and CTR (`[features] windows`)
     windows: tuple[str, ...] = DEFAULT_WINDOWS
+    # A bundled adapter (streaming/adapters.py) that writes the files the sources name, outside the
+    # repository (licensed data fetched at run time); None: the files are beside the spec.
+    adapter: str | None = None
+    demo: DemoSpec = DemoSpec()
 
     @functools.cached_property
     def window_buckets(self) -> tuple[tuple[str, int, int], ...]:
@@ -154,7 +170,8 @@ class DatasetSpec:
         return hashlib.sha256(repr(declared).encode()).hexdigest()[:16]
 
     def source_path(self, source: str) -> Path:
-        """A table's or the history's file, relative to the spec's directory."""
+        """A table's or the history's file, relative to the spec's directory (an adapter's files:
+        streaming/adapters.source_path)."""
         return self.path.parent / source
 
 
@@ -243,6 +260,23 @@ def _history(where: str, raw: Any) -> HistorySpec:
     return HistorySpec(**h | {"context": tuple(h.get("context", []))})
 
 
+def _demo(where: str, raw: Any) -> DemoSpec:
+    d = _check(where, raw, {}, {"split": (str, date), "train_days": int})
+    split = d.get("split")
+    if isinstance(split, str):
+        try:
+            split = datetime.fromisoformat(split)
+        except ValueError:
+            raise SpecError(f"{where}.split: expected a date such as 2017-10-01, got {split!r}") from None
+    if isinstance(split, date) and not isinstance(split, datetime):
+        split = datetime(split.year, split.month, split.day)
+    if split is not None and split.tzinfo is None:
+        split = split.replace(tzinfo=UTC)
+    if d.get("train_days", 1) < 1:
+        raise SpecError(f"{where}.train_days: expected an integer >= 1, got {d['train_days']}")
+    return DemoSpec(split, d.get("train_days"))
+
+
 def window_minutes(name: str) -> int:
     """A window's length ("1h" -> 60)."""
     return int(name[:-1]) * WINDOW_MINUTES[name[-1]]
@@ -265,8 +299,8 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{path}: not TOML: {exc}") from None
-    top = _check(str(path), raw, {"dataset": dict, "events": dict, "tables": dict}, {"features": dict})
-    dataset = _check(f"{path} [dataset]", top["dataset"], {"name": str}, {})
+    top = _check(str(path), raw, {"dataset": dict, "events": dict, "tables": dict}, {"features": dict, "demo": dict})
+    dataset = _check(f"{path} [dataset]", top["dataset"], {"name": str}, {"adapter": str})
     events = _check(f"{path} [events]", top["events"], {"types": list}, {"history": dict, "key": str})
     key = events.get("key", "category")
     if not NAME.fullmatch(key):
@@ -281,7 +315,8 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
     spec = DatasetSpec(dataset["name"], path, types,
                        tuple(_table(f"{path} [tables.{e}]", e, tables[e]) for e in ENTITIES),
                        _history(f"{path} [events.history]", events["history"]) if "history" in events else None,
-                       key)
+                       key, adapter=dataset.get("adapter"),
+                       demo=_demo(f"{path} [demo]", top["demo"]) if "demo" in top else DemoSpec())
     if "features" in top:
         spec = replace(spec, windows=_windows(f"{path} [features]", top["features"]))
     if not spec.exposures:

@@ -15,11 +15,12 @@ import dataclasses
 import functools
 import os
 import secrets
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote, urlsplit
+
+import tomllib
 
 from infra.dataset import DatasetSpec, SpecError, load_spec
 
@@ -389,7 +390,7 @@ class RetrievalSettings:
 @dataclass(frozen=True)
 class ServingSettings:
     """The ranking server (serving/): its endpoint, batching, shape buckets, traffic policy, model
-    following. docs: README "Serving"."""
+    following. docs: docs/concepts.md "Serving: rank and recommend"."""
 
     host: str = "127.0.0.1"
     port: int = 8500

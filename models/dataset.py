@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -71,22 +72,60 @@ def training_set(s: Settings, window: Window, sequence_length: int) -> tuple[Exa
     imps = labelled_impressions(s, window)
     if imps.empty:
         raise NoImpressions(f"no impressions in {window}: nothing to train or evaluate on")
-    from feature_repo.store import feature_store  # Feast's SDK (seconds to import): not for the serving path
-
-    store = feature_store(s)
     entity_df = imps[["user_id", "item_id", "category"]].copy()
     entity_df["event_timestamp"] = pd.to_datetime(imps["event_time"] - 1, unit="ms", utc=True)
     entity_df["row"] = np.arange(len(imps))
-    service = store.get_feature_service("ranking_training")
-    refs = [f"{p.name_to_use()}:{f.name}" for p in service.feature_view_projections if p.name != LONG_HISTORY_VIEW.name
-            for f in p.features]
-    joined = store.get_historical_features(entity_df=entity_df, features=refs).to_df()
-    joined = joined.sort_values("row").reset_index(drop=True).merge(long_history_as_of(s, entity_df), on="row")
+    joined = as_of(s, entity_df).merge(long_history_as_of(s, entity_df), on="row")
     missing = [c for c in RAW_FEATURES if c not in joined.columns]
     if missing:
         raise ValueError(f"feature service ranking_training lacks {missing}")
     return to_examples(joined, imps["event_time"].to_numpy(), imps["label"].to_numpy(), sequence_length), \
         imps["event_time"].to_numpy()
+
+
+def as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:
+    """Each entity row's (`row`, `event_timestamp` and the keys) features of the feature service
+    `ranking_training` but the long history, point-in-time: per view, the newest row of its key at or
+    before the time and within the view's TTL (Feast's semantics), by an ASOF join in DuckDB per view.
+    Not Feast's `get_historical_features`: its DuckDB store joins every earlier row of a key before keeping
+    the newest, which grows with each key's rows (an Instacart customer's 6,000 exposures ran 15 GB out)."""
+    import duckdb
+
+    from feature_repo.definitions import BATCH_VIEWS, TIMESTAMP_FIELD  # Feast's SDK: not for the serving path
+    from streaming.features import STREAM_VIEWS
+
+    out = entity_df.copy()
+    with duckdb.connect() as con:
+        con.register("entities", entity_df)
+        for view in (*(v for v in STREAM_VIEWS if v is not LONG_HISTORY_VIEW), *BATCH_VIEWS):
+            files = view_dir(s, view.name) / "*.parquet"
+            names = [name for name, _ in view.columns]
+            if not any(files.parent.glob(files.name)):
+                out = out.assign(**{name: None for name in names})
+                continue
+            ttl = getattr(view, "ttl", None)
+            live = (f"h.{TIMESTAMP_FIELD} >= e.event_timestamp - INTERVAL {int(ttl.total_seconds())} SECOND"
+                    if ttl else "TRUE")
+            on = " AND ".join(f"e.{k} = h.{k}" for k in view.keys)
+            frame = con.sql(f"""
+                SELECT e.row, {", ".join(f'CASE WHEN {live} THEN h."{n}" END AS "{n}"' for n in names)}
+                FROM entities e ASOF LEFT JOIN ({newest_per_time(files, view.keys, TIMESTAMP_FIELD)}) h
+                  ON {on} AND e.event_timestamp >= h.{TIMESTAMP_FIELD}
+                ORDER BY e.row""").df()
+            # Missing integers as NaN, as Feast gives them (DuckDB's nullable Int64 has pd.NA)
+            out = out.merge(frame.astype({c: "float64" for c, t in frame.dtypes.items()
+                                          if isinstance(t, pd.api.extensions.ExtensionDtype) and t.kind in "iu"}),
+                            on="row")
+    return out
+
+
+def newest_per_time(files: Path, keys: tuple[str, ...], timestamp: str) -> str:
+    """SQL for a view's offline rows, the last written of a key's rows with the same event time (an
+    aggregate updated by several events of one millisecond: its newest count). A key's rows come from one
+    Kafka partition, and file names and rows follow its offsets."""
+    return f"""SELECT * FROM read_parquet('{files}', union_by_name = true, filename = true, file_row_number = true)
+               QUALIFY row_number() OVER (PARTITION BY {", ".join(keys)}, {timestamp}
+                                          ORDER BY filename DESC, file_row_number DESC) = 1"""
 
 
 def long_history_as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:
@@ -114,7 +153,7 @@ def long_history_as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:
                      COALESCE(list_position(h.history_categories, e.category), 0) AS pos,
                      len(h.history_item_ids) // greatest(len(h.history_categories), 1) AS k,
                      h.{TIMESTAMP_FIELD} >= e.event_timestamp - INTERVAL {ttl_s} SECOND AS live
-              FROM entities e ASOF LEFT JOIN read_parquet('{files}') h
+              FROM entities e ASOF LEFT JOIN ({newest_per_time(files, ("user_id",), TIMESTAMP_FIELD)}) h
                 ON e.user_id = h.user_id AND e.event_timestamp >= h.{TIMESTAMP_FIELD})
             SELECT row, CASE WHEN live THEN history_length END AS history_length,
                    CASE WHEN live THEN (CASE WHEN pos > 0 THEN [category] ELSE [] END) END AS history_categories,

@@ -16,6 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from itertools import islice
 from pathlib import Path
 
 import keras
@@ -29,6 +30,7 @@ from feature_repo.definitions import ITEM_ATTRIBUTES, TIMESTAMP_FIELD, USER_PROF
 from feature_repo.event_log import read_event_log
 from feature_repo.files import view_dir
 from infra.settings import Settings, override
+from models.recall import co_interaction, neighbours_of, popular
 from models.registry import CHAMPION, Decision, alias_version, connect, decide
 from models.retrieval import Catalogue, Profiles, Split, TwoTower, judge, two_tower_lists
 from streaming.events import TEST_TRAFFIC
@@ -48,6 +50,8 @@ class RetrievalOutcome:
     users: int  # judged
     clicks: int  # trained on
     seconds: float
+    # The same users' lists from the baselines a practitioner tries first: {name: {"recall": r, "ndcg": n}}
+    baselines: dict[str, dict[str, float]]
 
 
 def behavior(s: Settings, start_ms: int, end_ms: int) -> list[tuple[str, str, int, bool]]:
@@ -84,6 +88,18 @@ def split_of(s: Settings, start: datetime, end: datetime) -> Split:
     ms = [int(t.timestamp() * 1000) for t in (start, end - timedelta(days=s.retrieval.eval_days), end)]
     rows = behavior(s, ms[0], ms[2])
     return Split.at(rows, ms[1], NEXT_N, s.retrieval.sequence_length)
+
+
+def baseline_lists(s: Settings, split: Split, k: int) -> dict[str, dict[str, list[str]]]:
+    """Per judged user, the top k unseen items of item popularity (positives before the cut) and of item
+    co-occurrence (the items most often positive with the user's `retrieval.graph_seeds` newest positives
+    by the same users: the behavior graph's neighbours, unweighted)."""
+    ranked = popular(i for _, i in split.clicks)
+    neighbours = co_interaction(((u, i, 1.0) for u, i in split.clicks), keep=s.graph.neighbours)
+    seen = {u: split.seen.get(u, set()) for u in split.users}
+    return {"popularity": {u: list(islice((i for i in ranked if i not in seen[u]), k)) for u in split.users},
+            "co-occurrence": {u: neighbours_of(split.recent[u][-s.retrieval.graph_seeds:], neighbours, k, seen[u])
+                              for u in split.users}}
 
 
 def build_model(s: Settings, split: Split) -> TwoTower:
@@ -126,6 +142,8 @@ def train_retrieval(s: Settings, start: datetime, end: datetime, seed: int = 7) 
     model = build_model(s, split)
     losses = model.fit(model.positives(split.clicks), epochs=r.epochs, seed=seed)
     recall, ndcg = judge(two_tower_lists(model, split, r.gate_k), split, r.gate_k)
+    baselines = {name: dict(zip(("recall", "ndcg"), judge(lists, split, r.gate_k)))
+                 for name, lists in baseline_lists(s, split, r.gate_k).items()}
     cut = end - timedelta(days=r.eval_days)
     mlflow.set_experiment(r.experiment)
     with mlflow.start_run(run_name="two-tower"), tempfile.TemporaryDirectory() as tmp:
@@ -135,7 +153,8 @@ def train_retrieval(s: Settings, start: datetime, end: datetime, seed: int = 7) 
         for epoch, loss in enumerate(losses):
             mlflow.log_metric("in_batch_loss", loss, step=epoch)
         mlflow.log_metrics({f"recall_at_{r.gate_k}": recall, f"ndcg_at_{r.gate_k}": ndcg,
-                            "judged_users": float(len(split.users)), "positives": float(len(split.clicks))})
+                            "judged_users": float(len(split.users)), "positives": float(len(split.clicks)),
+                            **{f"{m}_at_{r.gate_k}_{name}": v for name, b in baselines.items() for m, v in b.items()}})
         model.save(Path(tmp) / "model")
         info = mlflow.pyfunc.log_model(
             name="model", python_model=RetrievalPyfunc(), artifacts={"model": str(Path(tmp) / "model")},
@@ -147,7 +166,8 @@ def train_retrieval(s: Settings, start: datetime, end: datetime, seed: int = 7) 
                        "eval_start": cut.isoformat(), "eval_end": end.isoformat(),
                        "gate_recall": f"{recall:.6f}"}.items():
         client.set_model_version_tag(r.name, version, key, value)
-    return RetrievalOutcome(version, recall, ndcg, len(split.users), len(split.clicks), time.perf_counter() - started)
+    return RetrievalOutcome(version, recall, ndcg, len(split.users), len(split.clicks), time.perf_counter() - started,
+                            baselines)
 
 
 def gate_retrieval(s: Settings, version: str) -> Decision:

@@ -28,8 +28,16 @@ from models import plots
 from models.ctr import CtrModel, ModelSpec
 from models.dataset import Window, chronological_split, training_set
 from models.metrics import auc, evaluate
-from models.registry import (Decision, champion_watermark, connect, gate, lacking_evidence, load_version, log_model,
-                             version_tags)
+from models.registry import (
+    Decision,
+    champion_watermark,
+    connect,
+    gate,
+    lacking_evidence,
+    load_version,
+    log_model,
+    version_tags,
+)
 from models.sparse import SparseConfig
 
 log = logging.getLogger("flywheel.train")
@@ -71,32 +79,27 @@ def _iso(t: datetime) -> str:
 
 
 def train_full(s: Settings, window: Window, kind: str = "ranker", promote: bool = True,
-               progress: bool = True, long_history: bool = True) -> TrainOutcome:
+               progress: bool = True, long_history: bool = True, baselines: bool = False) -> TrainOutcome:
+    """`baselines`: also the test AUC of item popularity (`test_auc_popularity`) and of the logistic
+    baseline trained on the same parts (`test_auc_logreg`): what the version must beat, on the same split."""
     connect(s)  # fail before any work when the registry is unreachable
     ex, times = training_set(s, window, s.streaming.sequence_length)
     train, validation, test, spans = chronological_split(ex, times)
     for part, what in ((train, "train split"), (validation, "validation split"), (test, "test split")):
         check_labels(part, f"{what} of {window}")
-    model = CtrModel(model_spec(s, kind, long_history))
     mlflow.set_experiment(s.models.experiment)
     with mlflow.start_run(run_name=f"full-{kind}"), tempfile.TemporaryDirectory() as tmp:
+        model = CtrModel(model_spec(s, kind, long_history))
         mlflow.log_params({"kind": kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
                            **{f"split_{k}": v for k, v in spans.items()}, **_spec_params(model.spec)})
-        best, best_auc, losses, val_aucs, seconds = Path(tmp) / "best", -1.0, [], [], 0.0
-        for epoch in range(s.models.max_epochs):
-            started = time.perf_counter()
-            losses += model.fit(train, progress=progress)
-            seconds += time.perf_counter() - started
-            val_aucs.append(auc(validation.labels, model.predict(validation)))
-            mlflow.log_metrics({"train_logloss": losses[-1], "validation_auc": val_aucs[-1]}, step=epoch)
-            if val_aucs[-1] <= best_auc:
-                break
-            best_auc = val_aucs[-1]
-            model.save(best)
-        model = CtrModel.load(best)
+        best = Path(tmp) / "best"
+        model, losses, val_aucs, seconds = _fit(s, model, train, validation, best, progress, log=True)
         samples_per_s = len(train) * len(losses) / seconds
         metrics = _log_evaluation(model, test, "test") | {"train_samples_per_s": samples_per_s,
                                                            "epochs": float(len(losses))}
+        if baselines:
+            metrics |= baseline_aucs(s, train, validation, test, Path(tmp) / "logreg")
+            mlflow.log_metrics({k: v for k, v in metrics.items() if k.startswith("test_auc_")})
         mlflow.log_figure(plots.losses(losses, val_aucs), "plots/loss_curves.png")
         version = log_model(s, best, {"kind": kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
                                       "eval_start": spans["test"].split(" .. ")[0],
@@ -104,6 +107,35 @@ def train_full(s: Settings, window: Window, kind: str = "ranker", promote: bool 
                                       **_terms_tags(model.spec)})
     decision = gate(s, version, model, test, f"test window {spans['test']}") if promote else None
     return TrainOutcome(version, decision, metrics, window, samples_per_s)
+
+
+def _fit(s: Settings, model: CtrModel, train: Examples, validation: Examples, best: Path, progress: bool,
+         log: bool = False) -> tuple[CtrModel, list[float], list[float], float]:
+    """Epochs until the validation AUC stops improving: (the best model, losses, validation AUCs, seconds)."""
+    best_auc, losses, val_aucs, seconds = -1.0, [], [], 0.0
+    for epoch in range(s.models.max_epochs):
+        started = time.perf_counter()
+        losses += model.fit(train, progress=progress)
+        seconds += time.perf_counter() - started
+        val_aucs.append(auc(validation.labels, model.predict(validation)))
+        if log:
+            mlflow.log_metrics({"train_logloss": losses[-1], "validation_auc": val_aucs[-1]}, step=epoch)
+        if val_aucs[-1] <= best_auc:
+            break
+        best_auc = val_aucs[-1]
+        model.save(best)
+    return CtrModel.load(best), losses, val_aucs, seconds
+
+
+def baseline_aucs(s: Settings, train: Examples, validation: Examples, test: Examples, tmp: Path) -> dict[str, float]:
+    """Test AUC of the baselines a practitioner tries first: items by their positives before the test part
+    (popularity), and logistic regression on the ranker's own inputs (one weight per id and token)."""
+    seen = np.concatenate([train.item_ids[train.labels > 0], validation.item_ids[validation.labels > 0]])
+    ids, counts = np.unique(seen, return_counts=True)
+    popularity = dict(zip(ids, counts))
+    logreg, _, _, _ = _fit(s, CtrModel(model_spec(s, "logreg")), train, validation, tmp, progress=False)
+    return {"test_auc_popularity": auc(test.labels, np.array([popularity.get(i, 0) for i in test.item_ids], float)),
+            "test_auc_logreg": auc(test.labels, np.asarray(logreg.predict(test)))}
 
 
 def train_incremental(s: Settings, until: datetime | None = None, promote: bool = True,

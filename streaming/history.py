@@ -23,6 +23,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from infra.settings import Settings
+from streaming.adapters import source_path
 from streaming.events import Event, InvalidEvent, validate
 from streaming.movielens import replay_events
 
@@ -65,7 +66,7 @@ def history_events(s: Settings, limit: int | None = None, before: int | None = N
     if h.source == "movielens":
         yield from replay_events(s, limit, before)
         return
-    path = spec.source_path(h.source)
+    path = source_path(s, h.source)
     fields = {"user": h.user, "item": h.item, "type": h.type, "time": h.time} | ({"request": h.request} if h.request else {})
     try:
         table = read_source(path, [c for k, c in fields.items() if k != "time"])

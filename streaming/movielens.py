@@ -105,10 +105,6 @@ class Session:
     start: int  # seconds since the epoch
     ratings: tuple[Rating, ...]
 
-    def request_id(self, served_at_ms: int) -> str:
-        """Unique per serving: a session replayed again (another demo run) is another request."""
-        return f"{SOURCE}:{self.user_id}:{self.start}@{served_at_ms}"
-
 
 def sessions(ratings: list[Rating], gap_s: int = 1800, max_items: int = 50) -> list[Session]:
     """Each user's ratings (in event-time order) cut into sessions at gaps over `gap_s` and at
@@ -122,20 +118,3 @@ def sessions(ratings: list[Rating], gap_s: int = 1800, max_items: int = 50) -> l
             done.append(current)
         current.append(r)
     return [Session(rs[0].user_id, rs[0].timestamp, tuple(rs)) for rs in done]
-
-
-def served_events(session: Session, request_id: str, shown: list[str], t_ms: int, click_min_rating: float,
-                  categories: dict[str, str], served_by: str) -> list[Event]:
-    """What a user does with a list served for `request_id`: an impression of each `shown` item (in
-    rank order) at `t_ms`, and a click 1 ms later on each the user rated >= click_min_rating. Both
-    carry the request id, so clicks join to the prediction log and to the impressions."""
-    liked = {r.item_id for r in session.ratings if r.rating >= click_min_rating}
-    out = []
-    for position, item in enumerate(shown):
-        context = {"source": SOURCE, "position": position, "served_by": served_by} | (
-            {"category": categories[item]} if item in categories else {})
-        kinds = _kinds(item in liked)
-        out += [Event(event_id=f"{request_id}:{item}:{kind}", user_id=session.user_id, item_id=item,
-                      event_type=kind, request_id=request_id, event_time=t_ms + delay, context=context)
-                for delay, kind in enumerate(kinds)]
-    return out

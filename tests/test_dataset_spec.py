@@ -3,6 +3,7 @@ before anything starts, with the file, the key and what was expected."""
 
 import json
 import re
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -150,7 +151,7 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    (("[dataset]", "[datasets]"), "unknown key 'datasets' (expected: dataset, events, tables, features)"),
+    (("[dataset]", "[datasets]"), "unknown key 'datasets' (expected: dataset, events, tables, features, demo)"),
     (('kind = "categorical"', 'kind = "text"'), "[tables.item].attributes.brand.kind: expected one of categorical"),
     (('kind = "categorical"', 'kind = "categorical"\nseparator = ","'), "brand.separator: only a multi attribute"),
     (('kind = "categorical"', 'kind = "categorical"\ntokens = "decade"'),
@@ -162,7 +163,7 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
     (('id = "sku"', 'id = "sku"\ncategory = "price"'), "[tables.item].category: expected the name of a categorical"),
     (('id = "customer"', 'id = "customer"\ncategory = "region"'), "[tables.user]: unknown key 'category'"),
     (("[tables.user]", "[tables.shop]"), "[tables]: unknown key 'shop' (expected: item, user)"),
-    (('name = "shop"', 'name = "shop"\nowner = "me"'), "[dataset]: unknown key 'owner' (expected: name)"),
+    (('name = "shop"', 'name = "shop"\nowner = "me"'), "[dataset]: unknown key 'owner' (expected: name, adapter)"),
     (('name = "shop"', ""), "[dataset]: missing key 'name'"),
     (('name = "shop"', "name = 7"), "[dataset].name: expected str, got int 7"),
     (('role = "exposure"', 'role = "seen"'), "#1.role: expected one of exposure, positive, got 'seen'"),
@@ -181,6 +182,8 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
     (("[tables.item]", '[features]\nwindows = ["5x"]\n\n[tables.item]'), "[features].windows: expected 1 to 4 windows"),
     (("[tables.item]", '[features]\nwindows = ["60m", "1h"]\n\n[tables.item]'), "a window is declared twice"),
     (("[tables.item]", '[features]\nwindow = ["1h"]\n\n[tables.item]'), "[features]: unknown key 'window'"),
+    (("[tables.item]", '[demo]\nsplit = "soon"\n\n[tables.item]'), "[demo].split: expected a date such as"),
+    (("[tables.item]", '[demo]\ntrain_days = 0\n\n[tables.item]'), "[demo].train_days: expected an integer >= 1"),
 ])
 def test_a_wrong_spec_is_refused_with_the_file_the_key_and_what_was_expected(
         tmp_path: Path, change: tuple[str, str], message: str) -> None:
@@ -190,6 +193,19 @@ def test_a_wrong_spec_is_refused_with_the_file_the_key_and_what_was_expected(
     assert str(path) in str(err.value) and message in str(err.value)
     with pytest.raises(SettingsError, match="^dataset.spec: "):  # before anything starts: settings refuse it
         load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(path)})
+
+
+def test_the_demo_cut_is_declared_as_a_date_and_an_unknown_adapter_is_named(tmp_path: Path) -> None:
+    from streaming.adapters import source_path
+
+    demo = "[demo]\nsplit = 2025-03-08\ntrain_days = 5\n\n[tables.item]"
+    path = shop(tmp_path, SHOP.replace("[tables.item]", demo, 1))
+    demo = parse_spec(path.read_text(), path).demo
+    assert (demo.split, demo.train_days) == (datetime(2025, 3, 8, tzinfo=UTC), 5)
+    path = shop(tmp_path, SHOP.replace('name = "shop"', 'name = "shop"\nadapter = "nowhere"', 1))
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(path)})
+    with pytest.raises(SpecError, match="unknown adapter 'nowhere' \\(bundled: instacart\\)"):
+        source_path(s, "history.csv")
 
 
 def test_a_missing_spec_file_is_named(tmp_path: Path) -> None:

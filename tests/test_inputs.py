@@ -17,8 +17,8 @@ from contract.transform import entity_tokens, to_examples
 from feature_repo.definitions import TIMESTAMP_FIELD, offline_schema
 from feature_repo.files import view_dir
 from infra.settings import load_settings
-from models.dataset import long_history_as_of
-from streaming.features import LONG_HISTORY_VIEW
+from models.dataset import as_of, long_history_as_of
+from streaming.features import LONG_HISTORY_VIEW, STREAM_VIEWS
 
 
 def test_each_candidate_gets_its_categorys_long_history_shares_and_attributes() -> None:
@@ -90,3 +90,41 @@ def test_training_rows_read_the_long_history_point_in_time_and_only_their_catego
     assert list(got.loc[1, "history_event_types"]) == ["click", "click"]
     for row in (2, 3, 4):  # before the first row; another user; the newest row before is past its TTL
         assert pd.isna(got.loc[row, "history_length"]) and pd.isna(got.loc[row, "history_item_ids"])
+
+
+def test_training_rows_read_each_views_newest_row_before_them_within_its_ttl_the_last_written_of_a_tie(
+        tmp_path: Path) -> None:
+    (tmp_path / "flywheel.toml").write_text("")
+    s = load_settings({"FLYWHEEL_PATHS_DATA_DIR": str(tmp_path)}, config_file=tmp_path / "flywheel.toml")
+    at = pd.Timestamp("2026-01-01", tz="UTC")
+    views = {v.name: v for v in STREAM_VIEWS}
+
+    def write(view: str, name: str, rows: list[dict]) -> None:
+        directory = view_dir(s, view)
+        directory.mkdir(parents=True, exist_ok=True)
+        full = [r | {TIMESTAMP_FIELD: at + pd.Timedelta(seconds=r.pop("t"))} for r in rows]
+        pq.write_table(pa.Table.from_pylist(full, schema=offline_schema(views[view])), directory / name)
+
+    def counts(user: str, t: int, imps: int, **keys: str) -> dict:
+        return {"user_id": user, **keys, "t": t, **dict(zip(
+            ("category_impressions", "category_clicks", "category_ctr") if keys else
+            ("user_impressions_5m", "user_clicks_5m", "user_ctr_5m"), (imps, 0, 0.0)))}
+
+    # Three updates in the same millisecond: the count after all of them is the last written.
+    write("user_5m", "part-0000-000000000000-a.parquet",
+          [counts("u1", 10, 1), counts("u1", 20, 2), counts("u1", 20, 3)])
+    write("user_5m", "part-0000-000000000003-b.parquet", [counts("u1", 20, 4), counts("u1", 600, 9)])
+    write("user_category", "part-0000-000000000000-c.parquet",
+          [counts("u1", 10, 5, category="c1"), counts("u1", 12, 6, category="c2")])
+    entities = pd.DataFrame({"row": range(5), "user_id": ["u1", "u1", "u1", "u2", "u1"],
+                             "item_id": ["i1"] * 5, "category": ["c1", "c2", "c1", "c1", "c2"],
+                             "event_timestamp": [at + pd.Timedelta(seconds=x) for x in (15, 25, 5, 25, 500)]})
+    got = as_of(s, entities).set_index("row")
+
+    assert got.loc[0, "user_impressions_5m"] == 1 and got.loc[1, "user_impressions_5m"] == 4
+    assert got.loc[0, "category_impressions"] == 5 and got.loc[1, "category_impressions"] == 6  # by both keys
+    for row in (2, 3):  # before the first row; another user
+        assert pd.isna(got.loc[row, "user_impressions_5m"]) and pd.isna(got.loc[row, "category_impressions"])
+    assert pd.isna(got.loc[4, "user_impressions_5m"])  # the newest row before is past the view's 5 minutes
+    assert got.loc[4, "category_impressions"] == 6  # a year's TTL
+    assert got["item_ctr_total"].isna().all() and list(got["user_id"]) == list(entities["user_id"])  # no rows

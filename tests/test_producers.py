@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
+from flywheel.demo.sessions import Session, served_events
 from infra.settings import Settings, load_settings
-from streaming.movielens import (Rating, dataset_dir, load_ratings, rating_events, replay_events, served_events,
-                                  sessions)
+from streaming.movielens import Rating, dataset_dir, load_ratings, rating_events, replay_events, sessions
 from streaming.produce import count_landed, event_time_pace, fixed_rate_pace
 from streaming.synthetic import SyntheticConfig, SyntheticGenerator
 from streaming.topics import end_offsets, read_range
@@ -54,12 +54,13 @@ def test_live_sessions_cut_at_gaps_and_size_and_their_served_lists_become_events
     assert [(x.user_id, [r.item_id for r in x.ratings]) for x in cut] == [("1", ["a", "b"]), ("2", ["x"]), ("1", ["c"])]
     assert all(len(x.ratings) <= 50 for x in sessions(ratings))
     assert sum(len(x.ratings) for x in sessions(ratings)) == len(ratings)
-    request_id = cut[0].request_id(1_000)
-    events = served_events(cut[0], request_id, ["b", "a"], 1_000, 4, {"a": "Drama"}, served_by="3")
+    sess = Session("1", "0", ("a", "b"), {"a": "click"})
+    request_id = sess.request_id(1_000)
+    events = served_events(load_settings().spec, {"a": "Drama"}, sess, request_id, ["b", "a"], 1_000, served_by="3")
     assert [(e.item_id, e.event_type, e.event_time) for e in events] == [
         ("b", "impression", 1_000), ("a", "impression", 1_000), ("a", "click", 1_001)]
-    assert {e.request_id for e in events} == {request_id} and request_id != cut[0].request_id(2_000)
-    assert events[1].context == {"source": "movielens-100k", "position": 1, "served_by": "3", "category": "Drama"}
+    assert {e.request_id for e in events} == {request_id} and request_id != sess.request_id(2_000)
+    assert events[1].context == {"position": 1, "served_by": "3", "category": "Drama"}
 
 
 def test_pacing_follows_event_time_or_a_fixed_rate() -> None:

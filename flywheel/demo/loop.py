@@ -74,6 +74,7 @@ def history_events(s: Settings, plan: LoopPlan, summary: Summary, say: Say) -> d
     row = await_features(store, events, expected, plan.feature_timeout_s)
     say(f"Flink -> Feast caught up with the history {time.monotonic() - t0:.0f}s after the replay began. "
         f"Online features of user {row['user_id']}:")
+    summary.user_features = row
     for name, value in row.items():
         if isinstance(value, list) and len(value) > 5:  # sequences: the newest 5; rankings: the top 5
             newest = name.startswith("seq_")
@@ -85,7 +86,7 @@ def history_events(s: Settings, plan: LoopPlan, summary: Summary, say: Say) -> d
 # --- 2. the first champion ------------------------------------------------------------------------
 
 def first_champion(s: Settings, plan: LoopPlan, airflow: AirflowClient, summary: Summary, say: Say) -> str:
-    conf = {"data_start": plan.history_from.isoformat(), "data_end": plan.split.isoformat()}
+    conf = {"data_start": plan.history_from.isoformat(), "data_end": plan.split.isoformat(), "baselines": True}
     t0 = time.monotonic()
     run_id = airflow.trigger("offline_training", conf)
     say(f"offline_training: run {run_id} triggered through Airflow with {conf} "
@@ -100,8 +101,10 @@ def first_champion(s: Settings, plan: LoopPlan, airflow: AirflowClient, summary:
     if champion is None:
         raise LoopError(f"offline_training registered v{trained['version']} but {s.models.name} has no @champion")
     summary.first_champion = champion
+    baselines = (("ranker", ""), ("popularity", "_popularity"), ("logistic regression", "_logreg"))
+    summary.ranker_auc = {name: trained[f"test_auc{x}"] for name, x in baselines if f"test_auc{x}" in trained}
     say(f"offline_training: v{trained['version']} registered in {summary.offline_training_s:.0f}s "
-        f"(test AUC {trained.get('test_auc', float('nan')):.4f}); @champion is v{champion}")
+        f"(test AUC {', '.join(f'{k} {v:.4f}' for k, v in summary.ranker_auc.items())}); @champion is v{champion}")
     return champion
 
 
@@ -127,10 +130,11 @@ def first_retrieval(s: Settings, plan: LoopPlan, history_end: datetime, airflow:
     trained, gate = (airflow.xcom("retrieval_training", run_id, task) for task in ("train", "gate"))
     summary.retrieval = {"version": trained["version"], "recall": trained["recall"], "ndcg": trained["ndcg"],
                          "users": trained["users"], "promoted": gate["promoted"], "reason": gate["reason"],
-                         "seconds": time.monotonic() - t0}
+                         "baselines": trained.get("baselines", {}), "seconds": time.monotonic() - t0}
     say(f"retrieval_training: v{trained['version']} of {s.retrieval.name} in {time.monotonic() - t0:.0f}s, "
-        f"recall@{s.retrieval.gate_k} {trained['recall']:.4f} on {trained['users']} users' next clicks; gate: "
-        f"{'promoted' if gate['promoted'] else 'refused'} ({gate['reason']})")
+        f"recall@{s.retrieval.gate_k} {trained['recall']:.4f} on {trained['users']} users' next positives ("
+        + ", ".join(f"{k} {b['recall']:.4f}" for k, b in summary.retrieval["baselines"].items())
+        + f"); gate: {'promoted' if gate['promoted'] else 'refused'} ({gate['reason']})")
     if gate["promoted"]:
         summary.retrieval["current_s"] = wait_retrieval(s, trained["version"], 300)
         say(f"  the user embedder indexed it and embedded the users: /recommend uses v{trained['version']} "
@@ -192,6 +196,10 @@ def live(s: Settings, plan: LoopPlan, server: str, airflow: AirflowClient, summa
         r.status if r.status != 503 else f"503 {r.body.get('reason')}" for r in traffic.results).items()}
     summary.latency_ms = percentiles([r.seconds for r in traffic.results if r.status == 200
                                       and endpoint(r.request) == "/rank"])
+    answered = [r for r in traffic.results if r.status == 200 and endpoint(r.request) == "/recommend"]
+    if answered:
+        summary.recommended = {"user_id": answered[-1].request["user_id"],
+                               "items": [x["item_id"] for x in answered[-1].body["items"][:10]]}
     summary.recommend_latency_ms = percentiles([r.seconds for r in traffic.results if r.status == 200
                                                 and endpoint(r.request) == "/recommend"])
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from infra.settings import Settings
 
 Say = Callable[[str], None]
 
@@ -26,6 +32,23 @@ class LoopPlan:
     training_timeout_s: float = 1800.0
     live_timeout_s: float = 1800.0
 
+    @classmethod
+    def of(cls, s: Settings, split: datetime | None = None, **kw) -> LoopPlan:
+        """The plan for the spec's data: `split` (else the spec's `[demo] split`, else the day by which 90% of
+        the history had happened), the first champion trained on `[demo] train_days` before it (else on
+        everything before it)."""
+        demo = s.spec.demo
+        split = split or demo.split
+        if split is None or demo.train_days is None:
+            from streaming.history import history_events
+
+            times = np.array([e.event_time for e in history_events(s)], np.int64)
+            day = lambda ms: datetime.fromtimestamp(ms // 86_400_000 * 86_400, UTC)  # noqa: E731
+            split = split or day(int(np.quantile(times, 0.9)))
+            first = day(int(times.min()))
+        start = split - timedelta(days=demo.train_days) if demo.train_days else first
+        return cls(split=split, history_from=start, **kw)
+
 
 @dataclass
 class Summary:
@@ -36,6 +59,9 @@ class Summary:
     feature_freshness_s: list[float] = field(default_factory=list)
     feature_probes_timed_out: int = 0  # not online within 60 s
     first_champion: str = ""
+    user_features: dict[str, object] = field(default_factory=dict)  # one user's online features after the history
+    recommended: dict[str, object] = field(default_factory=dict)  # one /recommend answer: user, items, sources
+    ranker_auc: dict[str, float] = field(default_factory=dict)  # test AUC of the first champion and the baselines
     offline_training_s: float = 0.0
     first_served_s: float = 0.0  # offline_training run finished -> its champion served
     statuses: dict[str, int] = field(default_factory=dict)

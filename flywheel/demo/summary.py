@@ -6,9 +6,9 @@ from __future__ import annotations
 from datetime import datetime
 
 from flywheel.demo.plan import Summary
-from infra.settings import Settings
-from models.registry import list_versions, version_tags
+from infra.settings import REPO_ROOT, DatasetSettings, Settings
 from infra.stack import unarchived
+from models.registry import list_versions, version_tags
 from serving.outcomes import auc_by_version, auc_over_time, ctr_by_source, percentiles, served_outcomes
 from streaming.topics import end_offsets
 
@@ -53,6 +53,10 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
         + "; /recommend " + ", ".join(f"{q} {ms:.1f} ms" for q, ms in summary.recommend_latency_ms.items()),
         f"offline_training (Airflow) -> first @champion v{summary.first_champion}: {summary.offline_training_s:.0f}s; "
         f"served {summary.first_served_s:.1f}s after the run finished",
+        f"online features of user {summary.user_features.get('user_id')} after the history: "
+        + ", ".join(f"{k} {v}" for k, v in summary.user_features.items()
+                    if k != "user_id" and not isinstance(v, list) and v is not None),
+        "ranker test AUC on the same split: " + ", ".join(f"{k} {v:.4f}" for k, v in summary.ranker_auc.items()),
         "model versions (newest first):"]
     served = {row["model_version"]: row for row in summary.served}
     for v in summary.versions:
@@ -70,12 +74,15 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
                             if fresh_s is not None else ""))
     if r := summary.retrieval:
         lines.append(f"retrieval: v{r['version']} of {s.retrieval.name} (two-tower) recall@{s.retrieval.gate_k} "
-                     f"{r['recall']:.4f}, NDCG {r['ndcg']:.4f} on {r['users']} users; gate "
-                     f"{'promoted' if r['promoted'] else 'refused'}: {r['reason']}")
+                     f"{r['recall']:.4f}, NDCG {r['ndcg']:.4f} on {r['users']} users ("
+                     + ", ".join(f"{k} {b['recall']:.4f} / {b['ndcg']:.4f}" for k, b in r.get("baselines", {}).items())
+                     + f"); gate {'promoted' if r['promoted'] else 'refused'}: {r['reason']}")
     if summary.recommend_sources:
         lines.append("/recommend, served CTR per candidate source (an item two sources listed counts for both): " +
                      "; ".join(f"{src} {c['clicks']:,}/{c['impressions']:,} = {c['ctr']:.3f}"
                                for src, c in summary.recommend_sources.items()))
+    if r := summary.recommended:
+        lines.append(f"/recommend for user {r['user_id']}: {', '.join(r['items'])}")
     if summary.refused_drill:
         d = summary.refused_drill
         lines.append(f"bad-model drill: v{d['version']} (output inverted) {d['gate']} by the gate: {d['reason']}")
@@ -94,5 +101,14 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
               f"its password: `flywheel status --show-secrets`)",
               f"Ranking API: http://{s.serving.host}:{s.serving.port}/docs",
               f"Summary as JSON: {s.paths.data_dir / 'demo' / 'summary.json'}",
-              "The stack keeps running (incremental_training on its cadence); stop it with `make down`."]
+              f"The stack keeps running (incremental_training on its cadence); stop it with `{stop_command(s)}`."]
     return lines
+
+
+def stop_command(s: Settings) -> str:
+    """What stops this stack: `make down` for the default dataset's, else `flywheel down --dataset ...`."""
+    if s.spec.path.resolve() == DatasetSettings().spec.resolve():
+        return "make down"
+    bundled = s.spec.path.resolve().parent
+    name = bundled.name if bundled.parent == (REPO_ROOT / "datasets").resolve() else str(s.spec.path)
+    return f".venv/bin/flywheel down --dataset {name}"

@@ -1,7 +1,7 @@
-"""The live load: MovieLens sessions after the split as ranking requests (every `recommend_every`th a
-recommendation request for the session's user instead), and what the users do with the lists they are
-served (impressions in rank order, clicks on what they rated highly) into Kafka. A recommended item is
-clicked when the user rated it highly at any time after the split: what they would have liked."""
+"""The live load: the history's sessions after the split (flywheel/demo/sessions.py) as ranking requests
+(every `recommend_every`th a recommendation request for the session's user instead), and what the users
+do with the lists they are served (exposures in rank order, their actions on what they are shown) into
+Kafka."""
 
 from __future__ import annotations
 
@@ -9,32 +9,25 @@ import asyncio
 import itertools
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterator
 
 from feature_repo.store import feature_store
 from flywheel.demo.plan import LoopPlan
 from flywheel.demo.probes import FreshnessProbes
+from flywheel.demo.sessions import Live, Session
 from infra.settings import Settings
 from serving.client import Served, endpoint, open_loop
-from streaming.movielens import Session, dataset_dir, load_item_categories, load_ratings, served_events, sessions
 from streaming.producer import EventProducer
 
 
 class Traffic:
-    """Sessions -> /rank -> shown items -> impressions and clicks into Kafka, on a thread of its own;
+    """Sessions -> /rank -> shown items -> exposures and actions into Kafka, on a thread of its own;
     probes of feature freshness on the way."""
 
     def __init__(self, s: Settings, plan: LoopPlan, server: str) -> None:
-        data = dataset_dir(s)
-        split = int(plan.split.timestamp())
-        live = [r for r in load_ratings(data / "ml-100k.inter") if r.timestamp >= split]
-        self.sessions = sessions(live)[: plan.sessions]
-        by_user = defaultdict(list)
-        for r in live:
-            by_user[r.user_id].append(r)
-        self.futures = {u: Session(u, split, tuple(ratings)) for u, ratings in by_user.items()}  # all they rate later
-        self.categories = load_item_categories(data / "ml-100k.item")
+        self.live = Live(s, plan.split)
+        self.sessions = self.live.sessions[: plan.sessions]
         self.s, self.plan, self.server = s, plan, server
         self.producer = EventProducer(s)
         self.probes = FreshnessProbes(feature_store(s))
@@ -52,13 +45,13 @@ class Traffic:
         for n, sess in enumerate(itertools.cycle(self.sessions), 1):
             request_id = sess.request_id(int(time.time() * 1000))
             if every and n % every == 0:
-                self._by_id[request_id] = self.futures[sess.user_id]
+                self._by_id[request_id] = self.live.judged[sess.user_id]
                 yield {"user_id": sess.user_id, "request_id": request_id, "k": 20, "tier": "high"}
                 continue
-            items = list(dict.fromkeys(r.item_id for r in sess.ratings))
             self._by_id[request_id] = sess
+            keys = self.live.keys
             yield {"user_id": sess.user_id, "request_id": request_id, "tier": "high",
-                   "candidates": [{"item_id": i, "category": self.categories.get(i, "")} for i in items]}
+                   "candidates": [{"item_id": i, "category": keys.get(i, "")} for i in sess.candidates]}
 
     def _run(self) -> None:
         try:
@@ -93,8 +86,7 @@ class Traffic:
         if probe:
             before = await asyncio.get_running_loop().run_in_executor(self.probes.pool, self.probes.total,
                                                                       sess.user_id)
-        events = served_events(sess, request_id, shown, int(time.time() * 1000), self.s.movielens.click_min_rating,
-                               self.categories, ranker_version(body))
+        events = self.live.served_events(sess, request_id, shown, int(time.time() * 1000), ranker_version(body))
         for event in events:
             self.producer.send(event)
             self.events[event.event_type] += 1
