@@ -82,3 +82,41 @@ def test_the_demo_serves_the_orders_after_the_split_and_judges_a_list_by_the_nex
     assert [(e.item_id, e.event_type, e.event_time) for e in events] == [
         (other, "impression", 1_000), (bought, "impression", 1_000), (bought, sess.actions[bought], 1_001)]
     assert events[1].context == {"position": 1, "served_by": "2", "aisle": live.keys[bought]}
+
+
+def test_dataset_names_a_bundled_spec_or_a_path_and_gives_it_a_data_directory_of_its_own(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import click
+    from click.testing import CliRunner
+
+    from flywheel.cli import _DATASET, _settings
+    from infra.settings import get_settings
+
+    for name in ("FLYWHEEL_DATASET_SPEC", "FLYWHEEL_PATHS_DATA_DIR"):
+        monkeypatch.setenv(name, "set so that the teardown restores its absence")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("FLYWHEEL_CONFIG", "/dev/null")
+    get_settings.cache_clear()
+
+    @click.command()
+    @_DATASET
+    def show() -> None:
+        s = _settings()
+        click.echo(f"{s.spec.name} {s.paths.data_dir.name}")
+
+    try:
+        assert CliRunner().invoke(show, []).output.split() == ["movielens-100k", ".flywheel"]
+        got = CliRunner().invoke(show, ["--dataset", "instacart"]).output.split()
+        assert got == ["instacart", ".flywheel-instacart"]
+        monkeypatch.delenv("FLYWHEEL_PATHS_DATA_DIR")
+        monkeypatch.delenv("FLYWHEEL_DATASET_SPEC")
+        get_settings.cache_clear()
+        wrong = CliRunner().invoke(show, ["--dataset", "nowhere"])
+        assert wrong.exit_code == 2 and "no spec at" in wrong.output
+        assert "(bundled: instacart, movielens;" in wrong.output
+        bad = tmp_path / "dataset.toml"
+        bad.write_text(SPEC.read_text().replace('key = "aisle"', 'key = "the aisle"'))
+        wrong = CliRunner().invoke(show, ["--dataset", str(bad)])
+        assert wrong.exit_code == 2 and "[events].key: expected a context field name" in wrong.output
+    finally:
+        get_settings.cache_clear()
