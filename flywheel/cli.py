@@ -155,7 +155,8 @@ def status(show_secrets: bool, as_json: bool) -> None:
 
 
 def _print_status(s: Settings, show_secrets: bool = False) -> bool:
-    from infra.settings import airflow_password, mlflow_password, password_source
+    from flywheel.demo.summary import dataset_flag
+    from infra.settings import airflow_password, mlflow_password, password_file, password_source
     from infra.stack import status as stack_status
 
     rows = stack_status(s)
@@ -166,8 +167,11 @@ def _print_status(s: Settings, show_secrets: bool = False) -> bool:
             ("airflow", "Airflow UI:", s.airflow.api_url, s.airflow.username, airflow_password),
             ("mlflow", "MLflow UI: ", s.mlflow.tracking_uri, s.mlflow.username, mlflow_password)):
         if service in s.stack.services:
-            where = password(s) if show_secrets else \
-                f"password in {password_source(s, service)} (`flywheel status --show-secrets` prints it)"
+            where = f"password in {password_source(s, service)} (`flywheel status{dataset_flag(s)} --show-secrets` " \
+                    "prints it)"
+            if show_secrets:  # never a new one: a stack that never started here has none
+                fresh = not getattr(s, service).password and not password_file(s, service).exists()
+                where = f"no password: the stack of {s.paths.data_dir} never started" if fresh else password(s)
             click.echo(f"{label} {url}  login: {user} / {where}")
     return all(r.state in ("healthy", "external") for r in rows)
 

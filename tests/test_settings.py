@@ -130,3 +130,21 @@ def test_an_unknown_profile_and_a_sharded_graph_are_refused() -> None:
     with pytest.raises(SettingsError, match="graph store cannot shard"):
         load_settings({"FLYWHEEL_REDIS_CLUSTER_NODES": "127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003"},
                       config_file=None)
+
+
+def test_status_of_a_stack_that_never_started_shows_no_password_and_makes_none(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from flywheel.cli import main
+    from infra.settings import get_settings
+
+    monkeypatch.setenv("FLYWHEEL_CONFIG", "/dev/null")
+    monkeypatch.setenv("FLYWHEEL_PATHS_DATA_DIR", str(tmp_path / "never-started"))
+    get_settings.cache_clear()
+    try:
+        out = CliRunner().invoke(main, ["status", "--show-secrets"]).output
+    finally:
+        get_settings.cache_clear()
+    assert f"login: admin / no password: the stack of {tmp_path / 'never-started'} never started" in out
+    assert not list(tmp_path.rglob("admin-password"))  # a UI login printed for a stack it is not

@@ -96,19 +96,24 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
                      + (f", v{c['version']} {c['gate']} by the gate" if c["version"] else ""))
     lines += [f"whole loop: {summary.seconds / 60:.1f} min",
               f"Airflow UI: {s.airflow.api_url} (user {s.airflow.username}; "
-              f"its password: `flywheel status --show-secrets`)",
+              f"its password: `flywheel status{dataset_flag(s)} --show-secrets`)",
               f"MLflow UI:  {s.mlflow.tracking_uri}/#/models/{s.models.name} (user {s.mlflow.username}; "
-              f"its password: `flywheel status --show-secrets`)",
+              f"its password: `flywheel status{dataset_flag(s)} --show-secrets`)",
               f"Ranking API: http://{s.serving.host}:{s.serving.port}/docs",
               f"Summary as JSON: {s.paths.data_dir / 'demo' / 'summary.json'}",
               f"The stack keeps running (incremental_training on its cadence); stop it with `{stop_command(s)}`."]
     return lines
 
 
+def dataset_flag(s: Settings) -> str:
+    """What points `flywheel up/down/status` at this dataset's stack: "" for the default dataset's, else
+    " --dataset <bundled name or the spec's path>"."""
+    if s.spec.path.resolve() == DatasetSettings().spec.resolve():
+        return ""
+    bundled = s.spec.path.resolve().parent
+    return f" --dataset {bundled.name if bundled.parent == (REPO_ROOT / 'datasets').resolve() else s.spec.path}"
+
+
 def stop_command(s: Settings) -> str:
     """What stops this stack: `make down` for the default dataset's, else `flywheel down --dataset ...`."""
-    if s.spec.path.resolve() == DatasetSettings().spec.resolve():
-        return "make down"
-    bundled = s.spec.path.resolve().parent
-    name = bundled.name if bundled.parent == (REPO_ROOT / "datasets").resolve() else str(s.spec.path)
-    return f".venv/bin/flywheel down --dataset {name}"
+    return f".venv/bin/flywheel down{dataset_flag(s)}" if dataset_flag(s) else "make down"
