@@ -15,12 +15,11 @@ import dataclasses
 import functools
 import os
 import secrets
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote, urlsplit
-
-import tomllib
 
 from infra.dataset import DatasetSpec, SpecError, load_spec
 

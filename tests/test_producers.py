@@ -3,10 +3,11 @@
 import json
 import math
 from collections import Counter
+from datetime import UTC, datetime
 
 import pytest
 
-from flywheel.demo.sessions import Session, served_events
+from flywheel.demo.sessions import Live, Session, served_events
 from infra.settings import Settings, load_settings
 from streaming.movielens import Rating, dataset_dir, load_ratings, rating_events, replay_events, sessions
 from streaming.produce import count_landed, event_time_pace, fixed_rate_pace
@@ -61,6 +62,21 @@ def test_live_sessions_cut_at_gaps_and_size_and_their_served_lists_become_events
         ("b", "impression", 1_000), ("a", "impression", 1_000), ("a", "click", 1_001)]
     assert {e.request_id for e in events} == {request_id} and request_id != sess.request_id(2_000)
     assert events[1].context == {"position": 1, "served_by": "3", "category": "Drama"}
+
+
+def test_the_demo_serves_the_sessions_after_the_split_and_clicks_what_the_user_rated_highly(
+        ratings: list[Rating]) -> None:
+    s = load_settings()
+    split = datetime(1998, 3, 1, tzinfo=UTC)
+    later = [r for r in ratings if r.timestamp >= split.timestamp()]
+    live = Live(s, split)
+    assert len(live.sessions) == len(sessions(later))
+    cut, first = sessions(later)[0], live.sessions[0]
+    assert first.user_id == cut.user_id and first.candidates == tuple(dict.fromkeys(r.item_id for r in cut.ratings))
+    assert first.actions == {r.item_id: "click" for r in cut.ratings if r.rating >= s.movielens.click_min_rating}
+    judged = live.judged[cut.user_id]  # a /recommend list: everything the user rates later
+    assert set(judged.candidates) == {r.item_id for r in later if r.user_id == cut.user_id}
+    assert live.keys["1"] == "Animation"
 
 
 def test_pacing_follows_event_time_or_a_fixed_rate() -> None:
