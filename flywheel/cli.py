@@ -100,8 +100,7 @@ def main() -> None:
 @_DATASET
 def up() -> None:
     """Start the local stack (idempotent) and wait until every service is healthy."""
-    from infra.stack import StackError
-    from infra.stack import up as stack_up
+    from infra.stack import StackError, up as stack_up
 
     s = _settings()
     t0 = time.monotonic()
@@ -119,8 +118,7 @@ def up() -> None:
 @_DATASET
 def down() -> None:
     """Stop the services `up` started for this data directory."""
-    from infra.stack import down as stack_down
-    from infra.stack import unarchived
+    from infra.stack import down as stack_down, unarchived
 
     s = _settings()
     for archive, lost in unarchived(s).items():

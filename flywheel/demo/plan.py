@@ -60,7 +60,7 @@ class Summary:
     feature_probes_timed_out: int = 0  # not online within 60 s
     first_champion: str = ""
     user_features: dict[str, object] = field(default_factory=dict)  # one user's online features after the history
-    recommended: dict[str, object] = field(default_factory=dict)  # one /recommend answer: user, items, sources
+    recommended: dict[str, object] = field(default_factory=dict)  # one /recommend answer: the user, the items
     ranker_auc: dict[str, float] = field(default_factory=dict)  # test AUC of the first champion and the baselines
     offline_training_s: float = 0.0
     first_served_s: float = 0.0  # offline_training run finished -> its champion served
