@@ -153,7 +153,7 @@ def status(show_secrets: bool, as_json: bool) -> None:
 
 
 def _print_status(s: Settings, show_secrets: bool = False) -> bool:
-    from flywheel.demo.summary import dataset_flag
+    from flywheel.datasets import dataset_flag
     from infra.settings import airflow_password, mlflow_password, password_file, password_source
     from infra.stack import status as stack_status
 

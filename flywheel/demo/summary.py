@@ -6,7 +6,8 @@ from __future__ import annotations
 from datetime import datetime
 
 from flywheel.demo.plan import Summary
-from infra.settings import REPO_ROOT, DatasetSettings, Settings
+from flywheel.datasets import dataset_flag, stop_command
+from infra.settings import Settings
 from infra.stack import unarchived
 from models.registry import list_versions, version_tags
 from serving.outcomes import auc_by_version, auc_over_time, ctr_by_source, percentiles, served_outcomes
@@ -103,17 +104,3 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
               f"Summary as JSON: {s.paths.data_dir / 'demo' / 'summary.json'}",
               f"The stack keeps running (incremental_training on its cadence); stop it with `{stop_command(s)}`."]
     return lines
-
-
-def dataset_flag(s: Settings) -> str:
-    """What points `flywheel up/down/status` at this dataset's stack: "" for the default dataset's, else
-    " --dataset <bundled name or the spec's path>"."""
-    if s.spec.path.resolve() == DatasetSettings().spec.resolve():
-        return ""
-    bundled = s.spec.path.resolve().parent
-    return f" --dataset {bundled.name if bundled.parent == (REPO_ROOT / 'datasets').resolve() else s.spec.path}"
-
-
-def stop_command(s: Settings) -> str:
-    """What stops this stack: `make down` for the default dataset's, else `flywheel down --dataset ...`."""
-    return f".venv/bin/flywheel down{dataset_flag(s)}" if dataset_flag(s) else "make down"
