@@ -15,7 +15,7 @@ import itertools
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -27,13 +27,16 @@ from feature_repo.catalog import catalog_rows
 from infra import stack
 from infra.settings import Settings, get_settings, load_settings, override, redis_password
 from models.baselines import Interactions, ease, item_knn
-from models.recall import SOURCES, co_interaction, merge, neighbours_of, popular, recently_popular, source_weights
+from models.recall import (SOURCES, IndexFrame, PopularityPrior, co_interaction, decayed, merge, neighbours_of, popular,
+                           query_vectors, recently_popular, source_weights)
 from models.retrieval import Catalogue, Profiles, Split, TwoTower, judge, two_tower_lists
+from models.retrieval_train import fit
 from serving.nearline import redis_client
 from streaming.movielens import dataset_dir, load_ratings
 
 
 WEIGHT_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)  # each source's weight in the merge, tuned on the validation window
+PRIOR_GRID = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0)  # the popularity prior's weight, judged on the validation window
 
 
 @dataclass
@@ -67,18 +70,31 @@ def fixed_lists(s: Settings, w: Window, n: int) -> dict[str, dict[str, list[str]
             "popularity": w.unseen(recently_popular(w.clicked, s.retrieval.popularity_half_life_days * 86_400), n)}
 
 
-def two_tower(s: Settings, w: Window, items: list, profiles: Profiles, seed: int, epochs: int, n: int
-              ) -> tuple[dict[str, list[str]], float, list[float], TwoTower]:
-    """The two-tower source's top n per judged user of window `w`, its model trained on the window's past
-    with `seed`; the training's seconds and losses, and the model."""
+@dataclass
+class Trained:
+    """A two-tower model of one window and seed: its lists per prior weight, its training's seconds and losses."""
+
+    lists: dict[float, dict[str, list[str]]]  # prior weight (PRIOR_GRID) -> top n per judged user
+    seconds: float
+    losses: list[float]
+    model: TwoTower
+
+
+def two_tower(s: Settings, w: Window, items: list, profiles: Profiles, seed: int, n: int) -> Trained:
+    """The two-tower source's top n per judged user of window `w`, with each prior weight of PRIOR_GRID, its
+    model trained on the window's past with `seed` as the retrieval_training DAG trains it (`s.retrieval`)."""
     split = w.split
     catalogue = Catalogue.build(items, dict(zip(*np.unique([i for _, i in split.clicks], return_counts=True))),
                                 s.spec.table("item"))
     keras.utils.set_random_seed(seed)
     model = TwoTower(catalogue, profiles, sorted(split.seen), s.retrieval.dim, s.retrieval.sequence_length)
     started = time.perf_counter()
-    losses = model.fit(model.positives(split.clicks), epochs=epochs, seed=seed)
-    return two_tower_lists(model, split, n), time.perf_counter() - started, losses, model
+    losses = fit(s, model, split, seed)
+    seconds = time.perf_counter() - started
+    served = PopularityPrior.of(s.retrieval)
+    lists = {weight: two_tower_lists(model, split, n, replace(served, weight=weight))
+             for weight in sorted({*PRIOR_GRID, served.weight})}
+    return Trained(lists, seconds, losses, model)
 
 
 def merged(lists: dict[str, dict[str, list[str]]], users: list[str], k: int, weights: dict[str, float]
@@ -104,12 +120,15 @@ def main() -> None:
     parser.add_argument("--next", type=int, default=20, help="test items: each user's next N clicks")
     parser.add_argument("--validation-days", type=int, default=28,
                         help="the merge's weights are tuned on the window this long before the split")
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=None, help="default: retrieval.epochs")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--ann", action="store_true", help="also time the ANN index against exact search "
                                                              "(starts a throwaway Redis)")
     args = parser.parse_args()
     s = get_settings()
+    if args.epochs is not None:
+        s = override(s, "retrieval", epochs=args.epochs)
+    r = s.retrieval
     click, k, n = s.movielens.click_min_rating, args.k, 3 * args.k  # the merge takes each source's top 3k, as /recommend does
     split_s = int(datetime.fromisoformat(args.split).replace(tzinfo=UTC).timestamp())
     data = dataset_dir(s)
@@ -128,15 +147,21 @@ def main() -> None:
                  "EASE": x.lists(ease(x.x), users, n, test.split.seen),
                  "item-kNN": x.lists(item_knn(x.x), users, n, test.split.seen)}
     baseline_scores = {name: judge(lists, test.split, k) for name, lists in baselines.items()}
-    test_runs, validation_runs = [], []
+    trained, validation_runs, uniform = [], [], []
     for seed in range(args.seeds):  # the two-tower model's initialisation moves its figures: several seeds
-        validation_runs.append(fixed["validation"] | {"two-tower": two_tower(s, validation, items, profiles, seed,
-                                                                             args.epochs, n)[0]})
-        ann, train_s, losses, model = two_tower(s, test, items, profiles, seed, args.epochs, n)
-        test_runs.append(fixed["test"] | {"two-tower": ann})
-    tuned = tuned_weights(validation_runs, validation.split, k)
+        validation_runs.append(two_tower(s, validation, items, profiles, seed, n))
+        trained.append(two_tower(s, test, items, profiles, seed, n))
+        if r.recency_half_life_days:  # the ablation: each example once, as before the recency draw
+            uniform.append(two_tower(override(s, "retrieval", recency_half_life_days=0.0), test, items, profiles,
+                                     seed, n).lists[r.popularity_prior])
+    tuned = tuned_weights([fixed["validation"] | {"two-tower": v.lists[r.popularity_prior]} for v in validation_runs],
+                          validation.split, k)
+    test_runs = [fixed["test"] | {"two-tower": t.lists[r.popularity_prior]} for t in trained]
     rows: dict[str, list[tuple[float, float]]] = {name: [judge(lists[name], test.split, k) for lists in test_runs]
                                                  for name in SOURCES}
+    rows["two-tower, the model alone (prior weight 0)"] = [judge(t.lists[0.0], test.split, k) for t in trained]
+    if uniform:
+        rows["two-tower, examples drawn uniformly (no recency)"] = [judge(u, test.split, k) for u in uniform]
     rows["merged (as served)"] = [judge(merged(lists, users, k, served), test.split, k) for lists in test_runs]
     rows["merged (equal weights)"] = [judge(merged(lists, users, k, dict.fromkeys(SOURCES, 1.0)), test.split, k)
                                       for lists in test_runs]
@@ -144,9 +169,12 @@ def main() -> None:
                                                     for lists in test_runs]
 
     cpu = f"{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
+    last = trained[-1]
     print(f"Machine: {cpu}. MovieLens-100k, train before {args.split} ({len(test.train):,} ratings), test: {len(users)} "
-          f"users' next {args.next} clicks after it. Two-tower: {args.epochs} epochs in {train_s:.0f} s (last seed), "
-          f"in-batch loss {losses[0]:.3f} -> {losses[-1]:.3f}. Popularity: decayed, half-life "
+          f"users' next {args.next} clicks after it. Two-tower: {r.epochs} epochs in {last.seconds:.0f} s (last seed), "
+          f"in-batch loss {last.losses[0]:.3f} -> {last.losses[-1]:.3f}, examples drawn by recency (half-life "
+          f"{r.recency_half_life_days:g} days), popularity prior weight {r.popularity_prior:g} (floor "
+          f"{r.prior_floor:g}). Popularity: decayed, half-life "
           f"{s.retrieval.popularity_half_life_days:g} days, as served. Merged: weighted reciprocal-rank fusion of each "
           f"source's top {n}; as served: weights {served}; tuned on validation (the {args.validation_days} days "
           f"before the split, {len(validation.split.users)} users, trained before them): {tuned}. Mean over "
@@ -163,20 +191,29 @@ def main() -> None:
         recall, ndcg = np.mean(rows[name], axis=0)
         print(f"\n{name} / best baseline ({best}): recall@{k} {recall / baseline_scores[best][0]:.3f}, "
               f"NDCG@{k} {ndcg / baseline_scores[best][1]:.3f}", end="")
-    print()
+    print(f"\n\nThe two-tower source's recall@{k} by the prior's weight, on validation (the setting's choice) "
+          "and on the test:\n")
+    print("| prior weight | " + " | ".join(f"{w:g}" for w in PRIOR_GRID) + " |")
+    print("|---|" + "---:|" * len(PRIOR_GRID))
+    for name, runs, split in (("validation", validation_runs, validation.split), ("test", trained, test.split)):
+        print(f"| {name} | " + " | ".join(f"{np.mean([judge(t.lists[w], split, k)[0] for t in runs]):.4f}"
+                                          for w in PRIOR_GRID) + " |")
     if args.ann:
-        ann_table(model, test.split, n)
+        ann_table(last.model, test.split, n, PopularityPrior.of(r))
 
 
-def ann_table(model: TwoTower, split: Split, n: int, queries: int = 2000) -> None:
-    """The ANN index /recommend queries (a Redis 8 vector set, HNSW, as serving/nearline.py builds it)
-    against exact search in process (numpy, the same vectors): latency per query as a server sees it
-    (the vector set's includes its round trip) and the share of the exact top n the index returns."""
-    vectors = model.item_embeddings().astype("float32")
+def ann_table(model: TwoTower, split: Split, n: int, prior: PopularityPrior, queries: int = 2000) -> None:
+    """The ANN index /recommend queries (a Redis 8 vector set, HNSW, the item vectors with their popularity
+    prior at the cut, as serving/nearline.py builds it) against exact search in process (numpy, the same
+    vectors): latency per query as a server sees it (the vector set's includes its round trip) and the share
+    of the exact top n the index returns."""
     ids = model.catalogue.item_ids
+    values = prior.values(decayed(zip((i for _, i in split.clicks), split.times), prior.half_life_s), ids, split.cut)
+    frame = IndexFrame.around(values, model.temperature, split.cut, prior.headroom)
+    vectors = frame.index_vectors(model.item_embeddings(), values)
     rng = np.random.default_rng(0)
     users = [split.users[i] for i in rng.integers(0, len(split.users), queries)]
-    queries_v = model.user_embeddings(users, [split.recent[u] for u in users]).astype("float32")
+    queries_v = query_vectors(model.user_embeddings(users, [split.recent[u] for u in users]))
     with tempfile.TemporaryDirectory() as tmp:
         environ = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
         s = load_settings(environ | stack.side_by_side_environ(Path(tmp)) | {"FLYWHEEL_STACK_SERVICES": "redis"})

@@ -364,11 +364,20 @@ class RetrievalSettings:
     dim: int = 32
     sequence_length: int = 20  # recent positive items the user tower reads
     epochs: int = 8
-    # The gate: recall@gate_k on each user's next clicks in the last eval_days of the window (the model is
-    # trained on what came before), against @champion on the same window; promoted unless worse by more
-    # than max_recall_drop, and only with at least gate_min_users users to judge on.
+    # Training draws examples by 2^(-age / half-life) at the newest (models/retrieval.py); 0: each once.
+    recency_half_life_days: float = 30.0
+    # The two-tower source's score: cos(u, i) / T + popularity_prior x ln(max(decayed positives of i now,
+    # prior_floor)), the decay the popularity source's (models/recall.py PopularityPrior); 0: the model alone.
+    # 4 and 30 days: the best of the grids on the validation window before `make bench-retrieval`'s split
+    # (docs/benchmarks.md, issue 40).
+    popularity_prior: float = 4.0
+    prior_floor: float = 0.1
+    # The gate: recall@gate_k on each user's next gate_next clicks in the last eval_days of the window (the
+    # model is trained on what came before), against @champion on the same window; promoted unless worse by
+    # more than max_recall_drop, and only with at least gate_min_users users to judge on.
     eval_days: float = 14.0
     gate_k: int = 20
+    gate_next: int = 20  # as `make bench-retrieval` judges
     gate_min_users: int = 30
     max_recall_drop: float = 0.01
     # Serving: each source's top `per_source` items are merged (reciprocal-rank fusion) into at most
@@ -380,8 +389,9 @@ class RetrievalSettings:
     # it follows what is popular now; 7 days: the best of 3, 7, 14, 30 and 60 on the 28 days before
     # `make bench-retrieval`'s split (docs/benchmarks.md, issue 40).
     popularity_half_life_days: float = 7.0
-    # The merge's weight of each source (> 0; models/recall.py SOURCES' order: two-tower, graph, popularity).
-    source_weights: tuple[float, ...] = (1.0, 1.0, 1.0)
+    # The merge's weight of each source (> 0; models/recall.py SOURCES' order: two-tower, graph, popularity):
+    # the weights `make bench-retrieval` tunes on its validation window (docs/benchmarks.md, issue 40).
+    source_weights: tuple[float, ...] = (4.0, 1.0, 0.25)
     key_prefix: str = "retrieval"  # Redis keys of the index, the user embeddings, recent positives
     poll_interval_s: float = 1.0  # the near-line embedder's look at the retrieval @champion
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass
 
 import numpy as np
+
+from infra.settings import RetrievalSettings
 
 RRF_K = 60  # the usual constant of reciprocal-rank fusion (Cormack et al., 2009)
 SOURCES = ("two-tower", "graph", "popularity")  # the candidate sources, in `retrieval.source_weights`' order
@@ -44,17 +47,90 @@ def log2_add(a: float, b: float) -> float:
     return hi + math.log2(1.0 + 2.0 ** (lo - hi))
 
 
-def recently_popular(positives: Iterable[tuple[str, float]], half_life_s: float) -> list[str]:
-    """Items by decayed popularity, most first (ties by id): the popularity source /recommend serves, as
-    the benchmark judges it. At any moment `now`, an item's positives (item, time s) weigh
-    sum 2^(-(now - t) / half-life) = 2^(-now / half-life) x sum 2^(t / half-life); the first factor is
-    common to every item, so an item keeps log2(sum 2^(t / half-life)), a running sum (`log2_add`) that
-    never needs rescaling as time passes and never overflows (serving/nearline.py keeps it in Redis)."""
+def decayed(positives: Iterable[tuple[str, float]], half_life_s: float) -> dict[str, float]:
+    """Each item's decayed popularity, as log2 of a running sum: at any moment `now`, an item's positives
+    (item, time s) weigh sum 2^(-(now - t) / half-life) = 2^(-now / half-life) x sum 2^(t / half-life); the
+    first factor is common to every item, so an item keeps log2(sum 2^(t / half-life)), a running sum
+    (`log2_add`) that never needs rescaling as time passes and never overflows (serving/nearline.py keeps
+    it in Redis). Its decayed count at `now` is 2^(score - now / half-life)."""
     scores: dict[str, float] = {}
     for item, t in positives:
         w = t / half_life_s
         scores[item] = log2_add(scores[item], w) if item in scores else w
+    return scores
+
+
+def recently_popular(positives: Iterable[tuple[str, float]], half_life_s: float) -> list[str]:
+    """Items by decayed popularity (`decayed`), most first (ties by id): the popularity source /recommend
+    serves, as the benchmark judges it."""
+    scores = decayed(positives, half_life_s)
     return sorted(scores, key=lambda i: (-scores[i], i))
+
+
+@dataclass(frozen=True)
+class PopularityPrior:
+    """What the two-tower source adds to cos(u, i) / T: weight x ln(max(c_i, floor)), c_i item i's decayed
+    positives now (models/recall.py `decayed`, the popularity source's definition and half-life). The floor
+    stands for an item with (almost) no recent positives. Weight 0: the model alone."""
+
+    weight: float
+    floor: float
+    half_life_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.weight >= 0 and self.floor > 0 and self.half_life_s > 0):
+            raise ValueError(f"retrieval: popularity_prior >= 0, prior_floor > 0 and popularity_half_life_days > 0, "
+                             f"got {self.weight}, {self.floor}, {self.half_life_s / 86_400}")
+
+    @classmethod
+    def of(cls, r: RetrievalSettings) -> PopularityPrior:
+        return cls(r.popularity_prior, r.prior_floor, r.popularity_half_life_days * 86_400)
+
+    @property
+    def headroom(self) -> float:
+        """How far a prior may rise past an index's frame before it is redrawn: a doubling of an item's count
+        over the frame's time (new positives, or one half-life of time passing for positives that are new)."""
+        return self.weight * math.log(2)
+
+    def values(self, log2_scores: Mapping[str, float], item_ids: Sequence[str], now_s: float) -> np.ndarray:
+        """(n,) each item's prior at `now_s` from its log2 running sum (`decayed`; an item without one: the floor)."""
+        x = np.array([log2_scores.get(i, -np.inf) for i in item_ids], "float64") - now_s / self.half_life_s
+        return self.weight * math.log(2) * np.maximum(x, math.log2(self.floor))
+
+
+@dataclass(frozen=True)
+class IndexFrame:
+    """How item vectors carry their prior in a cosine index: [v / T, prior - center, pad], the pad making every
+    item's norm `norm`; a query [u, 1, 0] then has cosine (u.v / T + prior - center) / (|q| norm) with every
+    item: the order of the score (maximum inner product by cosine: Bachrach et al., RecSys 2014). Every
+    prior in one index is taken at the frame's time `at` (decay scales all counts alike, so the order holds
+    as time passes); a prior may rise by `headroom` past the range it was framed for before the frame must
+    be drawn again."""
+
+    temperature: float
+    at: float  # seconds: the time every prior of the index is taken at
+    center: float
+    reach: float  # the largest |prior - center| the frame holds
+
+    @classmethod
+    def around(cls, prior: np.ndarray, temperature: float, at: float, headroom: float) -> IndexFrame:
+        lo, hi = (float(prior.min()), float(prior.max())) if len(prior) else (0.0, 0.0)
+        return cls(temperature, at, (lo + hi) / 2, (hi - lo) / 2 + headroom)
+
+    def holds(self, prior: np.ndarray) -> bool:
+        return bool(np.all(np.abs(prior - self.center) <= self.reach))
+
+    def index_vectors(self, items: np.ndarray, prior: np.ndarray) -> np.ndarray:
+        """(n, D + 2) float32 from unit item vectors (n, D) and their priors (n,) within the frame."""
+        shifted = prior - self.center
+        norm2 = 1 / self.temperature ** 2 + self.reach ** 2
+        pad = np.sqrt(np.maximum(norm2 - (items ** 2).sum(1) / self.temperature ** 2 - shifted ** 2, 0.0))
+        return np.column_stack([items / self.temperature, shifted, pad]).astype("float32")
+
+
+def query_vectors(users: np.ndarray) -> np.ndarray:
+    """(B, D + 2) float32: user vectors (B, D) as queries of an index of `IndexFrame.index_vectors`."""
+    return np.column_stack([users, np.ones(len(users)), np.zeros(len(users))]).astype("float32")
 
 
 def co_interaction(weighted: Iterable[tuple[str, str, float]], keep: int) -> dict[str, list[tuple[str, float]]]:

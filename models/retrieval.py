@@ -6,7 +6,16 @@ its embedding (cosine), so retrieval covers the whole catalogue, not a list the 
 Trained on positives (clicks) with in-batch negatives: the other items of a batch are each example's
 negatives. Items enter a batch in proportion to their popularity, so each logit is corrected by the log
 of that probability (logQ, Yi et al., RecSys 2019); uncorrected, the model learns to push popular
-items away. The recent-items input shares the item id embedding with the item tower.
+items away. The recent-items input shares the item id embedding with the item tower. Examples are drawn
+by their recency (weight 2^(-age / half-life) at the newest one, `retrieval.recency_half_life_days`),
+and logQ is taken of that draw: the model learns today's tastes more than last season's.
+
+What the logQ-corrected score leaves out is how popular an item is now: the model learns how much more
+likely an item is for this user than in the batches. Served and judged, the source adds the item's
+decayed popularity as a prior (models/recall.py `PopularityPrior`: score = cos(u, i) / T + weight x ln(decayed count)),
+the popularity source's own definition (models/recall.py `decayed`), so the two-tower list is the
+currently popular items reweighted by the user's tastes. The ANN index serves that sum as one cosine
+(models/recall.py `IndexFrame`): each item vector carries its prior and is padded to one norm.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import tensorflow as tf
 
 from infra.dataset import AttributeSpec, TableSpec
 from models.layers import MLP
-from models.recall import ndcg_at_k, recall_at_k, top_k
+from models.recall import PopularityPrior, decayed, ndcg_at_k, recall_at_k, top_k
 
 PAD = 0  # index 0 of every vocabulary: padding and ids not seen in training
 
@@ -155,6 +164,7 @@ class Positives:
     recent: np.ndarray  # (N, L)
     items: np.ndarray  # (N,)
     user_ids: list[str]
+    times: np.ndarray  # (N,) seconds: when the click happened
 
 
 def recent_clicks(clicks: Sequence[tuple[str, str]], length: int) -> dict[str, list[str]]:
@@ -180,28 +190,34 @@ class TwoTower:
         self.tokens = np.vstack([np.zeros((1, catalogue.tokens.shape[1]), "float32"), catalogue.tokens])
         self.dense = np.vstack([np.zeros((1, catalogue.dense.shape[1]), "float32"), catalogue.dense]).astype("float32")
 
-    def positives(self, clicks: Sequence[tuple[str, str]]) -> Positives:
-        """Every (user, item) click, in time order, with the user's clicks before it."""
+    def positives(self, clicks: Sequence[tuple[str, str]], times: Sequence[float]) -> Positives:
+        """Every (user, item) click at its time (seconds), in time order, with the user's clicks before it."""
         history: dict[str, deque] = defaultdict(lambda: deque(maxlen=self.length))
-        users, recent, items, ids = [], [], [], []
-        for user, item in clicks:
+        users, recent, items, ids, at = [], [], [], [], []
+        for (user, item), t in zip(clicks, times, strict=True):
             if item not in self.item_index:
                 continue
             users.append(self.user_index.get(user, PAD))
             recent.append(self._pad(history[user]))
             items.append(self.item_index[item])
             ids.append(user)
+            at.append(t)
             history[user].append(item)
         return Positives(np.array(users, "int32"), np.array(recent, "int32").reshape(-1, self.length),
-                         np.array(items, "int32"), ids)
+                         np.array(items, "int32"), ids, np.array(at, "float64"))
 
     def _pad(self, items: Sequence[str]) -> list[int]:
         idx = [self.item_index.get(i, PAD) for i in list(items)[-self.length:]]
         return [PAD] * (self.length - len(idx)) + idx
 
-    def fit(self, data: Positives, epochs: int = 8, batch_size: int = 512, seed: int = 7) -> list[float]:
-        """Adam on the in-batch softmax with logQ; returns the mean loss per epoch."""
-        counts = np.bincount(data.items, minlength=len(self.item_index) + 1).astype("float64")
+    def fit(self, data: Positives, epochs: int = 8, batch_size: int = 512, seed: int = 7,
+            recency_half_life_s: float | None = None) -> list[float]:
+        """Adam on the in-batch softmax with logQ; returns the mean loss per epoch. With a recency half-life,
+        each epoch draws as many examples as there are, with replacement, each by 2^(-age / half-life) at the
+        newest; without, each example once in a shuffled order."""
+        weights = (np.ones(len(data.items)) if recency_half_life_s is None else
+                   np.exp2((data.times - data.times.max(initial=0.0)) / recency_half_life_s))
+        counts = np.bincount(data.items, weights=weights, minlength=len(self.item_index) + 1).astype("float64")
         log_q = np.log(counts / counts.sum() + 1e-12).astype("float32")
         profiles = self.profiles.of(data.user_ids)
         optimizer = keras.optimizers.Adam(0.003)
@@ -218,10 +234,12 @@ class TwoTower:
             optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
             return loss
 
-        batch_size = min(batch_size, len(data.items))  # a small window is one batch
+        n = len(data.items)
+        batch_size = min(batch_size, n)  # a small window is one batch
         rng, losses = np.random.default_rng(seed), []
         for _ in range(epochs):
-            order, total = rng.permutation(len(data.items)), []
+            total = []
+            order = rng.permutation(n) if recency_half_life_s is None else rng.choice(n, n, p=weights / weights.sum())
             for b in range(0, len(order) - batch_size + 1, batch_size):
                 k = order[b:b + batch_size]
                 total.append(float(step(data.users[k], data.recent[k], profiles[k], data.items[k])))
@@ -281,6 +299,8 @@ class Split:
     clicks after it are what a list should have held."""
 
     clicks: list[tuple[str, str]]  # (user, item) positives before the cut, in time order
+    times: list[float]  # each click's time (seconds)
+    cut: float  # seconds
     seen: dict[str, set[str]]  # every item a user touched before the cut: never a candidate
     recent: dict[str, list[str]]  # each user's last positives before the cut, newest last
     test: dict[str, list[str]]  # each judged user's next positives after the cut
@@ -288,17 +308,18 @@ class Split:
 
     @classmethod
     def at(cls, behavior: Iterable[tuple[str, str, int, bool]], cut: int, next_n: int, length: int) -> Split:
-        """From (user, item, time, positive) rows in time order, split at time `cut`."""
-        clicks, seen, test = [], defaultdict(set), defaultdict(list)
+        """From (user, item, time s, positive) rows in time order, split at time `cut` (s)."""
+        clicks, times, seen, test = [], [], defaultdict(set), defaultdict(list)
         for user, item, t, positive in behavior:
             if t < cut:
                 seen[user].add(item)
                 if positive:
                     clicks.append((user, item))
+                    times.append(t)
             elif positive and len(test[user]) < next_n and item not in test[user]:
                 test[user].append(item)
         recent = recent_clicks(clicks, length)
-        return cls(clicks, dict(seen), recent, dict(test), sorted(u for u in test if u in recent))
+        return cls(clicks, times, cut, dict(seen), recent, dict(test), sorted(u for u in test if u in recent))
 
 
 def judge(lists: dict[str, Sequence[str]], split: Split, k: int) -> tuple[float, float]:
@@ -308,10 +329,14 @@ def judge(lists: dict[str, Sequence[str]], split: Split, k: int) -> tuple[float,
     return tuple(float(x) for x in np.mean(scores, axis=0)) if scores else (0.0, 0.0)
 
 
-def two_tower_lists(model: TwoTower, split: Split, k: int) -> dict[str, list[str]]:
-    """Each judged user's top k by the model, from their recent positives, never an item seen before."""
+def two_tower_lists(model: TwoTower, split: Split, k: int, prior: PopularityPrior) -> dict[str, list[str]]:
+    """Each judged user's top k by the model, from their recent positives, plus the items' popularity prior
+    at the cut (as served), never an item seen before."""
     if not split.users:
         return {}
-    scores = model.user_embeddings(split.users, [split.recent[u] for u in split.users]) @ model.item_embeddings().T
+    users = model.user_embeddings(split.users, [split.recent[u] for u in split.users])
+    now = decayed(zip((i for _, i in split.clicks), split.times), prior.half_life_s)
+    scores = (users @ model.item_embeddings().T / model.temperature
+              + prior.values(now, model.catalogue.item_ids, split.cut)[None, :])
     return {u: top_k(scores[row], model.catalogue.item_ids, k, split.seen.get(u, set()))
             for row, u in enumerate(split.users)}

@@ -2,11 +2,13 @@
 
 A run reads the offline event log's behavior in [start, end) (test traffic left out) and the catalogue's
 batch views (item attributes, user profiles), splits it at end - `retrieval.eval_days`, trains the
-two-tower model on what came before and judges it by recall@K on each user's next positives after the
-cut. The version is registered as `retrieval.name`; the gate (its own task) recomputes that split from
-the version's tags and compares it with `@champion` on the same window: promoted unless its recall is
-lower by more than `retrieval.max_recall_drop`, and never on fewer than `retrieval.gate_min_users`
-judged users. Rollback is the ranker's (models/registry.py, the model_rollback DAG with this model's name).
+two-tower model on what came before and judges it by recall@K on each user's next `retrieval.gate_next`
+positives after the cut, its list scored as /recommend serves it (with the popularity prior at the cut),
+as `make bench-retrieval` judges. The version is registered as `retrieval.name`; the gate (its own task)
+recomputes that split from the version's tags and compares it with `@champion` on the same window:
+promoted unless its recall is lower by more than `retrieval.max_recall_drop`, and never on fewer than
+`retrieval.gate_min_users` judged users. Rollback is the ranker's (models/registry.py, the model_rollback
+DAG with this model's name).
 """
 
 from __future__ import annotations
@@ -30,12 +32,10 @@ from feature_repo.definitions import ITEM_ATTRIBUTES, TIMESTAMP_FIELD, USER_PROF
 from feature_repo.event_log import read_event_log
 from feature_repo.files import view_dir
 from infra.settings import Settings, override
-from models.recall import co_interaction, neighbours_of, popular
+from models.recall import PopularityPrior, co_interaction, neighbours_of, recently_popular
 from models.registry import CHAMPION, Decision, alias_version, connect, decide
 from models.retrieval import Catalogue, Profiles, Split, TwoTower, judge, two_tower_lists
 from streaming.events import TEST_TRAFFIC
-
-NEXT_N = 10  # a judged user's next positives
 
 
 class NoBehavior(RuntimeError):
@@ -84,17 +84,18 @@ def catalogue_rows(s: Settings) -> tuple[list[dict], list[dict]]:
 
 
 def split_of(s: Settings, start: datetime, end: datetime) -> Split:
-    """The window's behavior split at end - eval_days."""
+    """The window's behavior split at end - eval_days, times in seconds."""
     ms = [int(t.timestamp() * 1000) for t in (start, end - timedelta(days=s.retrieval.eval_days), end)]
-    rows = behavior(s, ms[0], ms[2])
-    return Split.at(rows, ms[1], NEXT_N, s.retrieval.sequence_length)
+    rows = ((u, i, t / 1000, positive) for u, i, t, positive in behavior(s, ms[0], ms[2]))
+    return Split.at(rows, ms[1] / 1000, s.retrieval.gate_next, s.retrieval.sequence_length)
 
 
 def baseline_lists(s: Settings, split: Split, k: int) -> dict[str, dict[str, list[str]]]:
-    """Per judged user, the top k unseen items of item popularity (positives before the cut) and of item
-    co-occurrence (the items most often positive with the user's `retrieval.graph_seeds` newest positives
-    by the same users: the behavior graph's neighbours, unweighted)."""
-    ranked = popular(i for _, i in split.clicks)
+    """Per judged user, the top k unseen items of item popularity (positives before the cut, decayed as the
+    popularity source serves them) and of item co-occurrence (the items most often positive with the user's
+    `retrieval.graph_seeds` newest positives by the same users: the behavior graph's neighbours, unweighted)."""
+    ranked = recently_popular(zip((i for _, i in split.clicks), split.times),
+                              s.retrieval.popularity_half_life_days * 86_400)
     neighbours = co_interaction(((u, i, 1.0) for u, i in split.clicks), keep=s.graph.neighbours)
     seen = {u: split.seen.get(u, set()) for u in split.users}
     return {"popularity": {u: list(islice((i for i in ranked if i not in seen[u]), k)) for u in split.users},
@@ -112,6 +113,14 @@ def build_model(s: Settings, split: Split) -> TwoTower:
     return TwoTower(Catalogue.build(items, counts, s.spec.table("item")), Profiles.build(users, s.spec.table("user")),
                     sorted(split.seen), r.dim,
                     r.sequence_length)
+
+
+def fit(s: Settings, model: TwoTower, split: Split, seed: int) -> list[float]:
+    """Train `model` on the split's clicks before the cut, drawn by recency (`retrieval.recency_half_life_days`)."""
+    r = s.retrieval
+    half_life = r.recency_half_life_days * 86_400 or None
+    return model.fit(model.positives(split.clicks, split.times), epochs=r.epochs, seed=seed,
+                     recency_half_life_s=half_life)
 
 
 class RetrievalPyfunc(mlflow.pyfunc.PythonModel):
@@ -140,8 +149,8 @@ def train_retrieval(s: Settings, start: datetime, end: datetime, seed: int = 7) 
                          f"sides of the cut in [{start.isoformat()}, {end.isoformat()}): nothing to train or judge on")
     keras.utils.set_random_seed(seed)
     model = build_model(s, split)
-    losses = model.fit(model.positives(split.clicks), epochs=r.epochs, seed=seed)
-    recall, ndcg = judge(two_tower_lists(model, split, r.gate_k), split, r.gate_k)
+    losses = fit(s, model, split, seed)
+    recall, ndcg = judge(two_tower_lists(model, split, r.gate_k, PopularityPrior.of(r)), split, r.gate_k)
     baselines = {name: dict(zip(("recall", "ndcg"), judge(lists, split, r.gate_k)))
                  for name, lists in baseline_lists(s, split, r.gate_k).items()}
     cut = end - timedelta(days=r.eval_days)
@@ -149,6 +158,7 @@ def train_retrieval(s: Settings, start: datetime, end: datetime, seed: int = 7) 
     with mlflow.start_run(run_name="two-tower"), tempfile.TemporaryDirectory() as tmp:
         mlflow.log_params({"data_start": start.isoformat(), "data_end": end.isoformat(), "eval_start": cut.isoformat(),
                            "dim": r.dim, "sequence_length": r.sequence_length, "epochs": r.epochs,
+                           "recency_half_life_days": r.recency_half_life_days,
                            "items": len(model.catalogue.item_ids), "users": len(model.user_ids)})
         for epoch, loss in enumerate(losses):
             mlflow.log_metric("in_batch_loss", loss, step=epoch)
@@ -178,7 +188,8 @@ def gate_retrieval(s: Settings, version: str) -> Decision:
     start, end = (datetime.fromisoformat(tags[k]) for k in ("data_start", "data_end"))
     split = split_of(s, start, end)
     window = f"{len(split.users)} users' next positives in [{tags['eval_start']}, {tags['eval_end']})"
-    recall, _ = judge(two_tower_lists(load_retrieval(s, version), split, r.gate_k), split, r.gate_k)
+    prior = PopularityPrior.of(r)
+    recall, _ = judge(two_tower_lists(load_retrieval(s, version), split, r.gate_k, prior), split, r.gate_k)
     champion, champion_recall, guardrail = alias_version(client, r.name, CHAMPION), None, None
     if champion == version:
         reason = f"v{version} is already the champion"
@@ -187,7 +198,8 @@ def gate_retrieval(s: Settings, version: str) -> Decision:
     elif champion is None:
         reason = f"first champion (recall@{r.gate_k} {recall:.4f} on {window})"
     else:
-        champion_recall, _ = judge(two_tower_lists(load_retrieval(s, champion), split, r.gate_k), split, r.gate_k)
+        champion_recall, _ = judge(two_tower_lists(load_retrieval(s, champion), split, r.gate_k, prior), split,
+                                   r.gate_k)
         worse = recall < champion_recall - r.max_recall_drop
         guardrail = "recall" if worse else None
         reason = (f"recall@{r.gate_k} {recall:.4f} vs champion v{champion}'s {champion_recall:.4f} on {window}: "

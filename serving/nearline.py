@@ -7,15 +7,18 @@ to their clicked set and the live popularity, and recomputes their user-tower em
 retrieval @champion, all within one poll of the action reaching the topic. It follows the retrieval
 model's @champion: a new version gets its ANN index of item embeddings (a Redis vector set, cosine)
 and every known user's embedding under keys of its own, and only then becomes `current`, so a
-request never pairs a user vector of one version with the index of another. The previous version's
-keys stay until the next switch (a rollback has them); older ones are deleted. Offsets are committed
-after the writes (at-least-once): a batch replayed after a crash rewrites the same recent lists and
-sets, and counts its actions in the live popularity twice.
+request never pairs a user vector of one version with the index of another. Each item's vector
+carries its popularity prior (models/recall.py `PopularityPrior`, `IndexFrame`): one VSIM returns the
+items by cos(u, i) / T + the prior. An item acted on gets its vector again with its new prior in the
+same poll; when one rises past the frame's headroom (a doubling), every item's vector is drawn again.
+The previous version's keys stay until the next switch (a rollback has them); older ones are deleted.
+Offsets are committed after the writes (at-least-once): a batch replayed after a crash rewrites the same
+recent lists and sets, and counts its actions in the live popularity twice.
 
 Keys (prefix `retrieval.key_prefix`):
     {p}:current          the version /recommend uses
-    {p}:v{V}:items       vector set: item id -> item-tower embedding of version V
-    {p}:v{V}:users       hash: user id -> user-tower embedding (float32 bytes) of version V
+    {p}:v{V}:items       vector set: item id -> item-tower embedding of version V with its prior
+    {p}:v{V}:users       hash: user id -> user-tower embedding (float32 bytes, as a query) of version V
     {p}:v{V}:categories  hash: item id -> its category (the ranker's user x category features)
     {p}:recent           hash: user id -> JSON list of their recent positive items, newest last
     {p}:clicked:{user}   set: every item the user acted on positively (never recommended again)
@@ -36,11 +39,13 @@ import time
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
 from confluent_kafka import Consumer, KafkaException
 
 from infra.progress import ProgressReport
 from infra.redis_clients import OnlineClient, online_store
 from infra.settings import Settings, get_settings
+from models.recall import IndexFrame, PopularityPrior, query_vectors
 from models.registry import CHAMPION, alias_version, connect
 from streaming.features import row_schema, topics
 
@@ -97,6 +102,49 @@ def redis_client(s: Settings, timeout_s: float | None = None) -> OnlineClient:
     return online_store(s, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
 
+class ItemIndex:
+    """One version's ANN index: its items' vectors with their popularity priors (models/recall.py
+    `IndexFrame`), kept current as the live popularity moves."""
+
+    def __init__(self, r: OnlineClient, keys: Keys, prior: PopularityPrior, version: str, item_ids: Sequence[str],
+                 vectors: np.ndarray, temperature: float) -> None:
+        self.redis, self.keys, self.prior, self.version = r, keys, prior, version
+        self.item_ids, self.vectors = list(item_ids), vectors
+        self.rows = {i: n for n, i in enumerate(self.item_ids)}
+        at = time.time()
+        self.frame = IndexFrame.around(self._priors(self.item_ids, at), temperature, at, prior.headroom)
+
+    def _priors(self, items: Sequence[str], at: float) -> np.ndarray:
+        """The items' popularity priors at time `at`, from the live decayed popularity."""
+        scores = self.redis.zmscore(self.keys.popular, items) if items else []
+        return self.prior.values({i: x for i, x in zip(items, scores) if x is not None}, items, at)
+
+    def add(self, pipe, items: Sequence[str] | None = None, priors: np.ndarray | None = None) -> None:
+        """Queue on `pipe` the index vectors of `items` (all: None) with their `priors` (None: read now)."""
+        items = self.item_ids if items is None else items
+        priors = self._priors(items, self.frame.at) if priors is None else priors
+        vectors = self.frame.index_vectors(self.vectors[[self.rows[i] for i in items]], priors)
+        for item, vector in zip(items, vectors):
+            pipe.execute_command("VADD", self.keys.items(self.version), "FP32", vector.tobytes(), item, "NOQUANT")
+
+    def reprice(self, acted: set[str]) -> None:
+        """The acted items' vectors again, with their new priors; every item's, in a frame drawn around the
+        priors now, when one rose past the frame (not atomic: a request meanwhile may find some items in the
+        old frame, a slightly different order of its candidates)."""
+        items = [i for i in acted if i in self.rows]
+        if not items:
+            return
+        priors = self._priors(items, self.frame.at)
+        if not self.frame.holds(priors):
+            at, items = time.time(), self.item_ids
+            priors = self._priors(items, at)
+            self.frame = IndexFrame.around(priors, self.frame.temperature, at, self.prior.headroom)
+            log.info("retrieval v%s: a popularity prior outgrew the index's frame; every item redrawn", self.version)
+        pipe = self.redis.pipeline(transaction=False)
+        self.add(pipe, items, priors)
+        pipe.execute()
+
+
 class Embedder:
     def __init__(self, s: Settings, max_records: int = 10_000) -> None:
         self.s, self.max_records = s, max_records
@@ -105,6 +153,7 @@ class Embedder:
         self.registry = connect(s)
         self.model = None  # the TwoTower of `self.version`
         self.version: str | None = None
+        self.index: ItemIndex | None = None  # the current version's
         self.fields = tuple(name for name, _ in row_schema(topics()[SEQUENCE_TOPIC]))
         self.consumer = Consumer(s.kafka.stream_consumer(GROUP))
         self.consumer.subscribe([SEQUENCE_TOPIC])
@@ -135,12 +184,13 @@ class Embedder:
 
         started = time.perf_counter()
         model = load_retrieval(self.s, version)
-        k, vectors = self.keys, model.item_embeddings().astype("float32")
+        k, vectors = self.keys, model.item_embeddings()
         pipe = self.redis.pipeline(transaction=False)
         for key in (k.items(version), k.users(version), k.categories(version)):  # keys of three slots
             pipe.delete(key)
-        for item, vector in zip(model.catalogue.item_ids, vectors):
-            pipe.execute_command("VADD", k.items(version), "FP32", vector.tobytes(), item, "NOQUANT")
+        index = ItemIndex(self.redis, self.keys, PopularityPrior.of(self.s.retrieval), version,
+                          model.catalogue.item_ids, vectors, model.temperature)
+        index.add(pipe)
         categories = {i: c for i, c in zip(model.catalogue.item_ids, model.catalogue.categories) if c}
         if categories:
             pipe.hset(k.categories(version), mapping=categories)
@@ -152,7 +202,7 @@ class Embedder:
         previous = self.redis.get(k.current)
         self.redis.set(k.current, version)
         self._drop_older(keep={version, previous.decode() if previous else version})
-        self.model, self.version = model, version
+        self.model, self.version, self.index = model, version, index
         log.info("retrieval v%s current: %d items indexed, %d users embedded in %.1fs", version, len(vectors),
                  len(users), time.perf_counter() - started)
 
@@ -163,7 +213,7 @@ class Embedder:
 
     def _embed(self, model, version: str, recent: dict[str, list[str]]) -> None:
         users = list(recent)
-        vectors = model.user_embeddings(users, [recent[u] for u in users]).astype("float32")
+        vectors = query_vectors(model.user_embeddings(users, [recent[u] for u in users]))
         self.redis.hset(self.keys.users(version), mapping={u: v.tobytes() for u, v in zip(users, vectors)})
 
     # --- behavior updates -----------------------------------------------------------------------
@@ -207,6 +257,7 @@ class Embedder:
         pipe.execute()
         if self.model is not None:
             self._embed(self.model, self.version, recent)
+            self.index.reprice({item for _, item, t in acted if t is not None})
 
     def close(self) -> None:
         self.consumer.close()

@@ -3,15 +3,17 @@ co-interaction, the merge favours what sources agree on, and the offline measure
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from infra.settings import Settings, load_settings
 from models.baselines import Interactions, ease, item_knn
-from models.recall import (co_interaction, merge, ndcg_at_k, neighbours_of, popular, recall_at_k, recently_popular,
-                           source_weights, top_k)
-from models.retrieval import Catalogue, Profiles, Split, TwoTower, judge
-from serving.nearline import count_popular, redis_client
+from models.recall import (IndexFrame, PopularityPrior, co_interaction, decayed, merge, ndcg_at_k, neighbours_of,
+                           popular, query_vectors, recall_at_k, recently_popular, source_weights, top_k)
+from models.retrieval import Catalogue, Profiles, Split, TwoTower, judge, two_tower_lists
+from serving.nearline import ItemIndex, Keys, count_popular, redis_client
 
 DAY = 86_400.0
 
@@ -39,7 +41,7 @@ def test_the_two_tower_model_retrieves_from_the_users_side_of_the_catalogue() ->
     clicks = _clicks()
     catalogue = Catalogue.build(ITEMS, dict(zip(*np.unique([item for _, item in clicks], return_counts=True))), ITEM_TABLE)
     model = TwoTower(catalogue, Profiles.build(USERS, USER_TABLE), [u["user_id"] for u in USERS], dim=16)
-    losses = model.fit(model.positives(clicks), epochs=6, batch_size=64)
+    losses = model.fit(model.positives(clicks, range(len(clicks))), epochs=6, batch_size=64)
     assert losses[-1] < losses[0]
     users = ["u1", "u40", "new-user"]
     recent = [["3", "5", "7"], ["25", "33"], ["4", "9"]]  # the new user's recent clicks alone place them
@@ -137,7 +139,7 @@ def test_a_saved_model_loads_to_the_same_embeddings(tmp_path) -> None:
     clicks = _clicks()
     catalogue = Catalogue.build(ITEMS, dict(zip(*np.unique([item for _, item in clicks], return_counts=True))), ITEM_TABLE)
     model = TwoTower(catalogue, Profiles.build(USERS, USER_TABLE), [u["user_id"] for u in USERS], dim=8)
-    model.fit(model.positives(clicks), epochs=1, batch_size=64)
+    model.fit(model.positives(clicks, range(len(clicks))), epochs=1, batch_size=64, recency_half_life_s=300.0)
     model.save(tmp_path / "m")
     loaded = TwoTower.load(tmp_path / "m")
     users, recent = ["u3", "someone-new"], [["1", "2"], ["30"]]
@@ -174,3 +176,80 @@ def test_the_towers_inputs_are_the_specs_attributes(tmp_path) -> None:
     # MovieLens: a user's gender, occupation and age decade, in the spec's order
     movielens = Profiles.build(USERS, USER_TABLE)
     assert movielens.sizes == (3, 2, 5) and movielens.index["u2"] == (2, 1, 1)  # M, other, 20s (of 20s-50s)
+
+
+def _unit(rng: np.random.Generator, n: int, d: int) -> np.ndarray:
+    x = rng.normal(size=(n, d))
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_the_index_orders_items_by_the_model_score_plus_the_prior_in_one_cosine() -> None:
+    rng, temperature = np.random.default_rng(1), 0.1
+    items, users, prior = _unit(rng, 300, 8), _unit(rng, 20, 8), rng.normal(0, 5, 300)
+    frame = IndexFrame.around(prior, temperature, at=0.0, headroom=2.0)
+    indexed, queries = frame.index_vectors(items, prior), query_vectors(users)
+    assert np.allclose(np.linalg.norm(indexed, axis=1), np.linalg.norm(indexed[0]), rtol=1e-5)  # one norm
+    cosine = (queries @ indexed.T) / np.linalg.norm(queries, axis=1, keepdims=True) / np.linalg.norm(indexed[0])
+    for c, score in zip(cosine, users @ items.T / temperature + prior):
+        assert list(np.argsort(-c)[:30]) == list(np.argsort(-score)[:30])
+    assert frame.holds(prior + 1.9) and not frame.holds(prior + 2.1)  # risen past the headroom: drawn again
+
+
+def test_the_prior_is_the_popularity_sources_decayed_count_with_a_floor() -> None:
+    prior, now = PopularityPrior(weight=2.0, floor=0.5, half_life_s=7 * DAY), 1_795_000_000.0
+    scores = decayed([("a", now)] * 4 + [("b", now - 7 * DAY)] * 2 + [("c", now - 70 * DAY)], 7 * DAY)
+    assert np.allclose(prior.values(scores, ["a", "b", "c", "never"], now),
+                       [2 * np.log(4), 2 * np.log(1), 2 * np.log(0.5), 2 * np.log(0.5)])
+    for bad in ({"weight": -1.0}, {"floor": 0.0}):
+        with pytest.raises(ValueError, match="prior_floor"):
+            PopularityPrior(**({"weight": 1.0, "floor": 0.1, "half_life_s": DAY} | bad))
+
+
+def test_the_prior_puts_what_is_popular_now_first_and_the_model_orders_the_rest() -> None:
+    clicks = _clicks()
+    catalogue = Catalogue.build(ITEMS, dict(zip(*np.unique([item for _, item in clicks], return_counts=True))), ITEM_TABLE)
+    model = TwoTower(catalogue, Profiles.build(USERS, USER_TABLE), [u["user_id"] for u in USERS], dim=16)
+    model.fit(model.positives(clicks, range(len(clicks))), epochs=6, batch_size=64)
+    # The day before the cut, the other side's users click item 35 again and again: it is popular now.
+    rows = [(u, i, float(n), True) for n, (u, i) in enumerate(clicks)]
+    rows += [(f"u{30 + n % 30}", "35", 4 * DAY + n, True) for n in range(600)]
+    # A new user of the first side (items 0..19), judged on a click after the cut.
+    rows += [("fan", "3", 4.5 * DAY, True), ("fan", "5", 4.6 * DAY, True), ("fan", "9", 10 * DAY, True)]
+    split = Split.at(rows, cut=5 * DAY, next_n=5, length=20)
+    alone = two_tower_lists(model, split, 10, PopularityPrior(0.0, 0.1, DAY))["fan"]
+    with_prior = two_tower_lists(model, split, 10, PopularityPrior(8.0, 0.1, DAY))["fan"]
+    assert "35" not in alone and sum(int(i) < 20 for i in alone) >= 8, alone  # the model alone: the fan's side
+    assert with_prior[0] == "35" and sum(int(i) < 20 for i in with_prior[1:]) >= 7, with_prior  # popular now first
+
+
+@pytest.mark.stack
+def test_the_near_line_index_follows_the_live_popularity(redis_stack: Settings) -> None:
+    rng, now = np.random.default_rng(4), time.time()
+    ids, vectors, users = [f"i{n}" for n in range(200)], _unit(rng, 200, 8), _unit(rng, 5, 8)
+    keys, prior = Keys(f"test-{time.time_ns()}"), PopularityPrior(4.0, 0.1, 7 * DAY)
+    r = redis_client(redis_stack)
+    pipe = r.pipeline(transaction=False)
+    count_popular(pipe, keys.popular, [(f"i{int(rng.integers(0, 200))}", now - float(rng.uniform(0, 20 * DAY)))
+                                       for _ in range(2000)], prior.half_life_s)
+    pipe.execute()
+
+    def served(user: np.ndarray) -> list[str]:
+        got = r.execute_command("VSIM", keys.items("1"), "FP32", query_vectors(user[None])[0].tobytes(), "COUNT", 10)
+        return [i.decode() for i in got]
+
+    def exact(user: np.ndarray) -> list[str]:
+        scores = dict(zip(ids, (float(x) for x in r.zmscore(keys.popular, ids)))) if ids else {}
+        return top_k(vectors @ user / 0.1 + prior.values(scores, ids, now), ids, 10)
+
+    index = ItemIndex(r, keys, prior, "1", ids, vectors, temperature=0.1)
+    pipe = r.pipeline(transaction=False)
+    index.add(pipe)
+    pipe.execute()
+    assert all(served(u) == exact(u) for u in users)
+    frame, tail = index.frame, ids[int(np.argmin(vectors @ users[0]))]  # the model's last item for user 0
+    pipe = r.pipeline(transaction=False)
+    count_popular(pipe, keys.popular, [(tail, time.time())] * 5000, prior.half_life_s)  # a burst: past the frame
+    pipe.execute()
+    index.reprice({tail, "not-indexed"})
+    assert index.frame != frame and served(users[0])[0] == tail  # every item redrawn around the priors now
+    assert all(set(served(u)) == set(exact(u)) for u in users)
