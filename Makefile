@@ -43,7 +43,7 @@ bench-dags: setup  ## edges/s into the graph store; with ARGS=--training (after 
 bench-serving: setup  ## model limit vs server throughput at p99 <= 50 ms; batching, buckets, executors on/off; swap time
 	.venv/bin/python -m benchmarks.serving $(ARGS)
 
-bench-retrieval: setup  ## recall@20 / NDCG@20 of two-tower, graph, merged and popular candidates on MovieLens (no stack)
+bench-retrieval: setup  ## recall@20 / NDCG@20 of two-tower, graph, merged and popular candidates beside baselines, on the dataset's split (no stack)
 	.venv/bin/python -m benchmarks.retrieval $(ARGS)
 
 bench-report: setup  ## every suite and the demo, one run: docs/benchmarks.md and docs/plots/*.png (~35 min)

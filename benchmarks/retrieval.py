@@ -1,11 +1,14 @@
-"""Retrieval benchmark: recall@K and NDCG@K of the candidate sources on MovieLens-100k, one run.
+"""Retrieval benchmark: recall@K and NDCG@K of the candidate sources on the dataset's history (the spec's,
+`dataset.spec`: MovieLens-100k by default), one run.
 
-Chronological split: everything rated before `--split` trains (the two-tower model, the item
-neighbours, popularity); each user with clicks on both sides is then asked for K items, judged
-against the next `--next` items they clicked after the split. Items a user rated before the split
-are never candidates. The sources are judged beside the baselines a practitioner tries first, on the
-same split in the same run (models/baselines.py; popularity of all time and of the last 30 days).
-No stack needed: `make bench-retrieval`. Prints Markdown for docs/benchmarks.md.
+Chronological split: everything before `--split` (default: the spec's `[demo] split`) trains (the
+two-tower model, the item neighbours, popularity); each user with positives on both sides is then asked
+for K items, judged against the next `--next` items they acted on positively after the split. Items a
+user touched before the split are never candidates. The sources are judged beside the baselines a
+practitioner tries first, on the same split in the same run (models/baselines.py; popularity of all time,
+of the last 30 days, decayed).
+No stack needed: `make bench-retrieval` (another dataset: `FLYWHEEL_DATASET_SPEC=datasets/instacart/
+dataset.toml make bench-retrieval`). Prints Markdown for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -32,28 +35,40 @@ from models.recall import (SOURCES, IndexFrame, PopularityPrior, co_interaction,
 from models.retrieval import Catalogue, Profiles, Split, TwoTower, judge, two_tower_lists
 from models.retrieval_train import fit
 from serving.nearline import redis_client
-from streaming.movielens import dataset_dir, load_ratings
-
+from streaming.history import history_events
 
 WEIGHT_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)  # each source's weight in the merge, tuned on the validation window
 PRIOR_GRID = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0)  # the popularity prior's weight, judged on the validation window
 
 
+Row = tuple[str, str, float, float]  # (user, item, time s, weight: the spec's for a positive, else 0)
+
+
+def behavior(s: Settings) -> list[Row]:
+    """The history the spec declares, as the demo replays it, in time order."""
+    weights = s.spec.weights
+    return [(e.user_id, e.item_id, e.event_time / 1000, weights.get(e.event_type, 0.0)) for e in history_events(s)]
+
+
 @dataclass
 class Window:
-    """Ratings before `cut` train; each judged user's next clicks after it (before `end`) test."""
+    """Behavior before `cut` trains; each judged user's next positives after it (before `end`) test."""
 
-    cut: int
-    train: list
+    cut: float
+    rows: int  # behavior before the cut
     split: Split
-    clicked: list[tuple[str, int]]  # (item, time) positives before the cut, in time order
+    positives: list[Row]  # before the cut, in time order
 
     @classmethod
-    def of(cls, ratings: list, cut: int, end: int, next_n: int, click: float, length: int) -> Window:
-        kept = [r for r in ratings if r.timestamp < end]
-        split = Split.at(((r.user_id, r.item_id, r.timestamp, r.rating >= click) for r in kept), cut, next_n, length)
-        train = [r for r in kept if r.timestamp < cut]
-        return cls(cut, train, split, [(r.item_id, r.timestamp) for r in train if r.rating >= click])
+    def of(cls, rows: list[Row], cut: float, end: float, next_n: int, length: int) -> Window:
+        kept = [r for r in rows if r[2] < end]
+        split = Split.at(((u, i, t, w > 0) for u, i, t, w in kept), cut, next_n, length)
+        return cls(cut, sum(r[2] < cut for r in kept), split, [r for r in kept if r[2] < cut and r[3] > 0])
+
+    @property
+    def clicked(self) -> list[tuple[str, float]]:
+        """(item, time) of each positive before the cut."""
+        return [(i, t) for _, i, t, _ in self.positives]
 
     def unseen(self, ranked: list[str], n: int) -> dict[str, list[str]]:
         return {u: [i for i in ranked if i not in self.split.seen[u]][:n] for u in self.split.users}
@@ -61,10 +76,9 @@ class Window:
 
 def fixed_lists(s: Settings, w: Window, n: int) -> dict[str, dict[str, list[str]]]:
     """The graph's and popularity's top n per judged user of window `w`, as /recommend finds them (no seed)."""
-    split, click = w.split, s.movielens.click_min_rating
-    half_life = s.graph.half_life_days * 86_400
-    neighbours = co_interaction(((r.user_id, r.item_id, s.spec.weights[s.spec.labels[0]] * 2 ** (-(w.cut - r.timestamp) / half_life))
-                                 for r in w.train if r.rating >= click), keep=s.graph.neighbours)
+    split, half_life = w.split, s.graph.half_life_days * 86_400
+    neighbours = co_interaction(((u, i, weight * 2 ** (-(w.cut - t) / half_life)) for u, i, t, weight in w.positives),
+                                keep=s.graph.neighbours)
     return {"graph": {u: neighbours_of(split.recent[u][-s.retrieval.graph_seeds:], neighbours, n, split.seen[u])
                       for u in split.users},
             "popularity": w.unseen(recently_popular(w.clicked, s.retrieval.popularity_half_life_days * 86_400), n)}
@@ -115,7 +129,7 @@ def tuned_weights(runs: list[dict[str, dict[str, list[str]]]], split: Split, k: 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--split", default="1998-03-01", help="train before, test after (`make demo`'s history)")
+    parser.add_argument("--split", default=None, help="train before, test after (default: the spec's [demo] split)")
     parser.add_argument("--k", type=int, default=20)
     parser.add_argument("--next", type=int, default=20, help="test items: each user's next N clicks")
     parser.add_argument("--validation-days", type=int, default=28,
@@ -129,15 +143,16 @@ def main() -> None:
     if args.epochs is not None:
         s = override(s, "retrieval", epochs=args.epochs)
     r = s.retrieval
-    click, k, n = s.movielens.click_min_rating, args.k, 3 * args.k  # the merge takes each source's top 3k, as /recommend does
-    split_s = int(datetime.fromisoformat(args.split).replace(tzinfo=UTC).timestamp())
-    data = dataset_dir(s)
-    ratings = load_ratings(data / "ml-100k.inter")
+    k, n = args.k, 3 * args.k  # the merge takes each source's top 3k, as /recommend does
+    split = datetime.fromisoformat(args.split).replace(tzinfo=UTC) if args.split else s.spec.demo.split
+    if split is None:
+        parser.error(f"{s.spec.path} has no [demo] split: name one (--split YYYY-MM-DD)")
+    split_s = split.timestamp()
+    rows = behavior(s)
     items = catalog_rows(s, s.spec.table("item"))  # the catalog's rows, as the DAG's training reads them
     profiles = Profiles.build(catalog_rows(s, s.spec.table("user")), s.spec.table("user"))
-    test = Window.of(ratings, split_s, 2**62, args.next, click, s.retrieval.sequence_length)
-    validation = Window.of(ratings, split_s - args.validation_days * 86_400, split_s, args.next, click,
-                           s.retrieval.sequence_length)
+    test = Window.of(rows, split_s, float("inf"), args.next, r.sequence_length)
+    validation = Window.of(rows, split_s - args.validation_days * 86_400, split_s, args.next, r.sequence_length)
     users, served = test.split.users, source_weights(s.retrieval.source_weights)
     x = Interactions(test.split.clicks)
     fixed = {"test": fixed_lists(s, test, n), "validation": fixed_lists(s, validation, n)}
@@ -170,10 +185,10 @@ def main() -> None:
 
     cpu = f"{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
     last = trained[-1]
-    print(f"Machine: {cpu}. MovieLens-100k, train before {args.split} ({len(test.train):,} ratings), test: {len(users)} "
-          f"users' next {args.next} clicks after it. Two-tower: {r.epochs} epochs in {last.seconds:.0f} s (last seed), "
-          f"in-batch loss {last.losses[0]:.3f} -> {last.losses[-1]:.3f}, examples drawn by recency (half-life "
-          f"{r.recency_half_life_days:g} days), popularity prior weight {r.popularity_prior:g} (floor "
+    print(f"Machine: {cpu}. {s.spec.name}, train before {split.date()} ({test.rows:,} events, {len(test.positives):,} "
+          f"positives), test: {len(users)} users' next {args.next} positives after it. Two-tower: {r.epochs} epochs in "
+          f"{last.seconds:.0f} s (last seed), in-batch loss {last.losses[0]:.3f} -> {last.losses[-1]:.3f}, examples "
+          f"drawn by recency (half-life {r.recency_half_life_days:g} days), popularity prior weight {r.popularity_prior:g} (floor "
           f"{r.prior_floor:g}). Popularity: decayed, half-life "
           f"{s.retrieval.popularity_half_life_days:g} days, as served. Merged: weighted reciprocal-rank fusion of each "
           f"source's top {n}; as served: weights {served}; tuned on validation (the {args.validation_days} days "

@@ -496,8 +496,10 @@ def outcomes(since: datetime | None, until: datetime | None, as_json: bool) -> N
         click.echo(f"v{r['model_version']:<4} served {r['requests']:,} requests / {r['items']:,} items "
                    f"{first} .. {last} UTC, clicks {r['clicks']:,}, CTR {r['ctr']:.4f}, AUC {r['auc']:.4f}")
     for source, c in ctr_by_source(served).items():
+        d = c.get("difference")
         click.echo(f"recommended by {source}: {c['impressions']:,} items shown, clicks {c['clicks']:,}, "
-                   f"CTR {c['ctr']:.4f}")
+                   f"CTR {c['ctr']:.4f} (95%: {c['low']:.4f}-{c['high']:.4f})"
+                   + (f", {d['ctr']:+.4f} ({d['low']:+.4f} to {d['high']:+.4f}) vs popularity" if d else ""))
 
 
 @main.command()

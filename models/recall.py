@@ -88,9 +88,10 @@ class PopularityPrior:
 
     @property
     def headroom(self) -> float:
-        """How far a prior may rise past an index's frame before it is redrawn: a doubling of an item's count
-        over the frame's time (new positives, or one half-life of time passing for positives that are new)."""
-        return self.weight * math.log(2)
+        """How far a prior may rise past an index's frame before it is redrawn: a 16-fold rise of an item's
+        count over the frame's time (new positives, or four half-lives of time passing, as the frame's time
+        stays put). Each redraw rewrites every item's vector."""
+        return self.weight * math.log(16)
 
     def values(self, log2_scores: Mapping[str, float], item_ids: Sequence[str], now_s: float) -> np.ndarray:
         """(n,) each item's prior at `now_s` from its log2 running sum (`decayed`; an item without one: the floor)."""

@@ -9,8 +9,11 @@ model's @champion: a new version gets its ANN index of item embeddings (a Redis 
 and every known user's embedding under keys of its own, and only then becomes `current`, so a
 request never pairs a user vector of one version with the index of another. Each item's vector
 carries its popularity prior (models/recall.py `PopularityPrior`, `IndexFrame`): one VSIM returns the
-items by cos(u, i) / T + the prior. An item acted on gets its vector again with its new prior in the
-same poll; when one rises past the frame's headroom (a doubling), every item's vector is drawn again.
+items by cos(u, i) / T + the prior. An item acted on gets its vector again once its prior moved by
+`retrieval.prior_step`, at most `REPRICE_BUDGET` items per poll (the largest moves first; the rest in the
+next polls), so a burst of behavior costs Redis a bounded share (a vector set update is ~0.25 ms of
+Redis time: HNSW re-links the element); when a prior rises past the frame's headroom (16-fold), every
+item's vector is drawn again.
 The previous version's keys stay until the next switch (a rollback has them); older ones are deleted.
 Offsets are committed after the writes (at-least-once): a batch replayed after a crash rewrites the same
 recent lists and sets, and counts its actions in the live popularity twice.
@@ -53,6 +56,7 @@ log = logging.getLogger("flywheel.user-embedder")
 GROUP = "flywheel-user-embedder"
 SEQUENCE_TOPIC = "features.user_sequence"
 BATCH = 1024  # users embedded per model call when a version is switched in
+REPRICE_BUDGET = 256  # index vectors rewritten per poll at most, for a moved prior (~65 ms of Redis time)
 _decode_row = msgspec.json.Decoder(list).decode
 # An action in the decayed popularity: score <- log2_add(score, t / half-life) (models/recall.py), one key,
 # so it also runs on a Redis Cluster.
@@ -107,41 +111,54 @@ class ItemIndex:
     `IndexFrame`), kept current as the live popularity moves."""
 
     def __init__(self, r: OnlineClient, keys: Keys, prior: PopularityPrior, version: str, item_ids: Sequence[str],
-                 vectors: np.ndarray, temperature: float) -> None:
-        self.redis, self.keys, self.prior, self.version = r, keys, prior, version
+                 vectors: np.ndarray, temperature: float, step: float) -> None:
+        self.redis, self.keys, self.prior, self.version, self.step = r, keys, prior, version, step
         self.item_ids, self.vectors = list(item_ids), vectors
         self.rows = {i: n for n, i in enumerate(self.item_ids)}
         at = time.time()
-        self.frame = IndexFrame.around(self._priors(self.item_ids, at), temperature, at, prior.headroom)
+        self.written = self._priors(self.item_ids, at)  # each item's prior as its index vector holds it
+        self.frame = IndexFrame.around(self.written, temperature, at, prior.headroom)
+        self.pending: set[str] = set()  # acted items not rewritten yet (over the budget)
 
     def _priors(self, items: Sequence[str], at: float) -> np.ndarray:
         """The items' popularity priors at time `at`, from the live decayed popularity."""
         scores = self.redis.zmscore(self.keys.popular, items) if items else []
         return self.prior.values({i: x for i, x in zip(items, scores) if x is not None}, items, at)
 
-    def add(self, pipe, items: Sequence[str] | None = None, priors: np.ndarray | None = None) -> None:
-        """Queue on `pipe` the index vectors of `items` (all: None) with their `priors` (None: read now)."""
+    def add(self, pipe, items: Sequence[str] | None = None) -> None:
+        """Queue on `pipe` the index vectors of `items` (all: None) with their priors as last read."""
         items = self.item_ids if items is None else items
-        priors = self._priors(items, self.frame.at) if priors is None else priors
-        vectors = self.frame.index_vectors(self.vectors[[self.rows[i] for i in items]], priors)
-        for item, vector in zip(items, vectors):
+        rows = [self.rows[i] for i in items]
+        for item, vector in zip(items, self.frame.index_vectors(self.vectors[rows], self.written[rows])):
             pipe.execute_command("VADD", self.keys.items(self.version), "FP32", vector.tobytes(), item, "NOQUANT")
 
     def reprice(self, acted: set[str]) -> None:
-        """The acted items' vectors again, with their new priors; every item's, in a frame drawn around the
-        priors now, when one rose past the frame (not atomic: a request meanwhile may find some items in the
-        old frame, a slightly different order of its candidates)."""
-        items = [i for i in acted if i in self.rows]
-        if not items:
+        """Rewrite the vectors of the acted items whose prior moved by `step` (at most REPRICE_BUDGET, the
+        largest moves first; the others wait for the next call); every item's, in a frame drawn around the
+        priors now, when one rose past the frame. Not atomic: a request meanwhile may find some items in the
+        old frame, a slightly different order of its candidates."""
+        self.pending |= {i for i in acted if i in self.rows}
+        if not self.pending:
             return
+        items = list(self.pending)
+        rows = np.array([self.rows[i] for i in items])
         priors = self._priors(items, self.frame.at)
         if not self.frame.holds(priors):
-            at, items = time.time(), self.item_ids
-            priors = self._priors(items, at)
-            self.frame = IndexFrame.around(priors, self.frame.temperature, at, self.prior.headroom)
+            at = time.time()
+            self.written = self._priors(self.item_ids, at)
+            self.frame = IndexFrame.around(self.written, self.frame.temperature, at, self.prior.headroom)
+            self.pending.clear()
             log.info("retrieval v%s: a popularity prior outgrew the index's frame; every item redrawn", self.version)
+            items = self.item_ids
+        else:
+            moved = np.abs(priors - self.written[rows])
+            order = [k for k in np.argsort(-moved, kind="stable")[:REPRICE_BUDGET] if moved[k] >= self.step]
+            self.pending -= {items[k] for k in np.flatnonzero(moved < self.step)}
+            self.written[rows[order]] = priors[order]
+            items = [items[k] for k in order]
+            self.pending -= set(items)
         pipe = self.redis.pipeline(transaction=False)
-        self.add(pipe, items, priors)
+        self.add(pipe, items)
         pipe.execute()
 
 
@@ -189,7 +206,7 @@ class Embedder:
         for key in (k.items(version), k.users(version), k.categories(version)):  # keys of three slots
             pipe.delete(key)
         index = ItemIndex(self.redis, self.keys, PopularityPrior.of(self.s.retrieval), version,
-                          model.catalogue.item_ids, vectors, model.temperature)
+                          model.catalogue.item_ids, vectors, model.temperature, self.s.retrieval.prior_step)
         index.add(pipe)
         categories = {i: c for i, c in zip(model.catalogue.item_ids, model.catalogue.categories) if c}
         if categories:

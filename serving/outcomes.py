@@ -16,6 +16,7 @@ from infra.settings import Settings
 from models.metrics import auc
 from serving.prediction_archive import read_predictions
 
+POPULARITY = "popularity"  # the source the others are compared with: what anyone could serve
 COLUMNS = ["request_id", "item_id", "model_version", "route", "served_at", "score", "label", "sources"]
 
 
@@ -51,13 +52,36 @@ def auc_by_version(outcomes: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values("first_served").reset_index(drop=True) if rows else pd.DataFrame()
 
 
-def ctr_by_source(outcomes: pd.DataFrame) -> dict[str, dict[str, float]]:
-    """Recommended items shown and clicked per candidate source ({source: {impressions, clicks, ctr}}); an
-    item two sources listed counts for both."""
+def ctr_by_source(outcomes: pd.DataFrame, resamples: int = 1000) -> dict[str, dict[str, float]]:
+    """Recommended items shown and clicked per candidate source ({source: {impressions, clicks, ctr, low,
+    high}}); an item two sources listed counts for both. low-high: the CTR's 95% interval, a bootstrap over
+    the requests (a list's items are not independent draws), and "difference" the source's CTR minus
+    popularity's ({ctr, low, high}) on the same resampled requests, so a claim that one source beats another
+    comes with its noise."""
     recommended = outcomes[outcomes["sources"].notna()] if len(outcomes) else outcomes
     shown = recommended.explode("sources") if len(recommended) else recommended
-    return {source: {"impressions": len(g), "clicks": int(g["label"].sum()), "ctr": float(g["label"].mean())}
-            for source, g in (shown.groupby("sources") if len(shown) else [])}
+    if not len(shown):
+        return {}
+    counts = shown.groupby(["request_id", "sources"])["label"].agg(["size", "sum"]).unstack(fill_value=0)
+    impressions, clicks = counts["size"].to_numpy(float), counts["sum"].to_numpy(float)  # [requests, sources]
+    draws = np.random.default_rng(0).integers(0, len(counts), (resamples, len(counts)))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ctr = clicks[draws].sum(1) / impressions[draws].sum(1)  # [resamples, sources]
+    sources = list(counts["size"].columns)
+    out = {}
+    for k, source in enumerate(sources):
+        low, high = np.nanpercentile(ctr[:, k], [2.5, 97.5])
+        out[source] = {"impressions": int(impressions[:, k].sum()), "clicks": int(clicks[:, k].sum()),
+                       "ctr": float(clicks[:, k].sum() / impressions[:, k].sum()), "low": float(low),
+                       "high": float(high)}
+    if POPULARITY in sources:
+        base = sources.index(POPULARITY)
+        for k, source in enumerate(sources):
+            if k != base:
+                low, high = np.nanpercentile(ctr[:, k] - ctr[:, base], [2.5, 97.5])
+                out[source]["difference"] = {"ctr": out[source]["ctr"] - out[POPULARITY]["ctr"], "low": float(low),
+                                             "high": float(high)}
+    return out
 
 
 def auc_over_time(outcomes: pd.DataFrame, bucket_s: float) -> pd.DataFrame:

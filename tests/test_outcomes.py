@@ -57,9 +57,22 @@ def test_auc_over_time_buckets_by_serving_time_and_version() -> None:
 
 def test_recommended_items_count_for_each_source_that_listed_them() -> None:
     # r0..r7 recommended; the odd ones (clicked) r1 and r5 also listed by popularity.
-    assert ctr_by_source(_outcomes()) == {"graph": {"impressions": 8, "clicks": 4, "ctr": 0.5},
-                                          "popularity": {"impressions": 2, "clicks": 2, "ctr": 1.0}}
+    by_source = ctr_by_source(_outcomes())
+    counts = {src: {k: c[k] for k in ("impressions", "clicks", "ctr")} for src, c in by_source.items()}
+    assert counts == {"graph": {"impressions": 8, "clicks": 4, "ctr": 0.5},
+                      "popularity": {"impressions": 2, "clicks": 2, "ctr": 1.0}}
+    graph, popularity = by_source["graph"], by_source["popularity"]
+    assert 0 < graph["low"] < 0.5 < graph["high"] < 1  # 8 requests: a wide interval around 0.5
+    assert popularity["low"] == popularity["high"] == 1.0  # every resample of its requests is clicked
+    assert graph["difference"]["ctr"] == -0.5 and graph["difference"]["low"] < -0.5 < graph["difference"]["high"]
     assert ctr_by_source(_outcomes().iloc[:0]) == {}
+
+
+def test_the_ctr_interval_narrows_with_the_requests() -> None:
+    rows = [(f"r{n}", f"i{n}-{k}", "1", "champion", n, 0.5, float(k == 0 and n % 5 == 0), ["two-tower"])
+            for n in range(2000) for k in range(4)]
+    c = ctr_by_source(pd.DataFrame(rows, columns=_outcomes().columns))["two-tower"]
+    assert c["ctr"] == 0.05 and c["low"] < 0.05 < c["high"] and c["high"] - c["low"] < 0.02
 
 
 def test_no_traffic_is_no_figures() -> None:

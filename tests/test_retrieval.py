@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import keras
 import numpy as np
 import pytest
 
@@ -40,6 +41,7 @@ def _clicks(seed: int = 3) -> list[tuple[str, str]]:
 def test_the_two_tower_model_retrieves_from_the_users_side_of_the_catalogue() -> None:
     clicks = _clicks()
     catalogue = Catalogue.build(ITEMS, dict(zip(*np.unique([item for _, item in clicks], return_counts=True))), ITEM_TABLE)
+    keras.utils.set_random_seed(0)  # the towers' initial weights
     model = TwoTower(catalogue, Profiles.build(USERS, USER_TABLE), [u["user_id"] for u in USERS], dim=16)
     losses = model.fit(model.positives(clicks, range(len(clicks))), epochs=6, batch_size=64)
     assert losses[-1] < losses[0]
@@ -193,6 +195,7 @@ def test_the_index_orders_items_by_the_model_score_plus_the_prior_in_one_cosine(
     for c, score in zip(cosine, users @ items.T / temperature + prior):
         assert list(np.argsort(-c)[:30]) == list(np.argsort(-score)[:30])
     assert frame.holds(prior + 1.9) and not frame.holds(prior + 2.1)  # risen past the headroom: drawn again
+    assert PopularityPrior(4.0, 0.1, DAY).headroom == pytest.approx(4 * np.log(16))
 
 
 def test_the_prior_is_the_popularity_sources_decayed_count_with_a_floor() -> None:
@@ -208,6 +211,7 @@ def test_the_prior_is_the_popularity_sources_decayed_count_with_a_floor() -> Non
 def test_the_prior_puts_what_is_popular_now_first_and_the_model_orders_the_rest() -> None:
     clicks = _clicks()
     catalogue = Catalogue.build(ITEMS, dict(zip(*np.unique([item for _, item in clicks], return_counts=True))), ITEM_TABLE)
+    keras.utils.set_random_seed(0)  # the towers' initial weights
     model = TwoTower(catalogue, Profiles.build(USERS, USER_TABLE), [u["user_id"] for u in USERS], dim=16)
     model.fit(model.positives(clicks, range(len(clicks))), epochs=6, batch_size=64)
     # The day before the cut, the other side's users click item 35 again and again: it is popular now.
@@ -241,15 +245,36 @@ def test_the_near_line_index_follows_the_live_popularity(redis_stack: Settings) 
         scores = dict(zip(ids, (float(x) for x in r.zmscore(keys.popular, ids)))) if ids else {}
         return top_k(vectors @ user / 0.1 + prior.values(scores, ids, now), ids, 10)
 
-    index = ItemIndex(r, keys, prior, "1", ids, vectors, temperature=0.1)
+    index = ItemIndex(r, keys, prior, "1", ids, vectors, temperature=0.1, step=0.5)
     pipe = r.pipeline(transaction=False)
     index.add(pipe)
     pipe.execute()
     assert all(served(u) == exact(u) for u in users)
-    frame, tail = index.frame, ids[int(np.argmin(vectors @ users[0]))]  # the model's last item for user 0
-    pipe = r.pipeline(transaction=False)
-    count_popular(pipe, keys.popular, [(tail, time.time())] * 5000, prior.half_life_s)  # a burst: past the frame
-    pipe.execute()
-    index.reprice({tail, "not-indexed"})
+
+    def act(item: str, times: int) -> None:
+        pipe = r.pipeline(transaction=False)
+        count_popular(pipe, keys.popular, [(item, time.time())] * times, prior.half_life_s)
+        pipe.execute()
+
+    def vector(item: str) -> list[float]:
+        return r.execute_command("VEMB", keys.items("1"), item)
+
+    # A prior that moved less than the step keeps its vector; one that moved more is written again.
+    popular_one, frame = max(ids, key=lambda i: index.written[index.rows[i]]), index.frame
+    before = vector(popular_one)
+    act(popular_one, 1)
+    index.reprice({popular_one})
+    assert vector(popular_one) == before and not index.pending
+    rare = min(ids, key=lambda i: index.written[index.rows[i]])
+    before = vector(rare)
+    act(rare, 3)
+    index.reprice({rare, "not-indexed"})
+    assert vector(rare) != before and index.frame == frame and not index.pending
+    held = index.written.copy()  # the priors the index holds: the moved one's new, the other's as it was
+    assert all(served(u) == top_k(vectors @ u / 0.1 + held, ids, 10) for u in users)
+
+    tail = ids[int(np.argmin(vectors @ users[0]))]  # the model's last item for user 0
+    act(tail, 5000)  # a burst: past the frame
+    index.reprice({tail})
     assert index.frame != frame and served(users[0])[0] == tail  # every item redrawn around the priors now
     assert all(set(served(u)) == set(exact(u)) for u in users)

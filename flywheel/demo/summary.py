@@ -79,8 +79,12 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
                      + ", ".join(f"{k} {b['recall']:.4f} / {b['ndcg']:.4f}" for k, b in r.get("baselines", {}).items())
                      + f"); gate {'promoted' if r['promoted'] else 'refused'}: {r['reason']}")
     if summary.recommend_sources:
-        lines.append("/recommend, served CTR per candidate source (an item two sources listed counts for both): " +
-                     "; ".join(f"{src} {c['clicks']:,}/{c['impressions']:,} = {c['ctr']:.3f}"
+        lines.append("/recommend, served CTR per candidate source (an item two sources listed counts for both; "
+                     "95% intervals over requests): " +
+                     "; ".join(f"{src} {c['clicks']:,}/{c['impressions']:,} = {c['ctr']:.3f} "
+                               f"({c.get('low', c['ctr']):.3f}-{c.get('high', c['ctr']):.3f})"
+                               + (f", {d['ctr']:+.3f} ({d['low']:+.3f} to {d['high']:+.3f}) vs popularity"
+                                  if (d := c.get("difference")) else "")
                                for src, c in summary.recommend_sources.items()))
     if r := summary.recommended:
         lines.append(f"/recommend for user {r['user_id']}: {', '.join(r['items'])}")
