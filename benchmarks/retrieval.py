@@ -131,7 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--split", default=None, help="train before, test after (default: the spec's [demo] split)")
     parser.add_argument("--k", type=int, default=20)
-    parser.add_argument("--next", type=int, default=20, help="test items: each user's next N clicks")
+    parser.add_argument("--next", type=int, default=20, help="test items: each user's next N positives")
     parser.add_argument("--validation-days", type=int, default=28,
                         help="the merge's weights are tuned on the window this long before the split")
     parser.add_argument("--epochs", type=int, default=None, help="default: retrieval.epochs")
@@ -148,11 +148,11 @@ def main() -> None:
     if split is None:
         parser.error(f"{s.spec.path} has no [demo] split: name one (--split YYYY-MM-DD)")
     split_s = split.timestamp()
-    rows = behavior(s)
+    history = behavior(s)
     items = catalog_rows(s, s.spec.table("item"))  # the catalog's rows, as the DAG's training reads them
     profiles = Profiles.build(catalog_rows(s, s.spec.table("user")), s.spec.table("user"))
-    test = Window.of(rows, split_s, float("inf"), args.next, r.sequence_length)
-    validation = Window.of(rows, split_s - args.validation_days * 86_400, split_s, args.next, r.sequence_length)
+    test = Window.of(history, split_s, float("inf"), args.next, r.sequence_length)
+    validation = Window.of(history, split_s - args.validation_days * 86_400, split_s, args.next, r.sequence_length)
     users, served = test.split.users, source_weights(s.retrieval.source_weights)
     x = Interactions(test.split.clicks)
     fixed = {"test": fixed_lists(s, test, n), "validation": fixed_lists(s, validation, n)}

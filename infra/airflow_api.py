@@ -30,8 +30,15 @@ class AirflowClient:
         self.http = httpx.Client(base_url=f"{self.base}/api/v2", timeout=timeout_s,
                                  headers={"Authorization": f"Bearer {answer.json()['access_token']}"})
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> dict:
-        answer = self.http.request(method, path, **kwargs)
+    def _call(self, method: str, path: str, tries: int = 4, **kwargs: Any) -> dict:
+        """One API call. A 500 for a database error is asked again (after 1, 2, 4 s): on SQLite (the default
+        profile) the API's write waits 5 s for the scheduler's lock and then fails, and its transaction is
+        rolled back, so the request is safe to repeat."""
+        for attempt in range(tries):
+            answer = self.http.request(method, path, **kwargs)
+            if answer.status_code != 500 or "Database error" not in answer.text or attempt == tries - 1:
+                break
+            time.sleep(2 ** attempt)
         if answer.status_code >= 400:
             raise AirflowApiError(f"{method} {path}: HTTP {answer.status_code} {answer.text[:500]}")
         return answer.json()

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
 import pytest
 
 from feature_repo.catalog import write_snapshot
 from feature_repo.definitions import ITEM_ATTRIBUTES
 from feature_repo.event_log import read_event_log
 from feature_repo.store import feature_store, online_row
-from infra.airflow_api import AirflowClient
+from infra.airflow_api import AirflowApiError, AirflowClient
 from infra.services import airflow_env
 from infra.settings import Settings, override, to_environ
 from models import graph
@@ -128,6 +129,29 @@ class Platform:
 
         wait_for(caught_up, timeout_s=300)
         return end + 10 * MINUTE
+
+
+def test_the_api_client_asks_again_after_airflows_database_was_locked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On SQLite a write of the API server fails with "Database error" when the scheduler holds the lock
+    for over 5 s; the request rolled back, so the client repeats it. Any other error is raised at once."""
+    answers = {"/api/v2/dags/a": [500, 500, 200], "/api/v2/dags/b": [500] * 5, "/api/v2/dags/c": [404, 200]}
+    calls: Counter = Counter()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        status = answers[request.url.path][calls[request.url.path]]
+        calls[request.url.path] += 1
+        body = {"detail": {"reason": "Database error"}} if status == 500 else {"is_paused": False}
+        return httpx.Response(status, json=body)
+
+    monkeypatch.setattr("infra.airflow_api.time.sleep", lambda s: None)
+    client = AirflowClient.__new__(AirflowClient)
+    client.http = httpx.Client(base_url="http://airflow/api/v2", transport=httpx.MockTransport(handler))
+    assert client._call("PATCH", "/dags/a", json={"is_paused": False}) == {"is_paused": False}
+    with pytest.raises(AirflowApiError, match="HTTP 500"):
+        client._call("PATCH", "/dags/b", json={"is_paused": False})
+    with pytest.raises(AirflowApiError, match="HTTP 404"):
+        client._call("GET", "/dags/c")
+    assert calls == {"/api/v2/dags/a": 3, "/api/v2/dags/b": 4, "/api/v2/dags/c": 1}
 
 
 @pytest.fixture(scope="module")
