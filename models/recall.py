@@ -1,6 +1,7 @@
 """Candidate sources for recommendation and their merge, with the offline measures of a candidate list.
 
-Sources: the two-tower model's nearest items (models/retrieval.py), item neighbours of the user's recent
+Sources: the two-tower model's best items by its score plus a popularity prior (models/retrieval.py;
+`PopularityPrior`, and `IndexFrame`, how one cosine search serves that sum), item neighbours of the user's recent
 positives (the behavior graph's co-interaction score, models/graph.py), and popularity, the fallback for
 a user the other two know nothing of (decayed: it follows what is popular now). Merged by weighted
 reciprocal-rank fusion: an item's score is the sum over the sources that list it of the source's weight
@@ -101,9 +102,9 @@ class PopularityPrior:
 
 @dataclass(frozen=True)
 class IndexFrame:
-    """How item vectors carry their prior in a cosine index: [v / T, prior - center, pad], the pad making every
-    item's norm `norm`; a query [u, 1, 0] then has cosine (u.v / T + prior - center) / (|q| norm) with every
-    item: the order of the score (maximum inner product by cosine: Bachrach et al., RecSys 2014). Every
+    """How item vectors carry their prior in a cosine index: [v / T, prior - center, pad], the pad giving every
+    item the one norm N = sqrt(1 / T^2 + reach^2); a query [u, 1, 0] then has cosine
+    (u.v / T + prior - center) / (|q| N) with every item: the order of the score (maximum inner product by cosine: Bachrach et al., RecSys 2014). Every
     prior in one index is taken at the frame's time `at` (decay scales all counts alike, so the order holds
     as time passes); a prior may rise by `headroom` past the range it was framed for before the frame must
     be drawn again."""
