@@ -57,6 +57,9 @@ GROUP = "flywheel-user-embedder"
 SEQUENCE_TOPIC = "features.user_sequence"
 BATCH = 1024  # users embedded per model call when a version is switched in
 REPRICE_BUDGET = 256  # index vectors rewritten per poll at most, for a moved prior (~65 ms of Redis time)
+# Index vectors per pipeline: Redis serves a client's pipeline 16 KB at a time (~85 VADDs, ~25 ms) before
+# another client's command, so a /recommend round trip behind a long rewrite would wait that long.
+WRITE_CHUNK = 16
 _decode_row = msgspec.json.Decoder(list).decode
 # An action in the decayed popularity: score <- log2_add(score, t / half-life) (models/recall.py), one key,
 # so it also runs on a Redis Cluster.
@@ -125,12 +128,17 @@ class ItemIndex:
         scores = self.redis.zmscore(self.keys.popular, items) if items else []
         return self.prior.values({i: x for i, x in zip(items, scores) if x is not None}, items, at)
 
-    def add(self, pipe, items: Sequence[str] | None = None) -> None:
-        """Queue on `pipe` the index vectors of `items` (all: None) with their priors as last read."""
+    def write(self, items: Sequence[str] | None = None) -> None:
+        """Write the index vectors of `items` (all: None) with their priors as last read, WRITE_CHUNK a round
+        trip."""
         items = self.item_ids if items is None else items
         rows = [self.rows[i] for i in items]
-        for item, vector in zip(items, self.frame.index_vectors(self.vectors[rows], self.written[rows])):
-            pipe.execute_command("VADD", self.keys.items(self.version), "FP32", vector.tobytes(), item, "NOQUANT")
+        vectors = self.frame.index_vectors(self.vectors[rows], self.written[rows])
+        for start in range(0, len(items), WRITE_CHUNK):
+            pipe = self.redis.pipeline(transaction=False)
+            for item, vector in zip(items[start:start + WRITE_CHUNK], vectors[start:start + WRITE_CHUNK]):
+                pipe.execute_command("VADD", self.keys.items(self.version), "FP32", vector.tobytes(), item, "NOQUANT")
+            pipe.execute()
 
     def reprice(self, acted: set[str]) -> None:
         """Rewrite the vectors of the acted items whose prior moved by `step` (at most REPRICE_BUDGET, the
@@ -157,9 +165,7 @@ class ItemIndex:
             self.written[rows[order]] = priors[order]
             items = [items[k] for k in order]
             self.pending -= set(items)
-        pipe = self.redis.pipeline(transaction=False)
-        self.add(pipe, items)
-        pipe.execute()
+        self.write(items)
 
 
 class Embedder:
@@ -205,13 +211,13 @@ class Embedder:
         pipe = self.redis.pipeline(transaction=False)
         for key in (k.items(version), k.users(version), k.categories(version)):  # keys of three slots
             pipe.delete(key)
-        index = ItemIndex(self.redis, self.keys, PopularityPrior.of(self.s.retrieval), version,
-                          model.catalogue.item_ids, vectors, model.temperature, self.s.retrieval.prior_step)
-        index.add(pipe)
         categories = {i: c for i, c in zip(model.catalogue.item_ids, model.catalogue.categories) if c}
         if categories:
             pipe.hset(k.categories(version), mapping=categories)
         pipe.execute()
+        index = ItemIndex(self.redis, self.keys, PopularityPrior.of(self.s.retrieval), version,
+                          model.catalogue.item_ids, vectors, model.temperature, self.s.retrieval.prior_step)
+        index.write()
         recent = {u.decode(): json.loads(v) for u, v in self.redis.hgetall(k.recent).items()}
         users = list(recent)
         for b in range(0, len(users), BATCH):

@@ -246,9 +246,7 @@ def test_the_near_line_index_follows_the_live_popularity(redis_stack: Settings) 
         return top_k(vectors @ user / 0.1 + prior.values(scores, ids, now), ids, 10)
 
     index = ItemIndex(r, keys, prior, "1", ids, vectors, temperature=0.1, step=0.5)
-    pipe = r.pipeline(transaction=False)
-    index.add(pipe)
-    pipe.execute()
+    index.write()
     assert all(served(u) == exact(u) for u in users)
 
     def act(item: str, times: int) -> None:
