@@ -15,6 +15,21 @@ def flink_home(s: Settings) -> Path:
     return s.paths.flink_python.parent.parent / "lib" / "python3.11" / "site-packages" / "pyflink"
 
 
+def rest_options(s: Settings) -> dict[str, str]:
+    """The REST endpoint's options, for the session cluster and the job's local MiniCluster alike."""
+    host, port = s.flink.host_port
+    return {
+        "rest.address": host, "rest.bind-address": host, "rest.port": str(port),
+        "rest.flamegraph.enabled": "true",
+        # Flink's default is "*": any web page the user opens could read the job's REST answers.
+        "web.access-control-allow-origin": s.flink.rest_url.rstrip("/"),
+        # No jar upload or run from the REST API (the web UI's submit page): jobs come from the platform, the
+        # session cluster's through the client's job submission. The UI's cancel button is hidden; the REST
+        # cancel itself Flink keeps open (docs/operations.md).
+        "web.submit.enable": "false", "web.cancel.enable": "false",
+    }
+
+
 def conf_dir(s: Settings) -> Path:
     return s.paths.service_dir("flink") / "conf"
 
@@ -38,9 +53,7 @@ def write_config(s: Settings) -> Path:
         "taskmanager.bind-host": host, "taskmanager.host": host, "taskmanager.numberOfTaskSlots": 1,
         "taskmanager.rpc.port": "0", "taskmanager.data.port": 0,
         "taskmanager.memory.process.size": s.flink.process_memory,
-        "rest.address": host, "rest.bind-address": host, "rest.port": s.flink.host_port[1],
-        "rest.flamegraph.enabled": True,
-        "web.access-control-allow-origin": s.flink.rest_url.rstrip("/"),
+        **rest_options(s),
         "blob.server.port": "0", "metrics.internal.query-service.port": "0",
         "io.tmp.dirs": str(tmp),
     }

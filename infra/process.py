@@ -20,6 +20,10 @@ from pathlib import Path
 
 import psutil
 
+# What the stack's processes create is their owner's alone (mode 600 files, 700 directories): the online
+# store's snapshots, the registries' databases and password hashes, the checkpoints.
+PRIVATE_UMASK = 0o077
+
 
 @dataclass(frozen=True)
 class Tracked:
@@ -76,6 +80,7 @@ def spawn(command: list[str], pidfile: Path, logfile: Path, env: dict[str, str],
         popen = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env, cwd=cwd, start_new_session=True, preexec_fn=(lambda: _lower_priority(nice)) if nice else None,
+            umask=PRIVATE_UMASK,
         )
     tracked = Tracked(popen.pid, start_ticks(popen.pid), command)
     pidfile.write_text(json.dumps(tracked.__dict__))

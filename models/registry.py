@@ -96,11 +96,16 @@ def alias_version(client: MlflowClient, name: str, alias: str) -> str | None:
 
 def aliases(client: MlflowClient, name: str) -> dict[str, str]:
     """Every alias of a registered model and the version it names, in one registry call ({} if the
-    model is not registered yet)."""
+    model is not registered yet). Raises RegistryError when the registry does not answer: an outage is
+    not "no aliases" (a server reading it so would drop its challenger for the outage)."""
     try:
         return {alias: str(version) for alias, version in client.get_registered_model(name).aliases.items()}
-    except MlflowException:
-        return {}
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return {}
+        said = " ".join(str(exc.message).split())  # a refused connection's cause is at the end of a long line
+        said = said if len(said) < 200 else f"{said[:90]} ... {said[-100:]}"
+        raise RegistryError(f"aliases of {name!r} not read: {said}") from exc
 
 
 def load_version(s: Settings, version: str) -> CtrModel:

@@ -4,7 +4,8 @@
     POST /rank     scores for a user's candidates, the version that scored them, defaulted features
     POST /recommend  a user's best k items from the whole catalogue (serving/recommend.py): each with its
                    ranker score and the candidate sources that retrieved it, and the versions used
-    GET  /healthz  the worker is up
+    GET  /healthz  the worker is up (HTTP 200); `status` "degraded" with its `problems` while a worker's
+                   prediction log is down; `notes`: the registry unreachable (the last aliases serve)
     GET  /readyz   200 once every worker has a champion loaded and every shape bucket compiled and warm
     GET  /models   the answering worker's versions serving each route, warm ones, refused ones and why;
                    `workers`: each worker's readiness and versions serving
@@ -30,6 +31,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -204,8 +206,17 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
                                    for i, score, names in out.items])
 
     @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"status": "ok"}
+    async def healthz(request: Request) -> dict:
+        workers = metrics.workers()
+        follower = request.app.state.inference.follower
+        down = sorted(pid for pid, w in workers.items() if w["prediction_log_up"] is False)
+        unreachable = sorted(pid for pid, w in workers.items() if w["registry_reachable"] is False)
+        problems = [f"prediction log down in worker(s) {', '.join(down)}: predictions are not reaching "
+                    "Kafka"] * bool(down)
+        why = follower.registry_error or "see the workers' logs"
+        notes = [f"registry unreachable from worker(s) {', '.join(unreachable)} ({why}): serving the last known "
+                 "aliases"] * bool(unreachable)
+        return {"status": "degraded" if problems else "ok", "problems": problems, "notes": notes}
 
     @app.get("/readyz")
     async def readyz(request: Request):
@@ -228,6 +239,8 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
                 "serving": {route: (m.version if m else None) for route, m in served},
                 "warm": [v for v, _ in warm], "loaded_by": {v: m.loaded_by for v, m in warm}, "refused": refused,
                 "compiled_shapes": {str(arch): sorted(r.compiled_shapes()) for arch, r in runners},
+                "registry": {"reachable": follower.registry_reachable, "error": follower.registry_error or None,
+                             "since": datetime.fromtimestamp(follower.registry_since, UTC).isoformat()},
                 "workers": metrics.workers()}
 
     @app.get("/metrics")

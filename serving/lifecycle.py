@@ -82,6 +82,11 @@ class ModelFollower:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: MlflowClient | None = None
+        # The registry as the last poll found it: None until the first poll; an error while it is unreachable
+        # (the routes keep the versions they serve: an outage is not an alias change).
+        self.registry_reachable: bool | None = None
+        self.registry_error = ""
+        self.registry_since = time.time()
 
     # --- what the executors read (one attribute read: a swap is atomic) -------------------------
 
@@ -123,6 +128,21 @@ class ModelFollower:
             else:
                 tmp.replace(self.shared)
         return named
+
+    def _registry_state(self, error: str | None) -> None:
+        """Record a poll's outcome; log once per change of reachability, not once per poll."""
+        reachable = error is None
+        self.registry_error = error or ""
+        if reachable == self.registry_reachable:
+            return
+        now = time.time()
+        if reachable and self.registry_reachable is False:
+            log.info("registry reachable again after %.0fs; following the aliases", now - self.registry_since)
+        elif not reachable:
+            routes = {r: (m.version if m else None) for r, m in self.served.items()}
+            log.warning("registry unreachable (%s); serving the last known aliases %s until it answers", error, routes)
+        self.registry_reachable, self.registry_since = reachable, now
+        metrics.REGISTRY_REACHABLE.set(int(reachable))
 
     def poll_once(self) -> None:
         """Read the aliases; load, warm and swap in any version that changed."""
@@ -208,12 +228,13 @@ class ModelFollower:
                 wait = shared_every if self.shared is not None else self.s.serving.poll_interval_s
                 try:
                     self.poll_once()
+                    self._registry_state(None)
                     if self.ready and not frozen:
                         gc.freeze()  # moves the tracked objects aside (list splices): no pause
                         frozen = True
                 except Exception as exc:  # noqa: BLE001 - the registry being down must not stop serving
                     metrics.REGISTRY_ERRORS.inc()
-                    log.warning("registry poll failed (%s); serving what is loaded", exc)
+                    self._registry_state(f"{type(exc).__name__}: {exc}")
                     wait = self.s.serving.poll_interval_s
                 self._stop.wait(wait)
 

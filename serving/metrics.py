@@ -41,10 +41,15 @@ SWAP_SECONDS = Histogram("flywheel_model_swap_seconds", "Alias change seen -> ne
                          buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60))
 MODEL_REFUSED = Counter("flywheel_model_refused", "Versions that failed to load or warm and were refused.")
 REGISTRY_ERRORS = Counter("flywheel_registry_poll_errors", "Alias polls that failed (registry unreachable).")
+REGISTRY_REACHABLE = Gauge("flywheel_registry_reachable", "1 while the worker's last alias poll was answered, 0 "
+                           "while the registry is unreachable (the last known aliases keep serving).",
+                           multiprocess_mode="liveall")
 FAULTS = Counter("flywheel_faults", "Requests that failed on an unexpected error (answered 503 `internal`), by "
                  "path and error type.", ["path", "error"])
 DEFAULTED = Counter("flywheel_defaulted_features", "Requests with at least one feature defaulted.")
 PREDICTION_LOG_ERRORS = Counter("flywheel_prediction_log_errors", "Prediction records not delivered to Kafka.")
+PREDICTION_LOG_UP = Gauge("flywheel_prediction_log_up", "1 while the worker's prediction log delivers, 0 while no "
+                          "broker answers or its records fail.", multiprocess_mode="liveall")
 
 _versions: dict[str, str] = {}
 
@@ -70,18 +75,22 @@ def exposition() -> bytes:
 
 
 def workers() -> dict[str, dict]:
-    """Each live worker by pid: `listening` (takes connections), `ready` (a champion warm) and the
-    version `serving` each route."""
+    """Each live worker by pid: `listening` (takes connections), `ready` (a champion warm),
+    `registry_reachable` (its last alias poll answered), `prediction_log_up` and the version `serving`
+    each route."""
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
         return {}
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)
-    out: dict[str, dict] = defaultdict(lambda: {"listening": False, "ready": False, "serving": {}})
+    out: dict[str, dict] = defaultdict(lambda: {"listening": False, "ready": False, "registry_reachable": None,
+                                                "prediction_log_up": None, "serving": {}})
     for family in registry.collect():
         for sample in family.samples:
             pid = sample.labels.get("pid")
             if sample.name in ("flywheel_worker_ready", "flywheel_worker_listening") and pid:
                 out[pid][sample.name.removeprefix("flywheel_worker_")] = sample.value == 1
+            elif sample.name in ("flywheel_registry_reachable", "flywheel_prediction_log_up") and pid:
+                out[pid][sample.name.removeprefix("flywheel_")] = sample.value == 1
             elif sample.name == "flywheel_model_version" and pid and sample.value == 1:
                 out[pid]["serving"][sample.labels["route"]] = sample.labels["version"]
     return dict(out)

@@ -32,6 +32,7 @@ from pyflink.java_gateway import get_gateway
 from pyflink.table import Schema, StreamTableEnvironment, Table
 
 from infra.dataset import JVM_SEPARATOR
+from infra.flink_cluster import rest_options
 from infra.flink_jars import udf_jar
 from infra.settings import Settings, get_settings
 from streaming.events import DLQ_OFFSET, DLQ_ORIGINAL_SIZE, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC
@@ -53,15 +54,10 @@ def table_environment(s: Settings) -> StreamTableEnvironment:
     tmp.mkdir(parents=True, exist_ok=True)
     options = {
         "pipeline.name": s.streaming.job_name,
-        "rest.bind-address": s.flink.host_port[0],
-        "rest.address": s.flink.host_port[0],
+        **rest_options(s),
         # The JVM's other servers (the blob server among them) bind to every interface unless told.
         "jobmanager.bind-host": s.flink.host_port[0],
         "taskmanager.bind-host": s.flink.host_port[0],
-        "rest.port": str(s.flink.host_port[1]),
-        "rest.flamegraph.enabled": "true",
-        # Flink's default is "*": any web page the user opens could read the job's REST answers.
-        "web.access-control-allow-origin": s.flink.rest_url.rstrip("/"),
         "pipeline.jars": jars,
         "parallelism.default": str(s.streaming.parallelism),
         "io.tmp.dirs": str(tmp),

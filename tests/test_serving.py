@@ -34,8 +34,9 @@ from contract.inputs import NUMERIC_FEATURES, V1_NUMERIC_FEATURES
 from contract.transform import to_examples
 from feature_repo.online import entity_key, field
 from feature_repo.store import apply
-from infra import process
+from infra import process, stack
 from infra.redis_clients import online_store
+from infra.services import enabled_services
 from infra.settings import Settings
 from models.ctr import CtrModel, ModelSpec
 from models.registry import CHALLENGER, CHAMPION, connect, log_model
@@ -630,3 +631,68 @@ def test_a_worker_that_dies_is_replaced_while_the_other_serves(platform: Platfor
                              and all(x["ready"] and x["listening"] for x in w.values())), timeout_s=180)
     assert httpx.get(f"{p.url}/readyz", timeout=5).status_code == 200
     assert _server_pid(p.s) == p.server_pid
+
+
+def _service(p: Platform, name: str):
+    return next(svc for svc in enabled_services(p.s) if svc.name == name)
+
+
+def test_a_registry_outage_keeps_every_route_and_is_reported(platform: Platform) -> None:
+    p = platform
+    _set_alias(p, CHALLENGER, "v2")
+    wait_for(lambda: _assert(_everywhere(p, CHALLENGER) == {p.versions["v2"]}), timeout_s=30)
+    expected = {u: p.versions["v2" if access.route(f"u{u}", 30.0) == CHALLENGER else "v1"] for u in range(USERS)}
+    errors = _metric(p, "flywheel_registry_poll_errors_total")
+    mlflow_svc = _service(p, "mlflow")
+    try:
+        process.stop(stack.pidfile(p.s, mlflow_svc), p.s.stack.stop_timeout_s)
+        wait_for(lambda: _assert({w["registry_reachable"] for w in _served(p)["workers"].values()} == {False}),
+                 timeout_s=30)
+        # Every route keeps its version: canary users still get the challenger, nobody an error.
+        users = [u for _ in range(3) for u in range(USERS)]
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda u: httpx.post(f"{p.url}/rank", json=_request(u, 6), timeout=10), users))
+        assert [r.status_code for r in answers] == [200] * len(answers)
+        assert [r.json()["model_version"] for r in answers] == [expected[u] for u in users]
+        assert _metric(p, "flywheel_registry_poll_errors_total") > errors
+        assert _served(p)["registry"]["reachable"] is False and _served(p)["registry"]["error"]
+        health = httpx.get(f"{p.url}/healthz", timeout=5).json()
+        assert health["status"] == "ok" and "registry unreachable" in health["notes"][0], health
+        server = next(x for x in stack.status(p.s) if x.name == "ranking-server")
+        assert "registry unreachable" in server.detail, server
+    finally:
+        stack.up(p.s)  # MLflow again, on its data
+    wait_for(lambda: _assert({w["registry_reachable"] for w in _served(p)["workers"].values()} == {True}),
+             timeout_s=60)
+    connect(p.s).delete_registered_model_alias(p.s.models.name, CHALLENGER)
+    wait_for(lambda: _assert(_everywhere(p, CHALLENGER) == {None}), timeout_s=30)
+
+
+def test_a_broker_crash_is_reported_and_the_prediction_log_recovers_by_itself(platform: Platform) -> None:
+    """kill -9 of the (in-memory) broker: the records it held are gone, but every one the server could
+    not deliver is counted, the server says its log is down, and it logs again once a broker is back,
+    with no restart."""
+    p = platform
+    user = _champion_user(p)
+    undelivered = _metric(p, "flywheel_prediction_log_errors_total")
+    broker = psutil.Process(process.read_pidfile(stack.pidfile(p.s, _service(p, "kafka"))).pid)
+    broker.send_signal(signal.SIGKILL)
+    broker.wait(10)
+    during = {f"outage-{k}" for k in range(4)}
+    for i in during:
+        assert httpx.post(f"{p.url}/rank", json=_request(user, 5, request_id=i), timeout=10).status_code == 200
+    wait_for(lambda: _assert(httpx.get(f"{p.url}/healthz", timeout=5).json()["status"] == "degraded"), timeout_s=30)
+    server = next(x for x in stack.status(p.s) if x.name == "ranking-server")
+    assert server.state == "unhealthy" and "prediction log down" in server.detail, server
+    stack.up(p.s)  # a new, empty broker
+    after = {f"after-{k}" for k in range(4)}
+
+    def logging_again() -> None:
+        for i in after:
+            assert httpx.post(f"{p.url}/rank", json=_request(user, 5, request_id=i), timeout=10).status_code == 200
+        assert {r["request_id"] for r in _predictions(p, after, timeout_s=5)} >= after
+    wait_for(logging_again, timeout_s=90)
+    wait_for(lambda: _assert(httpx.get(f"{p.url}/healthz", timeout=5).json()["status"] == "ok"), timeout_s=30)
+    # What the outage's requests logged either reached the new broker or was counted as not delivered.
+    delivered = {r["request_id"] for r in _predictions(p, during, timeout_s=5)}
+    assert len(delivered) + _metric(p, "flywheel_prediction_log_errors_total") - undelivered >= len(during)

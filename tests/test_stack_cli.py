@@ -1,7 +1,10 @@
 """The stack CLI against the real services: up, status, logs, down, and a port that is taken."""
 
 import re
+import signal
 import socket
+import stat
+import time
 from pathlib import Path
 
 import httpx
@@ -9,12 +12,14 @@ import psutil
 import pytest
 import redis
 
-from infra import stack
+from infra import process, stack
 from infra.process import tagged
+from infra.redis_clients import online_store
+from infra.services import enabled_services
 from infra.settings import Settings, load_settings, redis_password
 from infra.stack import STACK_TAG
 from streaming.topics import prepare_pipeline
-from tests.conftest import run_cli, stack_environ
+from tests.conftest import run_cli, running_stack, stack_environ
 
 pytestmark = pytest.mark.stack
 
@@ -148,3 +153,28 @@ def test_a_new_events_topic_drops_stale_stream_checkpoints(broker: Settings, tmp
     (stale / "_metadata").write_bytes(b"offsets of this topic")
     prepare_pipeline(s)  # the topic exists: the checkpoints are current
     assert (stale / "_metadata").exists()
+
+
+def test_the_online_store_keeps_what_it_took_across_a_crash_and_its_files_are_private(tmp_path: Path) -> None:
+    """kill -9 of Redis and `up`: every write acknowledged more than a second before the kill is there
+    (append-only file, synced every second; the ingestor commits its offsets once Redis took the rows).
+    What the stack writes is its owner's alone: the data directory 700, Redis' files 600."""
+    for s in running_stack(tmp_path / "stack", "redis"):
+        client = online_store(s)
+        with client.pipeline(transaction=False) as pipe:
+            for i in range(2000):
+                pipe.hset(f"crash-test:{i}", mapping={"clicks": i, "ctr": i / 2000})
+            pipe.execute()
+        time.sleep(1.2)
+        redis_svc = next(svc for svc in enabled_services(s) if svc.name == "redis")
+        victim = psutil.Process(process.read_pidfile(stack.pidfile(s, redis_svc)).pid)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        stack.up(s)
+        client = online_store(s)
+        assert [client.hget(f"crash-test:{i}", "clicks") for i in (0, 999, 1999)] == [b"0", b"999", b"1999"]
+        assert sum(1 for _ in client.scan_iter("crash-test:*", count=1000)) == 2000
+        assert stat.S_IMODE(s.paths.data_dir.stat().st_mode) == 0o700
+        files = [f for f in s.paths.service_dir("redis").rglob("*") if f.is_file()]
+        assert any(f.suffix == ".aof" for f in files), files
+        assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {f.name: "0o600" for f in files}
