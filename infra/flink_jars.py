@@ -57,7 +57,8 @@ def udf_jar(s: Settings) -> Path:
 
 
 def build_udf_jar(s: Settings, flink_lib: Path) -> Path:
-    """Compile streaming/java against the jars in `flink_lib` (pyflink/lib of the Flink environment)."""
+    """Compile streaming/java against the jars in `flink_lib` (pyflink/lib of the Flink environment) and
+    the connector jars (installed first: `install_connector_jars`)."""
     target = udf_jar(s)
     if target.exists():
         return target
@@ -68,8 +69,9 @@ def build_udf_jar(s: Settings, flink_lib: Path) -> Path:
         old.unlink()
     with tempfile.TemporaryDirectory() as tmp:
         sources = [str(p) for p in sorted(JAVA_SOURCES.rglob("*.java"))]
-        subprocess.run([javac, "--release", "17", "-nowarn", "-d", tmp, "-cp", f"{flink_lib}/*", *sources],
-                       check=True)
+        # Against Flink and the Kafka connector (the job's source reads records through one of these classes).
+        classpath = f"{flink_lib}/*:{s.paths.flink_jars_dir}/*"
+        subprocess.run([javac, "--release", "17", "-nowarn", "-d", tmp, "-cp", classpath, *sources], check=True)
         target.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([jar, "--create", "--file", str(target), "-C", tmp, "."], check=True)
     return target

@@ -58,6 +58,9 @@ class Service:
     after_start: Callable[[], list[str]] | None = None
     nice: int = 0  # added to the process's CPU niceness; its children inherit it
     stop_signal: signal.Signals = signal.SIGTERM
+    # Services whose start by an `up` restarts this one, running: what it holds of theirs is stale (the
+    # stream job's source state, of topics a restarted embedded broker no longer has).
+    restart_with: tuple[str, ...] = ()
 
     def health(self) -> Health:
         """The service's health; a failing check is reported, never raised."""
@@ -106,11 +109,13 @@ def _kafka(s: Settings) -> Service:
         finally:
             admin.close()
 
+    # A started broker is empty (topics in memory): the platform's topics are created at once, with their
+    # partitions, before a client's metadata request creates one with the broker's defaults.
     return Service(
         name="kafka", group="kafka", url=f"kafka://{host}:{port}", ports=((host, port),),
         command=lambda: [_tansu_binary(), "broker", "--listener-url", listener,
                          "--advertised-listener-url", listener, "--storage-engine", "memory://tansu/"],
-        env=_base_env, check=health,
+        env=_base_env, check=health, after_start=lambda: [str(BIN_DIR / "python"), "-m", "streaming.topics"],
     )
 
 
@@ -474,7 +479,10 @@ def _pipeline(s: Settings) -> list[Service]:
         Service(name="stream-job", group="pipeline", url=s.flink.rest_url,
                 ports=(s.flink.host_port,) if s.flink.target == "local" else (),
                 command=lambda: [str(s.paths.flink_python), "-m", "streaming.job"], env=flink_env,
-                check=job_health, phase=2, setup=topics),
+                check=job_health, phase=2, setup=topics,
+                # SIGINT: the job takes a last checkpoint before it stops (streaming/job.py); a broker
+                # started again has new topics, which a job restarted reads from their start, its state kept.
+                stop_signal=signal.SIGINT, restart_with=("kafka",)),
         Service(name="feast-ingestor", group="pipeline", url=s.redis.url, ports=(),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "feature_repo.ingest"], env=_base_env,
                 check=_progressing(s, "feast-ingestor"), phase=2, setup=topics),

@@ -163,6 +163,9 @@ def up(s: Settings) -> list[str]:
     try:
         for phase in sorted({svc.phase for svc in services}):
             batch = [svc for svc in services if svc.phase == phase]
+            for svc in batch:  # restarted below, and named among those this call started
+                if set(svc.restart_with) & set(started) and _running(s, svc) is not None:
+                    process.stop(pidfile(s, svc), s.stack.stop_timeout_s, svc.stop_signal)
             _run_steps(s, [svc for svc in batch if _running(s, svc) is None], "setup")
             for svc in batch:
                 if _running(s, svc) is None:

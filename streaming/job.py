@@ -74,6 +74,10 @@ def table_environment(s: Settings) -> StreamTableEnvironment:
         # aggregate's is (entity, window end), and the writer keeps the newest row per key anyway:
         # materializing would keep every row of history in state.
         "table.exec.sink.upsert-materialize": "NONE",
+        # Every operator of the SQL plan gets a UID of its own ("<plan node id>_<transformation>", the same
+        # for the same queries), not one hashed from its inputs: the source's UID can then change with its
+        # topic without moving any aggregate's state.
+        "table.exec.uid.generation": "ALWAYS",
         # No record can fail the job (an invalid one is dead-lettered), so repeated failures mean a broken
         # environment: stop after 10 in 10 minutes instead of replaying forever.
         "restart-strategy.type": "failure-rate",
@@ -89,7 +93,10 @@ def table_environment(s: Settings) -> StreamTableEnvironment:
                     "table.exec.mini-batch.size": "10000", "table.optimizer.agg-phase-strategy": "TWO_PHASE"}
     resume = latest_checkpoint(s)
     if resume is not None:
-        options["execution.state-recovery.path"] = f"file://{resume}"
+        # The source's state (its offsets) is claimed only by a source of the same topic incarnation
+        # (`events_source`): a recreated topic is read from its start, the aggregates kept.
+        options |= {"execution.state-recovery.path": f"file://{resume}",
+                    "execution.state-recovery.ignore-unclaimed-state": "true"}
         log.info("resuming from checkpoint %s", resume)
     config = Configuration()
     for key, value in options.items():
@@ -164,20 +171,51 @@ def sink_query(s: Settings, views: tuple[StreamView, ...]) -> str:
 PARSED = "reason, event_id, user_id, item_id, event_type, event_time, category"
 
 
+def topic_id(s: Settings, topic: str) -> str:
+    """The topic's id: a topic deleted and created again (every topic of a restarted embedded broker) has
+    a new one."""
+    jvm = get_gateway().jvm
+    admin = jvm.org.apache.kafka.clients.admin.Admin.create(_properties(s))
+    try:
+        names = jvm.java.util.Collections.singletonList(topic)
+        return str(admin.describeTopics(names).allTopicNames().get().get(topic).topicId().toString())
+    finally:
+        admin.close()
+
+
+def _properties(s: Settings):
+    props = get_gateway().jvm.java.util.Properties()
+    for key, value in s.kafka.client_options("java").items():
+        props.setProperty(key, str(value))
+    return props
+
+
+def events_source(env: StreamTableEnvironment, s: Settings) -> Table:
+    """The events topic as a table of key, payload, topic, partition and offset, read by a Kafka source
+    whose UID names the topic's id. Its offsets are checkpointed under that UID: after the topic was
+    recreated (a broker that lost it) the job resumes its aggregates and reads the new topic from its
+    start, where offsets restored from the old one would point past the new one's end, and the embedded
+    broker answers a fetch there with nothing, not an error, so the job would wait forever."""
+    jvm = get_gateway().jvm
+    kafka = jvm.org.apache.flink.connector.kafka.source
+    topic = s.kafka.events_topic
+    # The group's committed offsets (committed at each checkpoint); a new group, or a new broker, from the start.
+    start = kafka.enumerator.initializer.OffsetsInitializer.committedOffsets(
+        jvm.org.apache.kafka.clients.consumer.OffsetResetStrategy.EARLIEST)
+    source = (kafka.KafkaSource.builder().setProperties(_properties(s))
+              .setTopics(jvm.java.util.Collections.singletonList(topic)).setGroupId(s.streaming.consumer_group)
+              .setStartingOffsets(start).setDeserializer(jvm.flywheel.EventRecords()).build())
+    incarnation = topic_id(s, topic)
+    stream = (env._j_tenv.execEnv().fromSource(source, jvm.org.apache.flink.api.common.eventtime.WatermarkStrategy
+                                               .noWatermarks(), topic)
+              .uid(f"source-{topic}-{incarnation}"))
+    log.info("reading %s, topic id %s", topic, incarnation)
+    return Table(env._j_tenv.fromDataStream(stream), env)
+
+
 def create_tables(env: StreamTableEnvironment, s: Settings) -> None:
     topic = s.kafka.events_topic
-    env.execute_sql(f"""
-        CREATE TABLE events_raw (
-          kafka_key BYTES,
-          payload BYTES,
-          source_topic STRING METADATA FROM 'topic' VIRTUAL,
-          source_partition INT METADATA FROM 'partition' VIRTUAL,
-          source_offset BIGINT METADATA FROM 'offset' VIRTUAL
-        ) WITH ('connector' = 'kafka', {_kafka(s, topic)},
-          'properties.group.id' = '{s.streaming.consumer_group}', 'scan.startup.mode' = 'group-offsets',
-          'properties.auto.offset.reset' = 'earliest',
-          'key.format' = 'raw', 'key.fields' = 'kafka_key', 'value.format' = 'raw',
-          'value.fields-include' = 'EXCEPT_KEY')""")
+    env.create_temporary_view("events_raw", events_source(env, s))
     env.execute_sql(f"""
         CREATE TABLE events_dlq (kafka_key BYTES, payload BYTES, headers MAP<STRING, BYTES> METADATA)
         WITH ('connector' = 'kafka', {_kafka(s, s.kafka.dlq_topic(topic))},
@@ -242,11 +280,30 @@ def build(s: Settings) -> StreamTableEnvironment:
     return env
 
 
-def _rest(s: Settings, path: str, method: str = "GET") -> dict:
-    """A call to the session cluster's REST API (the Flink environment has no HTTP client but urllib)."""
-    with urllib.request.urlopen(urllib.request.Request(f"{s.flink.rest_url}{path}", method=method),
-                                timeout=10) as response:
+def _rest(s: Settings, path: str, method: str = "GET", body: dict | None = None) -> dict:
+    """A call to the job's REST API (the Flink environment has no HTTP client but urllib)."""
+    request = urllib.request.Request(f"{s.flink.rest_url}{path}", method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read() or b"{}")
+
+
+def checkpoint_now(s: Settings, jid: str, timeout_s: float = 15.0) -> bool:
+    """Take a checkpoint and wait for it to complete: a job stopped after this resumes with every event it
+    processed, not only those up to its last periodic checkpoint. False when it did not complete in time."""
+    try:
+        trigger = _rest(s, f"/jobs/{jid}/checkpoints", "POST", {})["request-id"]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = _rest(s, f"/jobs/{jid}/checkpoints/{trigger}")
+            if status.get("status", {}).get("id") == "COMPLETED":
+                failure = (status.get("operation") or {}).get("failure-cause")
+                return failure is None
+            time.sleep(0.1)
+    except OSError as exc:  # the REST endpoint gone: nothing more to keep
+        log.warning("no final checkpoint: %s", exc)
+    return False
 
 
 def _cancel_running(s: Settings) -> None:
@@ -272,15 +329,21 @@ def main() -> None:
     result = statements.execute()
     log.info("job %s submitted to %s; topics: %s", s.streaming.job_name,
              s.flink.rest_url if s.flink.target == "remote" else "a local MiniCluster", ", ".join(topics()))
-    if s.flink.target == "remote":
-        # This process follows the job: stopping it (the stack's `down`) cancels the job on the cluster.
-        jid = str(result.get_job_client().get_job_id())
-        signal.signal(signal.SIGTERM, lambda *_: _cancel_job(s, jid))
+    # This process follows the job. The stack stops it with SIGINT, which the JVM PyFlink started ignores
+    # (it inherits SIG_IGN): a last checkpoint is taken first, then the job is cancelled on a session
+    # cluster; locally the MiniCluster ends with this process.
+    jid = str(result.get_job_client().get_job_id())
+    signal.signal(signal.SIGINT, lambda *_: _stop(s, jid))
+    signal.signal(signal.SIGTERM, lambda *_: _stop(s, jid))
     result.wait()
 
 
-def _cancel_job(s: Settings, jid: str) -> None:
-    _rest(s, f"/jobs/{jid}?mode=cancel", "PATCH")
+def _stop(s: Settings, jid: str) -> None:
+    started = time.monotonic()
+    kept = checkpoint_now(s, jid)
+    log.info("stopping: final checkpoint %s in %.1fs", "taken" if kept else "NOT taken", time.monotonic() - started)
+    if s.flink.target == "remote":
+        _rest(s, f"/jobs/{jid}?mode=cancel", "PATCH")
     raise SystemExit(0)
 
 

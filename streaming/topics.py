@@ -7,7 +7,6 @@ broker, so end offsets here are read by fetching.
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Iterator
 
@@ -112,17 +111,15 @@ class _reader:
 
 
 def prepare_pipeline(s: Settings) -> None:
-    """Before the pipeline starts (the stack runs this as the pipeline's setup): its topics must exist,
-    since a missing source topic fails a Flink job.
+    """Before the pipeline starts, and whenever a broker starts (the stack runs this as their setup): the
+    platform's topics must exist with their partitions, since a missing source topic fails a Flink job and
+    a topic a client's metadata request creates gets the broker's defaults.
 
-    A newly created events topic (the embedded broker keeps topics in memory only, so after
-    `down`/`up` they are new) makes the stream job's checkpoints stale: they hold offsets and state
-    of the topic that is gone, and resuming from them would wait for offsets the new topic never
-    reaches. They are removed, so the job starts from the new topic's beginning.
+    A recreated events topic (the embedded broker keeps topics in memory, so after a restart they are
+    new) keeps the stream job's checkpoints: the job resumes its aggregates from them and reads the new
+    topic from its start (streaming/job.py, `events_source`).
     """
-    created = ensure_topics(s, [s.kafka.events_topic, *topics()])
-    if s.kafka.events_topic in created and s.paths.checkpoints_dir.exists():
-        shutil.rmtree(s.paths.checkpoints_dir)
+    ensure_topics(s, [s.kafka.events_topic, *topics()])
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import httpx
 import psutil
 import pytest
 import redis
+from kafka import KafkaAdminClient
 
 from infra import process, stack
 from infra.process import tagged
@@ -138,21 +139,19 @@ def test_a_taken_port_is_reported_with_the_service_that_needs_it(tmp_path: Path)
     assert not any(settings.paths.run_dir.glob("*.json"))
 
 
-def test_a_new_events_topic_drops_stale_stream_checkpoints(broker: Settings, tmp_path: Path) -> None:
-    """The embedded broker forgets its topics on `down`: checkpoints holding offsets of the old topic
-    would make the restarted job wait for offsets the new topic never reaches."""
+def test_a_new_events_topic_keeps_the_stream_checkpoints(broker: Settings, tmp_path: Path) -> None:
+    """The embedded broker forgets its topics on `down`: the topics are created again, and the job's
+    checkpoints stay (it resumes its aggregates and reads the new topic from its start)."""
     s = load_settings(stack_environ(tmp_path, FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS=broker.kafka.bootstrap_servers,
                                     FLYWHEEL_KAFKA_EVENTS_TOPIC=f"events-{tmp_path.name}"))
-    stale = s.paths.checkpoints_dir / "job" / "chk-7"
-    stale.mkdir(parents=True)
-    (stale / "_metadata").write_bytes(b"offsets of a topic that is gone")
+    kept = s.paths.checkpoints_dir / "job" / "chk-7"
+    kept.mkdir(parents=True)
+    (kept / "_metadata").write_bytes(b"state of the aggregates, offsets of a topic that is gone")
     prepare_pipeline(s)  # creates the events topic
-    assert not s.paths.checkpoints_dir.exists()
-
-    stale.mkdir(parents=True)
-    (stale / "_metadata").write_bytes(b"offsets of this topic")
-    prepare_pipeline(s)  # the topic exists: the checkpoints are current
-    assert (stale / "_metadata").exists()
+    assert (kept / "_metadata").exists()
+    admin = KafkaAdminClient(**s.kafka.client_options("kafka-python"))
+    assert s.kafka.events_topic in admin.list_topics()
+    admin.close()
 
 
 def test_the_online_store_keeps_what_it_took_across_a_crash_and_its_files_are_private(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 import pandas as pd
+import psutil
 import pytest
 from kafka import KafkaProducer
 
@@ -297,8 +298,8 @@ def test_a_restarted_job_and_ingestor_lose_nothing_and_count_nothing_twice(pipel
     time.sleep(2 * s.streaming.checkpoint_interval_ms / 1000)  # a checkpoint holds `before`
 
     pipeline_services = [svc for svc in stack.enabled_services(s) if svc.group == "pipeline"]
-    for svc in pipeline_services:
-        assert process.stop(stack.pidfile(s, svc), timeout_s=30)
+    for svc in pipeline_services:  # as `flywheel down` stops them
+        assert process.stop(stack.pidfile(s, svc), timeout_s=30, sig=svc.stop_signal)
     with EventProducer(s) as producer:  # produced while the job and the ingestor are down
         for e in after:
             producer.send(e)
@@ -431,6 +432,32 @@ def test_down_knows_the_events_the_event_log_has_not_written(pipeline: Settings,
 
 def assert_positive(n: int | None) -> None:
     assert n is not None and n > 0, n
+
+
+def test_after_a_broker_crash_the_job_keeps_its_state_and_reads_the_new_topic(pipeline: Settings,
+                                                                              timeline: Timeline) -> None:
+    """kill -9 of the embedded broker (its topics are gone) and `up`: the job is restarted with a last
+    checkpoint, resumes its aggregates and reads the recreated topic from its start: a user's total
+    goes on from its value before the crash, nothing needs a checkpoint deleted."""
+    s = pipeline
+    t0 = timeline.take(MINUTE)
+    user = "user-broker-crash"
+    with EventProducer(s) as producer:
+        for i in range(5):
+            producer.send(event(700 + i, user, "i1", IMP, t0 + i * 1000))
+    def total_is(n: int) -> None:
+        got = online(s, ["user_total:user_impressions_total"], {"user_id": user})["user_impressions_total"]
+        assert got == n, got
+    wait_for(lambda: total_is(5))
+    broker = psutil.Process(next(st.pid for st in stack.status(s) if st.name == "kafka"))
+    broker.send_signal(signal.SIGKILL)
+    broker.wait(10)
+    started = stack.up(s)
+    assert "kafka" in started and "stream-job" in started, started  # restarted: its source held the old topic
+    with EventProducer(s) as producer:
+        for i in range(3):
+            producer.send(event(710 + i, user, "i1", IMP, t0 + (5 + i) * 1000))
+    wait_for(lambda: total_is(8), timeout_s=120)
 
 
 @pytest.fixture(scope="module")
