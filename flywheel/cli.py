@@ -105,7 +105,7 @@ def up() -> None:
     s = _settings()
     t0 = time.monotonic()
     try:
-        started = stack_up(s)
+        started = stack_up(s, say=click.echo)
     except StackError as exc:
         raise click.ClickException(str(exc)) from None
     what = f"started {', '.join(started)}" if started else "already running"

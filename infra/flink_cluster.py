@@ -15,6 +15,11 @@ def flink_home(s: Settings) -> Path:
     return s.paths.flink_python.parent.parent / "lib" / "python3.11" / "site-packages" / "pyflink"
 
 
+# The stream job's parameter naming the id of the events topic it reads (streaming/job.py sets it; the
+# stack's health check compares it with the broker's topic).
+EVENTS_TOPIC_ID = "flywheel.events-topic-id"
+
+
 def rest_options(s: Settings) -> dict[str, str]:
     """The REST endpoint's options, for the session cluster and the job's local MiniCluster alike."""
     host, port = s.flink.host_port

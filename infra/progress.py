@@ -83,6 +83,24 @@ def consumer_lag(s: Settings, group: str, topics: Sequence[str], timeout_s: floa
         consumer.close()
 
 
+def topic_id(s: Settings, topic: str) -> str | None:
+    """The topic's id on the broker: a topic deleted and created again (every topic of a restarted embedded
+    broker) has a new one. None when the broker does not say (kafka-python: both environments have it)."""
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+
+    try:
+        admin = KafkaAdminClient(**s.kafka.client_options("kafka-python"), request_timeout_ms=5000)
+    except KafkaError:
+        return None
+    try:
+        return next((str(t["topic_id"]) for t in admin.describe_topics([topic]) if t["error_code"] == 0), None)
+    except KafkaError:
+        return None
+    finally:
+        admin.close()
+
+
 def progress_health(s: Settings, service: str) -> tuple[bool, str]:
     """(healthy, why) of the consumer that reports as `service`."""
     p = read_progress(s, service)

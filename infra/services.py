@@ -19,7 +19,8 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from infra import flink_cluster, postgres
-from infra.progress import progress_health
+from infra.flink_cluster import EVENTS_TOPIC_ID
+from infra.progress import progress_health, topic_id
 from infra.redis_clients import credentials, graph_url
 from infra.redis_cluster import cluster_info
 from infra.settings import (
@@ -61,6 +62,10 @@ class Service:
     # Services whose start by an `up` restarts this one, running: what it holds of theirs is stale (the
     # stream job's source state, of topics a restarted embedded broker no longer has).
     restart_with: tuple[str, ...] = ()
+    # `up` restarts it, running, while its health check fails (a check that allows for the time a working
+    # one may take: progress within `stack.stall_after_s`); for the pipeline's processes, which a restart
+    # resumes where they were.
+    supervised: bool = False
 
     def health(self) -> Health:
         """The service's health; a failing check is reported, never raised."""
@@ -482,13 +487,14 @@ def _pipeline(s: Settings) -> list[Service]:
                 check=job_health, phase=2, setup=topics,
                 # SIGINT: the job takes a last checkpoint before it stops (streaming/job.py); a broker
                 # started again has new topics, which a job restarted reads from their start, its state kept.
-                stop_signal=signal.SIGINT, restart_with=("kafka",)),
+                stop_signal=signal.SIGINT, restart_with=("kafka",), supervised=True),
         Service(name="feast-ingestor", group="pipeline", url=s.redis.url, ports=(),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "feature_repo.ingest"], env=_base_env,
-                check=_progressing(s, "feast-ingestor"), phase=2, setup=topics),
+                check=_progressing(s, "feast-ingestor"), phase=2, setup=topics, supervised=True),
         Service(name="event-log", group="pipeline", url=str(s.paths.service_dir("offline") / "events"), ports=(),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "feature_repo.event_log"], env=_base_env,
-                check=_progressing(s, "event-log"), phase=2, setup=topics, nice=s.streaming.event_log_niceness),
+                check=_progressing(s, "event-log"), phase=2, setup=topics, nice=s.streaming.event_log_niceness,
+                supervised=True),
     ]
 
 
@@ -511,6 +517,12 @@ def _job_progress(s: Settings, jid: str) -> Health:
     latest = max(recent, key=lambda f: f["timestamp"], default=None)
     if latest and now_ms - latest["timestamp"] < s.stack.stall_after_s * 1000:
         return Health(False, f"{detail}; restarting, last cause: {latest['exceptionName']}")
+    config = httpx.get(f"{s.flink.rest_url}/jobs/{jid}/config", timeout=5).json()
+    reads = config.get("execution-config", {}).get("user-config", {}).get(EVENTS_TOPIC_ID)
+    broker = topic_id(s, s.kafka.events_topic)
+    if reads and broker and reads != broker:  # the broker lost the topic: the job's offsets point past its end
+        return Health(False, f"{detail}; reads events topic {reads}, which is gone (now {broker}): a restart "
+                      "(`flywheel up`) reads the new one from its start, the aggregates kept")
     return Health(True, detail)
 
 
@@ -525,12 +537,12 @@ def _serving(s: Settings) -> list[Service]:
         Service(name="prediction-archive", group="serving", url=str(s.paths.service_dir("offline") / "predictions"),
                 ports=(), command=lambda: [str(BIN_DIR / "python"), "-m", "serving.prediction_archive"],
                 env=_base_env, check=_progressing(s, "prediction-archive"), phase=2,
-                nice=s.serving.archive_niceness),
+                nice=s.serving.archive_niceness, supervised=True),
         # The near-line tier of /recommend: user embeddings, recent positives, the ANN index of the
         # retrieval @champion (serving/nearline.py).
         Service(name="user-embedder", group="serving", url=s.redis.url, ports=(),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "serving.nearline"], env=_base_env,
-                check=_progressing(s, "user-embedder"), phase=2,
+                check=_progressing(s, "user-embedder"), phase=2, supervised=True,
                 setup=lambda: [str(BIN_DIR / "python"), "-m", "streaming.topics"]),
         Service(name="ranking-server", group="serving", url=url, ports=((s.serving.host, s.serving.port),),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "serving.supervisor"], env=_base_env,

@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from infra import process
 from infra.progress import progress_path, wait_caught_up
@@ -149,11 +150,26 @@ def check_dataset(s: Settings) -> None:
     record.write_text(json.dumps({"name": spec.name, "spec": str(spec.path), "digest": spec.digest}))
 
 
-def up(s: Settings) -> list[str]:
+def _restart_reason(s: Settings, svc: Service, started: list[str]) -> str:
+    """Why `up` restarts a running service ("" for none): a service it depends on was started again, or it
+    is supervised and unhealthy after running for `stack.stall_after_s` (not one still starting)."""
+    if stale := [name for name in svc.restart_with if name in started]:
+        return f"{', '.join(stale)} started again"
+    tracked = process.read_pidfile(pidfile(s, svc))
+    proc = tracked.process() if tracked else None
+    if svc.supervised and proc is not None and time.time() - proc.create_time() > s.stack.stall_after_s and not (
+            health := svc.health()).ok:
+        return f"unhealthy ({health.detail})"
+    return ""
+
+
+def up(s: Settings, say: Callable[[str], None] = lambda _: None) -> list[str]:
     """Start every enabled service that is not running, then wait until all are healthy.
 
     Phase by phase: infrastructure, the pipeline, serving; a phase's setup commands run before its
-    processes start. Returns the names of the services this call started.
+    processes start. A running service is restarted (and `say` tells why) when one it depends on was
+    started again, or when it is supervised and unhealthy. Returns the names of the services this call
+    started.
     """
     check_dataset(s)
     s.paths.data_dir.chmod(0o700)  # created by check_dataset; one of an earlier version may be 755
@@ -164,7 +180,8 @@ def up(s: Settings) -> list[str]:
         for phase in sorted({svc.phase for svc in services}):
             batch = [svc for svc in services if svc.phase == phase]
             for svc in batch:  # restarted below, and named among those this call started
-                if set(svc.restart_with) & set(started) and _running(s, svc) is not None:
+                if _running(s, svc) is not None and (why := _restart_reason(s, svc, started)):
+                    say(f"restarting {svc.name}: {why}")
                     process.stop(pidfile(s, svc), s.stack.stop_timeout_s, svc.stop_signal)
             _run_steps(s, [svc for svc in batch if _running(s, svc) is None], "setup")
             for svc in batch:

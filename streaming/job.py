@@ -32,8 +32,9 @@ from pyflink.java_gateway import get_gateway
 from pyflink.table import Schema, StreamTableEnvironment, Table
 
 from infra.dataset import JVM_SEPARATOR
-from infra.flink_cluster import rest_options
+from infra.flink_cluster import EVENTS_TOPIC_ID, rest_options
 from infra.flink_jars import udf_jar
+from infra.progress import topic_id
 from infra.settings import Settings, get_settings
 from streaming.events import DLQ_OFFSET, DLQ_ORIGINAL_SIZE, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC
 from streaming.features import StreamView, row_schema, topics
@@ -47,7 +48,7 @@ def latest_checkpoint(s: Settings) -> Path | None:
     return max(done, key=lambda p: p.stat().st_mtime) if done else None
 
 
-def table_environment(s: Settings) -> StreamTableEnvironment:
+def table_environment(s: Settings, events_topic_id: str) -> StreamTableEnvironment:
     jars = ";".join(f"file://{jar}" for jar in
                     [*(s.paths.flink_jars_dir / name for name, _ in s.flink.connector_jars), udf_jar(s)])
     tmp = s.paths.service_dir("flink") / "tmp"
@@ -85,7 +86,7 @@ def table_environment(s: Settings) -> StreamTableEnvironment:
         "restart-strategy.failure-rate.failure-rate-interval": "10 min",
         "restart-strategy.failure-rate.delay": "2 s",
         # The dataset spec's vocabulary, for the functions that parse events and rank their types.
-        "pipeline.global-job-parameters": _job_parameters(s),
+        "pipeline.global-job-parameters": _job_parameters(s, events_topic_id),
     }
     if s.streaming.mini_batch_ms > 0:  # one update per key per batch, combined before the shuffle
         options |= {"table.exec.mini-batch.enabled": "true",
@@ -114,12 +115,14 @@ def table_environment(s: Settings) -> StreamTableEnvironment:
     return StreamTableEnvironment.create(StreamExecutionEnvironment(remote))
 
 
-def _job_parameters(s: Settings) -> str:
+def _job_parameters(s: Settings, events_topic_id: str) -> str:
     """`pipeline.global-job-parameters`: the spec's event types in order, its exposures ('|'-separated;
-    spec names hold no separator: infra/dataset.py) and the context field of the events' key."""
+    spec names hold no separator: infra/dataset.py), the context field of the events' key, and the id of
+    the events topic the job reads (the stack's health check compares it with the broker's)."""
     sep = JVM_SEPARATOR
     return (f"flywheel.event-types:{sep.join(s.spec.type_names)},"
-            f"flywheel.exposure-types:{sep.join(s.spec.exposures)},flywheel.key-field:{s.spec.key}")
+            f"flywheel.exposure-types:{sep.join(s.spec.exposures)},flywheel.key-field:{s.spec.key},"
+            f"{EVENTS_TOPIC_ID}:{events_topic_id}")
 
 
 def _in(names: tuple[str, ...]) -> str:
@@ -171,18 +174,6 @@ def sink_query(s: Settings, views: tuple[StreamView, ...]) -> str:
 PARSED = "reason, event_id, user_id, item_id, event_type, event_time, category"
 
 
-def topic_id(s: Settings, topic: str) -> str:
-    """The topic's id: a topic deleted and created again (every topic of a restarted embedded broker) has
-    a new one."""
-    jvm = get_gateway().jvm
-    admin = jvm.org.apache.kafka.clients.admin.Admin.create(_properties(s))
-    try:
-        names = jvm.java.util.Collections.singletonList(topic)
-        return str(admin.describeTopics(names).allTopicNames().get().get(topic).topicId().toString())
-    finally:
-        admin.close()
-
-
 def _properties(s: Settings):
     props = get_gateway().jvm.java.util.Properties()
     for key, value in s.kafka.client_options("java").items():
@@ -190,7 +181,7 @@ def _properties(s: Settings):
     return props
 
 
-def events_source(env: StreamTableEnvironment, s: Settings) -> Table:
+def events_source(env: StreamTableEnvironment, s: Settings, incarnation: str) -> Table:
     """The events topic as a table of key, payload, topic, partition and offset, read by a Kafka source
     whose UID names the topic's id. Its offsets are checkpointed under that UID: after the topic was
     recreated (a broker that lost it) the job resumes its aggregates and reads the new topic from its
@@ -205,7 +196,6 @@ def events_source(env: StreamTableEnvironment, s: Settings) -> Table:
     source = (kafka.KafkaSource.builder().setProperties(_properties(s))
               .setTopics(jvm.java.util.Collections.singletonList(topic)).setGroupId(s.streaming.consumer_group)
               .setStartingOffsets(start).setDeserializer(jvm.flywheel.EventRecords()).build())
-    incarnation = topic_id(s, topic)
     stream = (env._j_tenv.execEnv().fromSource(source, jvm.org.apache.flink.api.common.eventtime.WatermarkStrategy
                                                .noWatermarks(), topic)
               .uid(f"source-{topic}-{incarnation}"))
@@ -213,9 +203,9 @@ def events_source(env: StreamTableEnvironment, s: Settings) -> Table:
     return Table(env._j_tenv.fromDataStream(stream), env)
 
 
-def create_tables(env: StreamTableEnvironment, s: Settings) -> None:
+def create_tables(env: StreamTableEnvironment, s: Settings, events_topic_id: str) -> None:
     topic = s.kafka.events_topic
-    env.create_temporary_view("events_raw", events_source(env, s))
+    env.create_temporary_view("events_raw", events_source(env, s, events_topic_id))
     env.execute_sql(f"""
         CREATE TABLE events_dlq (kafka_key BYTES, payload BYTES, headers MAP<STRING, BYTES> METADATA)
         WITH ('connector' = 'kafka', {_kafka(s, s.kafka.dlq_topic(topic))},
@@ -268,15 +258,20 @@ def feature_queries(s: Settings) -> list[str]:
         FROM parsed WHERE reason IS NOT NULL"""]
 
 
-def build(s: Settings) -> StreamTableEnvironment:
-    env = table_environment(s)
+def build(s: Settings, events_topic_id: str | None = None) -> StreamTableEnvironment:
+    """The job's tables and functions, reading the events topic of `events_topic_id` (the broker's now when
+    not given: a plan can be built without a broker)."""
+    events_topic_id = events_topic_id or topic_id(s, s.kafka.events_topic)
+    if events_topic_id is None:
+        raise RuntimeError(f"the broker at {s.kafka.bootstrap_servers} does not describe topic {s.kafka.events_topic!r}")
+    env = table_environment(s, events_topic_id)
     env.create_java_temporary_function("parse_event", "flywheel.ParseEvent")
     env.create_java_temporary_function("truncate_bytes", "flywheel.Truncate")
     env.create_java_temporary_function("byte_length", "flywheel.ByteLength")
     env.create_java_temporary_function("window_counts", "flywheel.WindowCounts")
     env.create_java_temporary_function("json_row", "flywheel.JsonRow")
     env.create_java_temporary_function("long_history", "flywheel.LongHistory")
-    create_tables(env, s)
+    create_tables(env, s, events_topic_id)
     return env
 
 

@@ -53,7 +53,7 @@ from infra.settings import get_settings
 from streaming.features import topics
 from streaming.job import build, feature_queries
 s = get_settings()
-statements = build(s).create_statement_set()
+statements = build(s, events_topic_id="no-broker-needed").create_statement_set()
 for query in feature_queries(s):
     statements.add_insert_sql(query)
 plan = statements.explain()

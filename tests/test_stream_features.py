@@ -413,6 +413,30 @@ def test_a_stopped_ingestor_is_named_unhealthy_with_its_lag_and_recovers(pipelin
     wait_for(caught_up, timeout_s=30)
 
 
+def test_up_restarts_a_supervised_consumer_that_is_stuck(pipeline: Settings, timeline: Timeline) -> None:
+    """Supervision: `flywheel up` restarts a pipeline process that is running but unhealthy (here stopped
+    with SIGSTOP), says why, and the new one takes over where the old one left off."""
+    s = replace(pipeline, stack=replace(pipeline.stack, stall_after_s=5.0))
+    stuck = next(st.pid for st in stack.status(s) if st.name == "feast-ingestor")
+    os.kill(stuck, signal.SIGSTOP)
+    try:
+        user, t0 = "user-supervised", timeline.take(MINUTE)
+        with EventProducer(s) as producer:
+            for i in range(4):
+                producer.send(event(800 + i, user, "i1", IMP, t0 + i))
+        def unhealthy() -> None:
+            assert next(st for st in stack.status(s) if st.name == "feast-ingestor").state == "unhealthy"
+        wait_for(unhealthy, timeout_s=30)
+        said: list[str] = []
+        assert stack.up(s, say=said.append) == ["feast-ingestor"]
+        assert len(said) == 1 and said[0].startswith("restarting feast-ingestor: unhealthy ("), said
+    finally:
+        if psutil.pid_exists(stuck):
+            os.kill(stuck, signal.SIGCONT)
+    assert next(st.pid for st in stack.status(s) if st.name == "feast-ingestor") != stuck
+    wait_for(lambda: _assert_online(s, user, impressions_5m=4), timeout_s=60)
+
+
 def test_down_knows_the_events_the_event_log_has_not_written(pipeline: Settings, timeline: Timeline) -> None:
     """The embedded broker keeps topics in memory: `flywheel down` warns of events not yet in the event log
     (after giving it time to catch up), which stopping the broker would lose."""
@@ -438,7 +462,9 @@ def test_after_a_broker_crash_the_job_keeps_its_state_and_reads_the_new_topic(pi
                                                                               timeline: Timeline) -> None:
     """kill -9 of the embedded broker (its topics are gone) and `up`: the job is restarted with a last
     checkpoint, resumes its aggregates and reads the recreated topic from its start: a user's total
-    goes on from its value before the crash, nothing needs a checkpoint deleted."""
+    goes on from its value before the crash, nothing needs a checkpoint deleted. (An `up` that starts the
+    broker restarts the job at once; here the broker is started alone first, and the job found reading a
+    topic that is gone.)"""
     s = pipeline
     t0 = timeline.take(MINUTE)
     user = "user-broker-crash"
@@ -449,11 +475,22 @@ def test_after_a_broker_crash_the_job_keeps_its_state_and_reads_the_new_topic(pi
         got = online(s, ["user_total:user_impressions_total"], {"user_id": user})["user_impressions_total"]
         assert got == n, got
     wait_for(lambda: total_is(5))
+    # `up` restarts an unhealthy job once it has run for stall_after_s (one starting up is not restarted).
+    job = psutil.Process(next(st.pid for st in stack.status(s) if st.name == "stream-job"))
+    time.sleep(max(0.0, job.create_time() + s.stack.stall_after_s - time.time()))
     broker = psutil.Process(next(st.pid for st in stack.status(s) if st.name == "kafka"))
     broker.send_signal(signal.SIGKILL)
     broker.wait(10)
-    started = stack.up(s)
-    assert "kafka" in started and "stream-job" in started, started  # restarted: its source held the old topic
+    # The broker alone first: the running job reads a topic that is gone, and says so.
+    assert stack.up(replace(s, stack=replace(s.stack, services=("kafka",)))) == ["kafka"]
+
+    def reads_a_gone_topic() -> None:
+        job = next(st for st in stack.status(s) if st.name == "stream-job")
+        assert job.state == "unhealthy" and "which is gone" in job.detail, job
+    wait_for(reads_a_gone_topic, timeout_s=30)
+    said: list[str] = []
+    assert stack.up(s, say=said.append) == ["stream-job"]  # supervised: restarted with its last checkpoint
+    assert said and said[0].startswith("restarting stream-job: unhealthy"), said
     with EventProducer(s) as producer:
         for i in range(3):
             producer.send(event(710 + i, user, "i1", IMP, t0 + (5 + i) * 1000))
