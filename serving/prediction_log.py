@@ -11,13 +11,15 @@ Not idempotent: an idempotent producer keeps its producer id across a broker res
 lost its state (the embedded one keeps topics in memory) answers UNKNOWN_PRODUCER_ID to every batch
 after, forever (seen: no record delivered until the server restarted). A retry may therefore write a
 record twice; readers key records by `request_id`. `flywheel_prediction_log_up` is 0 while no broker
-answers or deliveries fail, 1 once one succeeds: the server's health reads it.
+answers or deliveries fail, 1 once one succeeds or, with nothing to send, once a broker answers again
+(asked every PROBE_S while down): the server's health reads it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import confluent_kafka
 import msgspec
@@ -27,6 +29,7 @@ from serving import metrics
 from streaming.producer import PRODUCER_OPTIONS
 
 log = logging.getLogger(__name__)
+PROBE_S = 2.0  # while down, how often a metadata request asks whether a broker answers again
 
 
 class PredictionLog:
@@ -42,9 +45,16 @@ class PredictionLog:
         self._poller.start()
 
     def _poll(self) -> None:
+        probed = 0.0
         while not self._stop.is_set():
             try:
                 self._producer.poll(0.1)
+                if not self.up and time.monotonic() - probed > PROBE_S:
+                    probed = time.monotonic()
+                    self._producer.list_topics(timeout=PROBE_S)  # every topic's: asking for one may create it
+                    self._mark(True, "a broker answers")
+            except confluent_kafka.KafkaException:
+                pass  # no broker yet
             except Exception:  # noqa: BLE001 - the thread that delivers the log must outlive any one fault
                 log.exception("prediction log poll failed; polling on")
                 self._stop.wait(1.0)

@@ -175,13 +175,14 @@ PARSED = "reason, event_id, user_id, item_id, event_type, event_time, category"
 
 
 def _properties(s: Settings):
+    """The Kafka clients' options as a java.util.Properties (the Java connector's and admin's builders)."""
     props = get_gateway().jvm.java.util.Properties()
     for key, value in s.kafka.client_options("java").items():
         props.setProperty(key, str(value))
     return props
 
 
-def events_source(env: StreamTableEnvironment, s: Settings, incarnation: str) -> Table:
+def events_source(env: StreamTableEnvironment, s: Settings, events_topic_id: str) -> Table:
     """The events topic as a table of key, payload, topic, partition and offset, read by a Kafka source
     whose UID names the topic's id. Its offsets are checkpointed under that UID: after the topic was
     recreated (a broker that lost it) the job resumes its aggregates and reads the new topic from its
@@ -198,8 +199,8 @@ def events_source(env: StreamTableEnvironment, s: Settings, incarnation: str) ->
               .setStartingOffsets(start).setDeserializer(jvm.flywheel.EventRecords()).build())
     stream = (env._j_tenv.execEnv().fromSource(source, jvm.org.apache.flink.api.common.eventtime.WatermarkStrategy
                                                .noWatermarks(), topic)
-              .uid(f"source-{topic}-{incarnation}"))
-    log.info("reading %s, topic id %s", topic, incarnation)
+              .uid(f"source-{topic}-{events_topic_id}"))
+    log.info("reading %s, topic id %s", topic, events_topic_id)
     return Table(env._j_tenv.fromDataStream(stream), env)
 
 
@@ -259,11 +260,12 @@ def feature_queries(s: Settings) -> list[str]:
 
 
 def build(s: Settings, events_topic_id: str | None = None) -> StreamTableEnvironment:
-    """The job's tables and functions, reading the events topic of `events_topic_id` (the broker's now when
-    not given: a plan can be built without a broker)."""
+    """The job's tables and functions, reading the events topic of `events_topic_id`: the broker's is asked
+    for when none is given (given, the plan is built without a broker)."""
     events_topic_id = events_topic_id or topic_id(s, s.kafka.events_topic)
     if events_topic_id is None:
-        raise RuntimeError(f"the broker at {s.kafka.bootstrap_servers} does not describe topic {s.kafka.events_topic!r}")
+        raise RuntimeError(f"the broker at {s.kafka.bootstrap_servers} does not describe the events topic "
+                           f"{s.kafka.events_topic!r}")
     env = table_environment(s, events_topic_id)
     env.create_java_temporary_function("parse_event", "flywheel.ParseEvent")
     env.create_java_temporary_function("truncate_bytes", "flywheel.Truncate")

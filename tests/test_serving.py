@@ -685,6 +685,8 @@ def test_a_broker_crash_is_reported_and_the_prediction_log_recovers_by_itself(pl
     server = next(x for x in stack.status(p.s) if x.name == "ranking-server")
     assert server.state == "unhealthy" and "prediction log down" in server.detail, server
     stack.up(p.s)  # a new, empty broker
+    # Up again with nothing to send: the log asks whether a broker answers (`up` waits for a healthy server).
+    wait_for(lambda: _assert(httpx.get(f"{p.url}/healthz", timeout=5).json()["status"] == "ok"), timeout_s=30)
     after = {f"after-{k}" for k in range(4)}
 
     def logging_again() -> None:
