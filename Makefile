@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 FLYWHEEL := .venv/bin/flywheel
 
-.PHONY: setup demo test test-fast up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-retrieval bench-report lock clean
+.PHONY: setup demo test test-fast chaos up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-retrieval bench-report lock clean
 
 setup:  ## install both environments and the Flink connector jars from the lock files
 	@bash infra/setup.sh
@@ -15,6 +15,9 @@ test: setup  ## the whole test suite (starts the real services it needs), in two
 
 test-fast: setup  ## tests that start no service
 	.venv/bin/python -m pytest -ra -m "not stack"
+
+chaos: setup  ## the fault suite (also in `make test`): crashes, outages and stalls on stacks of their own; ends with the fault table
+	.venv/bin/python -m pytest -ra -p no:cacheprovider -m chaos $(ARGS)
 
 up: setup
 	$(FLYWHEEL) up

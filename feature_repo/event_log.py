@@ -77,13 +77,13 @@ def archive(s: Settings, service: str, consumer: EventConsumer, write: Callable[
         if batch:
             write(s, batch)
         consumer.commit()
-        progress.beat(wrote=bool(batch))
+        progress.beat(wrote=bool(batch), lost=consumer.lost)
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     s = get_settings()
-    with EventConsumer(s, GROUP, dead_letter=False) as consumer:
+    with EventConsumer(s, GROUP, dead_letter=False, count_lost=True) as consumer:
         log.info("logging %s to %s", consumer.topic, event_log_dir(s))
         archive(s, "event-log", consumer, write_batch, max_records=20_000)
 

@@ -27,6 +27,7 @@ from feature_repo.online import OnlineWriter
 from feature_repo.store import apply
 from infra.progress import ProgressReport
 from infra.settings import Settings, get_settings
+from streaming.consumer import commit_written
 from streaming.features import StreamView, row_schema, topics
 
 log = logging.getLogger("flywheel.feast-ingestor")
@@ -109,7 +110,7 @@ class FeatureIngestor:
             views = VIEWS_BY_TOPIC[topic]
             self.writer.write(views[0].keys, [(v.name, v.columns) for v in views], rows)
         if polled:
-            self.consumer.commit(asynchronous=False)
+            commit_written(self.consumer)
             self.stats.batches += 1
         written = sum(len(rows) * len(VIEWS_BY_TOPIC[topic]) for topic, _, rows in batches)
         self.stats.rows += written

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from infra.flink_rest import ensure_credentials, ssl_options
 from infra.settings import Settings
 
 
@@ -21,17 +22,18 @@ EVENTS_TOPIC_ID = "flywheel.events-topic-id"
 
 
 def rest_options(s: Settings) -> dict[str, str]:
-    """The REST endpoint's options, for the session cluster and the job's local MiniCluster alike."""
-    host, port = s.flink.host_port
+    """The REST endpoint's options, for the session cluster and the job's local MiniCluster alike, and for
+    the client that submits to the session cluster: mutual TLS at flink.api_url (infra/flink_rest.py)."""
+    host, port = s.flink.api_host_port
     return {
         "rest.address": host, "rest.bind-address": host, "rest.port": str(port),
         "rest.flamegraph.enabled": "true",
         # Flink's default is "*": any web page the user opens could read the job's REST answers.
         "web.access-control-allow-origin": s.flink.rest_url.rstrip("/"),
-        # No jar upload or run from the REST API (the web UI's submit page): jobs come from the platform, the
-        # session cluster's through the client's job submission. The UI's cancel button is hidden; the REST
-        # cancel itself Flink keeps open (docs/operations.md).
+        # No jar upload or run page in the web UI, no cancel button: jobs come from the platform, the
+        # session cluster's through the client's job submission.
         "web.submit.enable": "false", "web.cancel.enable": "false",
+        **ssl_options(s),
     }
 
 
@@ -42,8 +44,9 @@ def conf_dir(s: Settings) -> Path:
 def write_config(s: Settings) -> Path:
     """The cluster's config dir: config.yaml (YAML is a superset of JSON: written as JSON), and log4j
     configurations that log to the console only (the stack keeps each process's output in its log)."""
-    home, conf, (host, _) = flink_home(s), conf_dir(s), s.flink.host_port
+    home, conf, (host, _) = flink_home(s), conf_dir(s), s.flink.api_host_port
     conf.mkdir(parents=True, exist_ok=True)
+    ensure_credentials(s)
     java_opts = next(line.split(":", 1)[1].strip() for line in (home / "conf" / "config.yaml").read_text().splitlines()
                      if line.strip().startswith("all: "))  # the JVM flags Flink needs on Java 17
     tmp = s.paths.service_dir("flink") / "tmp"
@@ -62,7 +65,10 @@ def write_config(s: Settings) -> Path:
         "blob.server.port": "0", "metrics.internal.query-service.port": "0",
         "io.tmp.dirs": str(tmp),
     }
-    (conf / "config.yaml").write_text(json.dumps(config, indent=1))
+    path = conf / "config.yaml"  # holds the REST keystore's password: its owner's alone
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(json.dumps(config, indent=1))
     for name in ("log4j-console.properties", "log4j-cli.properties"):
         lines = (home / "conf" / name).read_text().splitlines()
         (conf / name).write_text("\n".join(line for line in lines if "rolling" not in line.lower()) + "\n")

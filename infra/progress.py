@@ -31,6 +31,8 @@ class Progress:
     started_at: float  # epoch seconds
     polled_at: float
     written_at: float | None = None
+    lost: int = 0  # records a restarted broker no longer held when the consumer came for them (a lower bound)
+    lost_at: float | None = None
 
 
 class ProgressReport:
@@ -43,12 +45,16 @@ class ProgressReport:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._save(now)
 
-    def beat(self, wrote: bool) -> None:
+    def beat(self, wrote: bool, lost: int = 0) -> None:
+        """`lost`: the consumer's count so far of records a broker restart took before it read them."""
         now = time.time()
         self.progress.polled_at = now
         if wrote:
             self.progress.written_at = now
-        if now - self._saved >= self.every_s:
+        if lost != self.progress.lost:
+            self.progress.lost, self.progress.lost_at = lost, now
+            self._save(now)  # at once: `flywheel status` reports it
+        elif now - self._saved >= self.every_s:
             self._save(now)
 
     def _save(self, now: float) -> None:
@@ -109,6 +115,8 @@ def progress_health(s: Settings, service: str) -> tuple[bool, str]:
     now, limit = time.time(), s.stack.stall_after_s
     lag = consumer_lag(s, p.group, p.topics)
     wrote = "never" if p.written_at is None else f"{now - p.written_at:.0f} s ago"
+    if p.lost:
+        wrote += f"; {p.lost} records lost in a broker restart {now - (p.lost_at or now):.0f} s ago (at least)"
     if now - p.polled_at > limit:
         return False, (f"stalled: no poll for {now - p.polled_at:.0f} s (> {limit:g}); lag {lag} records, "
                        f"last write {wrote}")

@@ -18,7 +18,7 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
-from infra import flink_cluster, postgres
+from infra import flink_cluster, flink_rest, postgres
 from infra.flink_cluster import EVENTS_TOPIC_ID
 from infra.progress import progress_health, topic_id
 from infra.redis_clients import credentials, graph_url
@@ -432,18 +432,19 @@ def _airflow(s: Settings) -> list[Service]:
 # --- Flink: a session cluster the stream job is submitted to (flink.target "remote") ---------------
 
 def _flink(s: Settings) -> list[Service]:
-    host, port = s.flink.host_port
+    host, port = s.flink.api_host_port
 
-    def taskmanagers() -> Health:
-        def expect(r: httpx.Response) -> Health:
-            overview = r.json()
-            n = overview.get("taskmanagers", 0)
-            return Health(n >= s.flink.taskmanagers, f"{n} TaskManagers, {overview.get('slots-available')} of "
-                          f"{overview.get('slots-total')} slots free, {overview.get('jobs-running')} jobs running")
-        return _http_health(f"{s.flink.rest_url}/overview", expect)
+    def taskmanagers() -> Health:  # asked of the REST API itself: the read-only front is the job's
+        try:
+            overview = flink_rest.call(s, "/overview", timeout_s=3)
+        except OSError as exc:
+            return Health(False, f"{type(exc).__name__}: {exc}")
+        n = overview.get("taskmanagers", 0)
+        return Health(n >= s.flink.taskmanagers, f"{n} TaskManagers, {overview.get('slots-available')} of "
+                      f"{overview.get('slots-total')} slots free, {overview.get('jobs-running')} jobs running")
 
     def service(name: str, command: Callable[[Settings], list[str]], ports: tuple) -> Service:
-        return Service(name=name, group="flink", url=s.flink.rest_url, ports=ports, command=lambda: command(s),
+        return Service(name=name, group="flink", url=s.flink.api_url, ports=ports, command=lambda: command(s),
                        env=lambda: _base_env() | flink_cluster.environ(s), check=taskmanagers)
 
     return [service("flink-jobmanager", flink_cluster.jobmanager_command, ((host, port), (host, s.flink.rpc_port))),
@@ -474,6 +475,10 @@ def _pipeline(s: Settings) -> list[Service]:
             return _job_progress(s, running[0])
         return _http_health(f"{s.flink.rest_url}/jobs/overview", expect)
 
+    def job_command() -> list[str]:
+        flink_rest.ensure_credentials(s)  # the certificate its REST endpoint takes (the platform's only)
+        return [str(s.paths.flink_python), "-m", "streaming.job"]
+
     # The topics must exist before the job starts (a missing source topic fails a Flink job); a new
     # events topic also makes the job's checkpoints stale (streaming/topics.py: prepare_pipeline).
     def topics() -> list[str]:
@@ -481,9 +486,10 @@ def _pipeline(s: Settings) -> list[Service]:
 
     return [
         # Locally the job's process is its MiniCluster; on a session cluster it submits the job and follows it.
+        # Either way it serves the read-only front of Flink's REST API (infra/flink_rest.py).
         Service(name="stream-job", group="pipeline", url=s.flink.rest_url,
-                ports=(s.flink.host_port,) if s.flink.target == "local" else (),
-                command=lambda: [str(s.paths.flink_python), "-m", "streaming.job"], env=flink_env,
+                ports=(s.flink.host_port, s.flink.api_host_port) if s.flink.target == "local" else (s.flink.host_port,),
+                command=job_command, env=flink_env,
                 check=job_health, phase=2, setup=topics,
                 # SIGINT: the job takes a last checkpoint before it stops (streaming/job.py); a broker
                 # started again has new topics, which a job restarted reads from their start, its state kept.
@@ -551,8 +557,9 @@ def _serving(s: Settings) -> list[Service]:
 
 
 def _server_health(r: httpx.Response) -> Health:
-    """Healthy when it answers and every worker's prediction log delivers; the registry unreachable is
-    said (the last known aliases serve), MLflow's own line shows it down."""
+    """Healthy when it answers, every worker's prediction log delivers and none answered most of its recent
+    requests 503; the registry unreachable is said (the last known aliases serve), MLflow's own line shows
+    it down."""
     if r.status_code != 200:
         return Health(False, f"HTTP {r.status_code}")
     body = r.json()

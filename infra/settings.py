@@ -264,7 +264,11 @@ class MovielensSettings:
 
 @dataclass(frozen=True)
 class FlinkSettings:
-    rest_url: str = "http://127.0.0.1:8081"  # the job's web UI and REST API
+    # The job's web UI and REST API, read-only (GET): a front of api_url that anyone on the host may read.
+    rest_url: str = "http://127.0.0.1:8081"
+    # Flink's REST API itself, over mutual TLS: only the platform (the stack's client certificate) reaches
+    # it, to submit, checkpoint and cancel (infra/flink_rest.py).
+    api_url: str = "https://127.0.0.1:8082"
     # "local": the stream job runs in a MiniCluster in its own process; "remote": it is submitted to the
     # session cluster whose JobManager serves rest_url (the local stack's "flink" service, or a real one).
     target: str = "local"
@@ -276,6 +280,10 @@ class FlinkSettings:
     @property
     def host_port(self) -> tuple[str, int]:
         return _host_port(self.rest_url, default_port=8081)
+
+    @property
+    def api_host_port(self) -> tuple[str, int]:
+        return _host_port(self.api_url, default_port=8082)
 
     connector_wheel: str = "shigawire-apache-flink-libraries==2.0.0.post1"
     # jar name inside the wheel's pyflink/lib/ -> sha256 it must have
@@ -434,6 +442,9 @@ class ServingSettings:
     # the rows/s the server sustains x the deadline (docs/benchmarks.md has this machine's figures).
     max_inflight_rows: int = 4096  # ~20,000 rows/s x the 200 ms deadline: 8 clients of mixed sizes fit
     retry_after_s: int = 1
+    # /healthz says "degraded" while a worker answered over half of its last window's requests (20 or
+    # more) with 503: alive processes that refuse their traffic are not serving it.
+    refused_window_s: float = 60.0
     default_deadline_ms: float = 200.0  # a request may ask for less (never more)
     max_candidates: int = 1000  # larger lists are refused (413); at most max_inflight_rows
     # Compute allocation by value tier (serving/access.py): the queue fill at which low-value

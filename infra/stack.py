@@ -80,6 +80,7 @@ def side_by_side_environ(data_dir: Path, profile: str = "") -> dict[str, str]:
         "FLYWHEEL_MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port()}",
         "FLYWHEEL_AIRFLOW_API_URL": f"http://127.0.0.1:{port()}",
         "FLYWHEEL_FLINK_REST_URL": f"http://127.0.0.1:{port()}",
+        "FLYWHEEL_FLINK_API_URL": f"https://127.0.0.1:{port()}",
         "FLYWHEEL_SERVING_PORT": str(port()),
     }
 

@@ -5,7 +5,8 @@
     POST /recommend  a user's best k items from the whole catalogue (serving/recommend.py): each with its
                    ranker score and the candidate sources that retrieved it, and the versions used
     GET  /healthz  the worker is up (HTTP 200); `status` "degraded" with its `problems` while a worker's
-                   prediction log is down; `notes`: the registry unreachable (the last aliases serve)
+                   prediction log is down or it refused most of its last minute's requests (503);
+                   `notes`: the registry unreachable (the last aliases serve)
     GET  /readyz   200 once every worker has a champion loaded and every shape bucket compiled and warm
     GET  /models   the answering worker's versions serving each route, warm ones, refused ones and why;
                    `workers`: each worker's readiness and versions serving
@@ -114,13 +115,21 @@ def _printable(part: object) -> object:
     return part.encode("utf-8", "backslashreplace").decode() if isinstance(part, str) else part
 
 
+async def _watch_answers(recent: metrics.RecentAnswers) -> None:
+    while True:
+        recent.sample()
+        await asyncio.sleep(recent.every_s)
+
+
 def create_app(s: Settings, inference: Inference) -> FastAPI:
     recommender = Recommender(s, inference)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.inference = inference  # started by run_worker
+        watch = asyncio.create_task(_watch_answers(metrics.RecentAnswers(s.serving.refused_window_s)))
         yield
+        watch.cancel()
         recommender.close()
         app.state.inference.close()
 
@@ -213,6 +222,10 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         unreachable = sorted(pid for pid, w in workers.items() if w["registry_reachable"] is False)
         problems = [f"prediction log down in worker(s) {', '.join(down)}: predictions are not reaching "
                     "Kafka"] * bool(down)
+        if refusing := {pid: w["refused_share"] for pid, w in workers.items() if w["refused_share"] > 0.5}:
+            problems.append(f"worker(s) {', '.join(sorted(refusing))} answered {max(refusing.values()):.0%} of "
+                            f"their requests of the last {s.serving.refused_window_s:g} s with 503 (/metrics: "
+                            "flywheel_shed_total and flywheel_faults_total say why)")
         why = follower.registry_error or "see the workers' logs"
         notes = [f"registry unreachable from worker(s) {', '.join(unreachable)} ({why}): serving the last known "
                  "aliases"] * bool(unreachable)

@@ -3,8 +3,10 @@ atomically between batches; recent versions stay warm so a rollback swaps back a
 
 A version that fails to load or warm (missing artifact, a spec the server cannot feed, non-finite
 scores) is refused: logged, counted, retried only every RETRY_REFUSED_S, and the current one keeps
-serving. An incremental version whose parent is loaded is built from the parent plus its sparse delta
-(`sparse_delta` tag): only the changed rows are downloaded, and nothing is compiled.
+serving. A fetch that fails while the registry does not answer is an outage, not a bad version: retried
+at the next poll that is answered. An incremental version whose parent is loaded is built from the
+parent plus its sparse delta (`sparse_delta` tag): only the changed rows are downloaded, and nothing is
+compiled.
 
 Once the first champion serves, what the worker holds (the libraries, that version) is frozen out of
 the cyclic GC (`gc.freeze`, no collection: nothing waits on it): its full collections otherwise walked
@@ -33,7 +35,7 @@ from contract.examples import Examples
 from contract.terms import unmet
 from infra.settings import Settings
 from models.ctr import CtrModel, ModelSpec
-from models.registry import CHALLENGER, CHAMPION, aliases, connect, load_version
+from models.registry import CHALLENGER, CHAMPION, RegistryError, aliases, connect, load_version
 from serving import metrics
 from serving.dense import DenseRunner
 
@@ -166,6 +168,8 @@ class ModelFollower:
             try:
                 model = self._obtain(version)
             except Exception as exc:  # noqa: BLE001 - any failure refuses the version, never the server
+                if not self._registry_answers():  # an outage mid-fetch: the version is not at fault
+                    raise RegistryError(f"v{version} not fetched, the registry does not answer: {exc}") from exc
                 self.refused[version] = f"{type(exc).__name__}: {exc}"
                 self._refused_at[version] = time.monotonic()
                 metrics.MODEL_REFUSED.inc()
@@ -178,6 +182,13 @@ class ModelFollower:
             metrics.set_version(route, version)
             metrics.WORKER_READY.set(int(self.ready))
             log.info("@%s now v%s (%s, %.2fs)", route, version, model.loaded_by, time.monotonic() - started)
+
+    def _registry_answers(self) -> bool:
+        try:
+            self._registry().get_registered_model(self.s.models.name)
+        except Exception:  # noqa: BLE001 - whatever the client raises, it did not answer
+            return False
+        return True
 
     def _obtain(self, version: str) -> ServedModel:
         if version in self.warm:

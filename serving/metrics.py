@@ -9,7 +9,8 @@ and histograms summed, `flywheel_inflight_rows` summed over live workers, and th
 from __future__ import annotations
 
 import os
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
@@ -51,6 +52,40 @@ PREDICTION_LOG_ERRORS = Counter("flywheel_prediction_log_errors", "Prediction re
 PREDICTION_LOG_UP = Gauge("flywheel_prediction_log_up", "1 while the worker's prediction log delivers, 0 while no "
                           "broker answers or its records fail.", multiprocess_mode="liveall")
 
+REFUSED_RECENTLY = Gauge("flywheel_refused_share", "Share of the worker's requests answered 503 over the last "
+                         "serving.refused_window_s (0 with fewer than RecentAnswers.min_requests).",
+                         multiprocess_mode="liveall")
+
+
+class RecentAnswers:
+    """This worker's answers over a sliding window, from its own request counter sampled every few seconds:
+    the share it refused (503: shed, features, not ready, a fault). A server that refuses most of its
+    traffic is not serving, however alive its processes are (`/healthz`)."""
+
+    min_requests = 20
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s, self.every_s = window_s, min(5.0, window_s / 4)
+        self.samples: deque[tuple[float, float, float]] = deque()  # (monotonic time, answered, refused)
+
+    def sample(self, now: float | None = None) -> float:
+        answered = refused = 0.0
+        for family in REQUESTS.collect():  # this process's own values
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    answered += sample.value
+                    refused += sample.value * (sample.labels["status"] == "503")
+        now = time.monotonic() if now is None else now
+        self.samples.append((now, answered, refused))
+        while len(self.samples) > 1 and now - self.samples[1][0] >= self.window_s:
+            self.samples.popleft()  # the oldest kept is the last one at least window_s old
+        _, answered_then, refused_then = self.samples[0]
+        n = answered - answered_then
+        share = (refused - refused_then) / n if n >= self.min_requests else 0.0
+        REFUSED_RECENTLY.set(share)
+        return share
+
+
 _versions: dict[str, str] = {}
 
 
@@ -76,14 +111,14 @@ def exposition() -> bytes:
 
 def workers() -> dict[str, dict]:
     """Each live worker by pid: `listening` (takes connections), `ready` (a champion warm),
-    `registry_reachable` (its last alias poll answered), `prediction_log_up` and the version `serving`
-    each route."""
+    `registry_reachable` (its last alias poll answered), `prediction_log_up`, `refused_share` (of its
+    last minute's requests, answered 503) and the version `serving` each route."""
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
         return {}
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)
     out: dict[str, dict] = defaultdict(lambda: {"listening": False, "ready": False, "registry_reachable": None,
-                                                "prediction_log_up": None, "serving": {}})
+                                                "prediction_log_up": None, "refused_share": 0.0, "serving": {}})
     for family in registry.collect():
         for sample in family.samples:
             pid = sample.labels.get("pid")
@@ -91,6 +126,8 @@ def workers() -> dict[str, dict]:
                 out[pid][sample.name.removeprefix("flywheel_worker_")] = sample.value == 1
             elif sample.name in ("flywheel_registry_reachable", "flywheel_prediction_log_up") and pid:
                 out[pid][sample.name.removeprefix("flywheel_")] = sample.value == 1
+            elif sample.name == "flywheel_refused_share" and pid:
+                out[pid]["refused_share"] = sample.value
             elif sample.name == "flywheel_model_version" and pid and sample.value == 1:
                 out[pid]["serving"][sample.labels["route"]] = sample.labels["version"]
     return dict(out)

@@ -50,6 +50,7 @@ from infra.redis_clients import OnlineClient, online_store
 from infra.settings import Settings, get_settings
 from models.recall import IndexFrame, PopularityPrior, query_vectors
 from models.registry import CHAMPION, alias_version, connect
+from streaming.consumer import commit_written
 from streaming.features import row_schema, topics
 
 log = logging.getLogger("flywheel.user-embedder")
@@ -266,7 +267,7 @@ class Embedder:
         if newest:
             self.store(newest, acted)
         if polled:
-            self.consumer.commit(asynchronous=False)
+            commit_written(self.consumer)
         return len(newest)
 
     def store(self, recent: dict[str, list[str]], acted: Sequence[tuple[str, str, float | None]]) -> None:

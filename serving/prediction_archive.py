@@ -107,7 +107,7 @@ def main() -> None:
     s = get_settings()
     topic = s.serving.predictions_topic
     ensure_topics(s, [topic])
-    with EventConsumer(s, GROUP, topic, decoder=decode_prediction) as consumer:
+    with EventConsumer(s, GROUP, topic, decoder=decode_prediction, count_lost=True) as consumer:
         log.info("archiving %s to %s", topic, archive_dir(s))
         archive(s, "prediction-archive", consumer, write_batch, max_records=1_000)
 

@@ -39,6 +39,7 @@ class PredictionLog:
             "enable.idempotence": False, "queue.buffering.max.messages": 100_000, "compression.type": "lz4",
             "linger.ms": 50, "error_cb": self._error})
         self.up = True
+        self._full_said = float("-inf")
         metrics.PREDICTION_LOG_UP.set(1)
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="prediction-log", daemon=True)
@@ -85,7 +86,12 @@ class PredictionLog:
             # sixth of the server's CPU on them.
             self._producer.produce(self.topic, msgspec.json.encode(record), user_id.encode(),
                                    on_delivery=self._delivered)
-        except (BufferError, confluent_kafka.KafkaException) as exc:
+        except BufferError:  # the local queue full (a burst the broker takes slower): counted, not "down",
+            metrics.PREDICTION_LOG_ERRORS.inc()  # which would flip at every delivery in between
+            if time.monotonic() - self._full_said > 60:
+                self._full_said = time.monotonic()
+                log.warning("prediction log queue full: records dropped (flywheel_prediction_log_errors_total)")
+        except confluent_kafka.KafkaException as exc:
             metrics.PREDICTION_LOG_ERRORS.inc()
             self._mark(False, f"records dropped ({exc})")
 

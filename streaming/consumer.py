@@ -8,6 +8,8 @@ so nothing is lost on a crash (at-least-once delivery).
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +20,10 @@ from kafka.consumer.fetcher import ConsumerRecord
 from infra.settings import Settings
 from streaming.events import (
     DLQ_OFFSET, DLQ_ORIGINAL_SIZE, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC, Event, InvalidEvent, decode)
+
+log = logging.getLogger(__name__)
+
+LOG_END_PROBE_S = 0.25  # how often a consumer asks the broker where its partitions end (see `lost`)
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,8 @@ class EventConsumer:
     unpacked in C, so the Python cost per event is its decoding)."""
 
     def __init__(self, s: Settings, group_id: str, topic: str | None = None, *, dead_letter: bool = True,
-                 decoder: Callable[[bytes | None], Any] | None = None, **client_overrides: object):
+                 decoder: Callable[[bytes | None], Any] | None = None, count_lost: bool = False,
+                 **client_overrides: object):
         """`dead_letter=False` skips invalid records (counted in `invalid`) for a reader that is not
         their owner: the stream job dead-letters the events topic, so the event log only skips.
         `decoder` reads another topic's records (raising InvalidEvent); events by default."""
@@ -59,12 +66,24 @@ class EventConsumer:
         types = s.spec.type_names
         self.decoder = decoder or (lambda value: decode(value, self.max_bytes, types))
         self.dead_lettered = 0
+        # A restarted embedded broker comes back with its topics empty (a new incarnation): what it held
+        # past what this consumer had read is gone. With `count_lost`, `lost` counts it up to the log ends
+        # last seen (a lower bound: what was acknowledged after the last fetch is not seen), looked at by
+        # a thread of its own: a consumer busy writing, or niced on a busy host, still knows them.
+        self.lost = 0
+        self._next: dict[int, int] = {}  # partition -> the offset after the last record read
+        self._end: dict[int, int] = {}  # partition -> the largest log end seen in this incarnation
+        self._floor: dict[int, int] = {}  # partition -> the largest position seen (where reading starts)
+        self._ends_lock, self._closed = threading.Lock(), threading.Event()
         # Not on a freshness path (the archives): librdkafka's default fetch wait, the broker's CPU spared.
         options = s.kafka.stream_consumer(group_id) | {"fetch.wait.max.ms": 500} | client_overrides
         self._consumer = Consumer(options)
         self._consumer.subscribe([self.topic])
         self._dlq = Producer(s.kafka.client_options("librdkafka") | {"acks": "all", "linger.ms": 5})
         self._dlq_errors: list[KafkaError] = []
+        self._prober = threading.Thread(target=self._probe_log_ends, name="log-end-probe", daemon=True)
+        if count_lost:
+            self._prober.start()
 
     def poll(self, timeout_ms: int = 1000, max_records: int = 1000) -> list[Consumed]:
         """The next valid events (up to `max_records`, waiting at most `timeout_ms` for them); invalid
@@ -75,6 +94,7 @@ class EventConsumer:
                 if record.error().fatal():
                     raise KafkaException(record.error())
                 continue
+            self._track(record.partition(), record.offset())
             try:
                 out.append(Consumed(self.decoder(record.value()), record.partition(), record.offset()))
             except InvalidEvent as exc:
@@ -82,6 +102,39 @@ class EventConsumer:
                 if self.dead_letter:
                     self._dead_letter(record, exc.reason)
         return out
+
+    def _probe_log_ends(self) -> None:
+        """Every LOG_END_PROBE_S, the log's end per partition as the last fetch response gave it (librdkafka
+        fetches ahead of what poll() returned, in threads of its own; no request: the embedded broker
+        answers ListOffsets with its last batch's first offset + 1). Kept as it grows: a recreated topic's
+        end is smaller until it is read."""
+        while not self._closed.wait(LOG_END_PROBE_S):
+            try:
+                assigned = self._consumer.assignment()
+                ends = [(tp.partition, self._consumer.get_watermark_offsets(tp, cached=True)[1]) for tp in assigned]
+                positions = [(tp.partition, tp.offset) for tp in self._consumer.position(assigned)]
+            except (KafkaException, RuntimeError):  # the consumer closed: nothing learnt
+                continue
+            with self._ends_lock:
+                for seen, values in ((self._end, ends), (self._floor, positions)):
+                    for partition, offset in values:
+                        if offset >= 0:  # librdkafka's "not known yet" is negative
+                            seen[partition] = max(seen.get(partition, 0), offset)
+
+    def _track(self, partition: int, offset: int) -> None:
+        read = self._next.get(partition, 0)
+        if offset < read:  # the partition starts again below what was read: the topic was recreated, and
+            with self._ends_lock:  # with it every partition (a partition without new records says nothing)
+                starts = self._floor | self._next  # a partition not read from: where reading would start
+                gone = sum(max(0, end - starts.get(p, end)) for p, end in self._end.items())
+                self._end.clear()
+                self._floor.clear()
+            self._next.clear()
+            self.lost += gone
+            log.warning("%s[%d] starts again at offset %d below the %d read: the topic was recreated; %d "
+                        "records the broker held were not read (%d in all)", self.topic, partition, offset, read,
+                        gone, self.lost)
+        self._next[partition] = offset + 1
 
     def _dead_letter(self, record: Message, reason: str) -> None:
         value = record.value()
@@ -104,11 +157,7 @@ class EventConsumer:
         if self._dlq_errors:
             error, self._dlq_errors = self._dlq_errors[0], []
             raise KafkaException(error)  # the offsets stay uncommitted
-        try:
-            self._consumer.commit(asynchronous=False)
-        except KafkaException as exc:
-            if exc.args[0].code() != KafkaError._NO_OFFSET:  # nothing consumed since the last commit
-                raise
+        commit_written(self._consumer)
 
     def __iter__(self) -> Iterator[Consumed]:
         """Events forever; commits after each polled batch has been handed out."""
@@ -117,6 +166,9 @@ class EventConsumer:
             self.commit()
 
     def close(self) -> None:
+        self._closed.set()
+        if self._prober.is_alive():
+            self._prober.join(10)  # not inside a call on the consumer as it is destroyed
         self._dlq.flush(30)
         self._consumer.close()
 
@@ -125,6 +177,25 @@ class EventConsumer:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+# A commit the group no longer takes: the partitions were reassigned (a rebalance, or a restarted broker that
+# forgot the group). What was read is written; whoever reads those partitions next reads it again
+# (at-least-once), so the consumer carries on. _NO_OFFSET: nothing read since the last commit.
+_NOT_TAKEN = (KafkaError._ASSIGNMENT_LOST, KafkaError.UNKNOWN_MEMBER_ID, KafkaError.ILLEGAL_GENERATION,
+              KafkaError.REBALANCE_IN_PROGRESS)
+
+
+def commit_written(consumer: Consumer) -> None:
+    """Commit, synchronously, the offsets of what `consumer` read and its owner has written."""
+    try:
+        consumer.commit(asynchronous=False)
+    except KafkaException as exc:
+        code = exc.args[0].code()
+        if code in _NOT_TAKEN:
+            log.warning("commit not taken (%s): what was read is written, and read again", exc.args[0].str())
+        elif code != KafkaError._NO_OFFSET:
+            raise
 
 
 def read_dead_letter(record: ConsumerRecord) -> DeadLetter:

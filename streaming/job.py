@@ -3,12 +3,14 @@
 Runs in the Flink environment (`.venv-flink`), in a local MiniCluster by default:
     .venv-flink/bin/python -m streaming.job        (or `flywheel up`, which manages it)
 On a session cluster (`flink.target = "remote"`, the cluster profile): the same command submits the job,
-with the connector jars and the functions jar, to the JobManager at `flink.rest_url` and follows it.
+with the connector jars and the functions jar, to the JobManager at `flink.api_url` and follows it.
+Either way the process serves Flink's web UI, read-only, at `flink.rest_url` (infra/flink_rest.py).
 
 No Python in the per-event path: records are parsed and checked once, in the JVM, by the schema's Java
 twin (streaming/java, the rules and reasons of streaming/events.py), and Flink SQL does the aggregation
-(a row per event by default, one per key per mini-batch with `streaming.mini_batch_ms`). Invalid records go to the dead-letter topic with their reason, source topic, partition
-and offset, and original size; an oversized one keeps only its first `kafka.max_event_bytes`.
+(a row per event by default, one per key per mini-batch with `streaming.mini_batch_ms`). Invalid records
+go to the dead-letter topic with their reason, source topic, partition and offset, and original size; an
+oversized one keeps only its first `kafka.max_event_bytes`.
 
 Late events: nothing waits for a watermark. Windows, totals, category counts and the interest histogram
 are updating aggregates that include a late event in every window it belongs to; the behavior sequence
@@ -18,12 +20,10 @@ event log for training.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import time
-import urllib.request
 from pathlib import Path
 
 from pyflink.common import Configuration
@@ -31,6 +31,7 @@ from pyflink.datastream import StreamExecutionEnvironment
 from pyflink.java_gateway import get_gateway
 from pyflink.table import Schema, StreamTableEnvironment, Table
 
+from infra import flink_rest
 from infra.dataset import JVM_SEPARATOR
 from infra.flink_cluster import EVENTS_TOPIC_ID, rest_options
 from infra.flink_jars import udf_jar
@@ -57,8 +58,8 @@ def table_environment(s: Settings, events_topic_id: str) -> StreamTableEnvironme
         "pipeline.name": s.streaming.job_name,
         **rest_options(s),
         # The JVM's other servers (the blob server among them) bind to every interface unless told.
-        "jobmanager.bind-host": s.flink.host_port[0],
-        "taskmanager.bind-host": s.flink.host_port[0],
+        "jobmanager.bind-host": s.flink.api_host_port[0],
+        "taskmanager.bind-host": s.flink.api_host_port[0],
         "pipeline.jars": jars,
         "parallelism.default": str(s.streaming.parallelism),
         "io.tmp.dirs": str(tmp),
@@ -108,7 +109,7 @@ def table_environment(s: Settings, events_topic_id: str) -> StreamTableEnvironme
     if s.flink.target == "local":
         return StreamTableEnvironment.create(StreamExecutionEnvironment.get_execution_environment(config))
     # get_execution_environment runs a job in a local MiniCluster whatever execution.target says: the
-    # environment's constructor keeps the remote target, and submits to the session cluster at rest_url.
+    # environment's constructor keeps the remote target, and submits to the session cluster at api_url.
     config.set_string("execution.target", "remote")
     remote = get_gateway().jvm.org.apache.flink.streaming.api.environment.StreamExecutionEnvironment(
         config._j_configuration)
@@ -277,23 +278,14 @@ def build(s: Settings, events_topic_id: str | None = None) -> StreamTableEnviron
     return env
 
 
-def _rest(s: Settings, path: str, method: str = "GET", body: dict | None = None) -> dict:
-    """A call to the job's REST API (the Flink environment has no HTTP client but urllib)."""
-    request = urllib.request.Request(f"{s.flink.rest_url}{path}", method=method,
-                                     data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read() or b"{}")
-
-
 def checkpoint_now(s: Settings, jid: str, timeout_s: float = 15.0) -> bool:
     """Take a checkpoint and wait for it to complete: a job stopped after this resumes with every event it
     processed, not only those up to its last periodic checkpoint. False when it did not complete in time."""
     try:
-        trigger = _rest(s, f"/jobs/{jid}/checkpoints", "POST", {})["request-id"]
+        trigger = flink_rest.call(s, f"/jobs/{jid}/checkpoints", "POST", {})["request-id"]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            status = _rest(s, f"/jobs/{jid}/checkpoints/{trigger}")
+            status = flink_rest.call(s, f"/jobs/{jid}/checkpoints/{trigger}")
             if status.get("status", {}).get("id") == "COMPLETED":
                 failure = (status.get("operation") or {}).get("failure-cause")
                 return failure is None
@@ -306,17 +298,18 @@ def checkpoint_now(s: Settings, jid: str, timeout_s: float = 15.0) -> bool:
 def _cancel_running(s: Settings) -> None:
     """On a session cluster: cancel the jobs of this name still running (their client stopped; checkpoints
     are retained on cancellation, and the new job resumes from the latest)."""
-    for job in _rest(s, "/jobs/overview").get("jobs", []):
+    for job in flink_rest.call(s, "/jobs/overview").get("jobs", []):
         if job.get("name") == s.streaming.job_name and job.get("state") in ("RUNNING", "CREATED", "RESTARTING"):
             log.info("cancelling job %s, left running on the cluster", job["jid"])
-            _rest(s, f"/jobs/{job['jid']}?mode=cancel", "PATCH")
-            while _rest(s, f"/jobs/{job['jid']}").get("state") not in ("CANCELED", "FAILED", "FINISHED"):
+            flink_rest.call(s, f"/jobs/{job['jid']}?mode=cancel", "PATCH")
+            while flink_rest.call(s, f"/jobs/{job['jid']}").get("state") not in ("CANCELED", "FAILED", "FINISHED"):
                 time.sleep(0.2)
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     s = get_settings()
+    flink_rest.start_front(s)  # the web UI, read-only, also while the job starts
     if s.flink.target == "remote":
         _cancel_running(s)
     env = build(s)
@@ -325,7 +318,7 @@ def main() -> None:
         statements.add_insert_sql(query)
     result = statements.execute()
     log.info("job %s submitted to %s; topics: %s", s.streaming.job_name,
-             s.flink.rest_url if s.flink.target == "remote" else "a local MiniCluster", ", ".join(topics()))
+             s.flink.api_url if s.flink.target == "remote" else "a local MiniCluster", ", ".join(topics()))
     # This process follows the job. The stack stops it with SIGINT, which the JVM PyFlink started ignores
     # (it inherits SIG_IGN): a last checkpoint is taken first, then the job is cancelled on a session
     # cluster; locally the MiniCluster ends with this process.
@@ -340,7 +333,7 @@ def _stop(s: Settings, jid: str) -> None:
     kept = checkpoint_now(s, jid)
     log.info("stopping: final checkpoint %s in %.1fs", "taken" if kept else "NOT taken", time.monotonic() - started)
     if s.flink.target == "remote":
-        _rest(s, f"/jobs/{jid}?mode=cancel", "PATCH")
+        flink_rest.call(s, f"/jobs/{jid}?mode=cancel", "PATCH")
     raise SystemExit(0)
 
 

@@ -76,6 +76,34 @@ def answered(url: str, body: dict, tries: int = 5) -> dict:
     return r.json()
 
 
+class FaultTable:
+    """The fault suite's findings (`pytest -m chaos`, `make chaos`; part of `make test`): each test that
+    injects a fault records what must hold and what it saw; the run ends with them as one table."""
+
+    KEY = pytest.StashKey[list[tuple[str, str, str, bool]]]()
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.rows = config.stash.setdefault(self.KEY, [])
+
+    def record(self, fault: str, must_hold: str, seen: str, held: bool) -> bool:
+        self.rows.append((fault, must_hold, seen, held))
+        return held
+
+
+@pytest.fixture(scope="session")
+def faults(pytestconfig: pytest.Config) -> FaultTable:
+    return FaultTable(pytestconfig)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    rows = config.stash.get(FaultTable.KEY, [])
+    if rows:
+        terminalreporter.section("faults injected, and what held")
+        terminalreporter.write_line("| fault | must hold | seen | held |\n|---|---|---|---|")
+        for fault, must_hold, seen, held in rows:
+            terminalreporter.write_line(f"| {fault} | {must_hold} | {seen} | {'yes' if held else 'NO'} |")
+
+
 def wait_for(check: Callable, timeout_s: float = 90.0):
     """Retry `check` until it stops raising AssertionError (the last one is raised at the timeout)."""
     deadline = time.monotonic() + timeout_s

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from infra.settings import ServingSettings
 from models.registry import CHALLENGER, CHAMPION
+from serving import metrics
 from serving.access import allocate, route
 
 SV = ServingSettings()
@@ -29,3 +30,18 @@ def test_low_value_traffic_is_degraded_then_shed_first_and_high_value_keeps_full
     assert low.max_candidates == SV.degraded_max_candidates and normal.sequence_length == SV.degraded_sequence_length
     assert normal.max_candidates is None and not normal.shed
     assert allocate("low", 0.8, SV).shed and not allocate("normal", 0.8, SV).shed
+
+
+def test_a_worker_is_judged_by_the_share_it_refused_in_the_last_window_only() -> None:
+    """/healthz degrades a worker that answered most of its last window's requests 503; the share counts
+    only that window, and a trickle too small to judge counts as 0."""
+    recent = metrics.RecentAnswers(window_s=60)
+    ok, refused = metrics.REQUESTS.labels("champion", "200"), metrics.REQUESTS.labels("-", "503")
+    assert recent.sample(now=0) == 0.0
+    ok.inc(100)
+    assert recent.sample(now=10) == 0.0
+    refused.inc(300)
+    assert recent.sample(now=20) == 0.75  # 300 of the 400 answered since t=0
+    assert recent.sample(now=75) == 1.0  # since t=10, the newest sample a window old: 300 refused of 300
+    refused.inc(5)
+    assert recent.sample(now=140) == 0.0  # 5 since t=75: too few to judge

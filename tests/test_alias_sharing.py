@@ -7,8 +7,12 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from infra.settings import load_settings
+from models.registry import RegistryError
 from serving import lifecycle
 
 
@@ -36,3 +40,42 @@ def test_a_slow_registry_answer_does_not_replace_a_later_one(tmp_path: Path, mon
     late.join(10)
     # Every worker reading the shared answer now gets the later one.
     assert slow._aliases() == fast._aliases() == {"champion": "1"}
+
+
+class _Registry:
+    """A stand-in registry client that can be down."""
+
+    def __init__(self) -> None:
+        self.down = False
+
+    def get_registered_model(self, name: str) -> object:
+        if self.down:
+            raise ConnectionError("connection refused")
+        return object()
+
+
+def test_a_registry_outage_mid_fetch_does_not_refuse_the_version(tmp_path: Path, monkeypatch) -> None:
+    """A version whose artifacts cannot be fetched because the registry went away is tried again at the
+    next answered poll (not refused for RETRY_REFUSED_S); one that fails with the registry up is refused."""
+    s = load_settings({}, config_file=None)
+    follower, registry = lifecycle.ModelFollower(s, None, None), _Registry()
+    follower._client = registry
+    monkeypatch.setattr(lifecycle, "aliases", lambda client, name: {"champion": "3"})
+
+    def obtain(version: str) -> object:
+        if registry.down:
+            raise ConnectionError("artifact download failed")
+        if version == "4":
+            raise ValueError("non-finite scores")
+        return SimpleNamespace(version=version, loaded_by="full")
+    monkeypatch.setattr(follower, "_obtain", obtain)
+    registry.down = True
+    with pytest.raises(RegistryError):
+        follower.poll_once()
+    assert follower.served["champion"] is None and follower.refused == {}
+    registry.down = False
+    follower.poll_once()
+    assert follower.served["champion"].version == "3"
+    monkeypatch.setattr(lifecycle, "aliases", lambda client, name: {"champion": "4"})
+    follower.poll_once()
+    assert follower.served["champion"].version == "3" and "non-finite" in follower.refused["4"]

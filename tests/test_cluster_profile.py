@@ -68,7 +68,9 @@ def test_status_names_every_engine_in_its_distributed_form(cluster) -> None:
     assert {row["state"] for row in services.values()} == {"healthy"}, services
     assert all(services[name]["pid"] for name in services)
     # Flink: a session cluster of 2 TaskManagers, the feature job RUNNING on it at parallelism 2.
-    flink = services["flink-jobmanager"]["url"]
+    # Read through the stream job's read-only front; the JobManager's REST API wants the stack's certificate.
+    assert services["flink-jobmanager"]["url"] == s.flink.api_url
+    flink = services["stream-job"]["url"]
     assert httpx.get(f"{flink}/overview", timeout=5).json()["taskmanagers"] == 2
     jobs = [j for j in httpx.get(f"{flink}/jobs/overview", timeout=5).json()["jobs"] if j["state"] == "RUNNING"]
     assert [j["name"] for j in jobs] == [s.streaming.job_name]

@@ -43,13 +43,14 @@ from models.registry import CHALLENGER, CHAMPION, connect, log_model
 from models.sparse import SparseConfig
 from serving import access
 from serving.client import Served, closed_loop, open_loop
-from tests.conftest import running_stack, wait_for
+from tests.conftest import FaultTable, running_stack, wait_for
 from tests.ctr_data import synthetic
 
 pytestmark = pytest.mark.stack
 SPEC = ModelSpec(numeric_features=NUMERIC_FEATURES, sequence_length=50, sparse=SparseConfig(dim=8, admit_after=1),
                  hidden=(32, 16), batch_size=128)
 USERS, ITEMS = 20, 100
+REGISTRY_OUTAGE_S = 60.0
 WORKERS = 2
 
 
@@ -138,7 +139,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     for s in running_stack(tmp / "stack", "kafka,redis,mlflow,serving", FLYWHEEL_SERVING_CANARY_PERCENT="30",
                            FLYWHEEL_SERVING_SHADOW_PERCENT="50", FLYWHEEL_SERVING_MAX_INFLIGHT_ROWS="1500",
                            FLYWHEEL_SERVING_DEFAULT_DEADLINE_MS="500", FLYWHEEL_SERVING_MAX_CANDIDATES="500",
-                           FLYWHEEL_SERVING_WORKERS=str(WORKERS)):
+                           FLYWHEEL_SERVING_WORKERS=str(WORKERS), FLYWHEEL_SERVING_REFUSED_WINDOW_S="10"):
         url = f"http://127.0.0.1:{s.serving.port}"
         assert httpx.get(f"{url}/readyz", timeout=5).status_code == 503  # no model yet
         _write_features(s)
@@ -581,6 +582,40 @@ def test_a_stalled_online_store_cannot_hold_a_request_past_its_deadline(platform
     wait_for(lambda: _assert(httpx.post(f"{p.url}/rank", json=body, timeout=10).status_code == 200), timeout_s=10)
 
 
+@pytest.mark.chaos
+def test_a_server_refusing_most_requests_is_degraded_until_it_serves_again(platform: Platform,
+                                                                         faults: FaultTable) -> None:
+    """Live workers that answer their traffic 503 (here: the online store stalled) are not serving: the
+    server is degraded and unhealthy in status within the window, and ok again, by itself, once the
+    cause ends and the window has passed."""
+    p = platform
+    window = p.s.serving.refused_window_s
+    redis_server = process.read_pidfile(p.s.paths.run_dir / "redis.json").process()
+    body = _request(_champion_user(p), 5, deadline_ms=100)
+    health = lambda: httpx.get(f"{p.url}/healthz", timeout=5).json()  # noqa: E731
+    redis_server.suspend()
+    stalled = time.monotonic()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            codes = Counter(pool.map(lambda _: httpx.post(f"{p.url}/rank", json=body, timeout=10).status_code,
+                                     range(80)))
+        assert codes[503] >= 70, codes
+        wait_for(lambda: _assert(health()["status"] == "degraded"), timeout_s=window)
+        degraded_s = time.monotonic() - stalled
+        server = next(x for x in stack.status(p.s) if x.name == "ranking-server")
+        assert server.state == "unhealthy" and "with 503" in server.detail, server
+    finally:
+        redis_server.resume()
+    resumed = time.monotonic()
+    assert httpx.post(f"{p.url}/rank", json=body | {"deadline_ms": 500}, timeout=10).status_code == 200
+    wait_for(lambda: _assert(health()["status"] == "ok"), timeout_s=window + 30)
+    faults.record("ranking server answering mostly 503 (online store stopped)",
+                  "status unhealthy within 60 s; healthy again without a human after the cause ends",
+                  f"{codes[503]} of 80 requests 503; degraded {degraded_s:.0f} s after the stop; ok "
+                  f"{time.monotonic() - resumed:.0f} s after the store resumed (window {window:g} s)",
+                  degraded_s <= 60)
+
+
 def test_item_features_are_cached_no_longer_than_the_ttl(platform: Platform) -> None:
     p = platform
     body = {"user_id": f"u{_champion_user(p)}", "candidates": [{"item_id": "i7", "category": "c1"}]}
@@ -637,7 +672,10 @@ def _service(p: Platform, name: str):
     return next(svc for svc in enabled_services(p.s) if svc.name == name)
 
 
-def test_a_registry_outage_keeps_every_route_and_is_reported(platform: Platform) -> None:
+@pytest.mark.chaos
+def test_a_registry_outage_keeps_every_route_and_is_reported(platform: Platform, faults: FaultTable) -> None:
+    """MLflow down for a minute under steady /rank load: nobody gets an error, every route keeps its
+    version (canary users the challenger), each failed poll is counted and status says why."""
     p = platform
     _set_alias(p, CHALLENGER, "v2")
     wait_for(lambda: _assert(_everywhere(p, CHALLENGER) == {p.versions["v2"]}), timeout_s=30)
@@ -646,19 +684,34 @@ def test_a_registry_outage_keeps_every_route_and_is_reported(platform: Platform)
     mlflow_svc = _service(p, "mlflow")
     try:
         process.stop(stack.pidfile(p.s, mlflow_svc), p.s.stack.stop_timeout_s)
+        down = time.monotonic()
         wait_for(lambda: _assert({w["registry_reachable"] for w in _served(p)["workers"].values()} == {False}),
                  timeout_s=30)
         # Every route keeps its version: canary users still get the challenger, nobody an error.
-        users = [u for _ in range(3) for u in range(USERS)]
+        def load(worker: int) -> tuple[Counter, int]:
+            codes, wrong, u = Counter(), 0, worker
+            while time.monotonic() - down < REGISTRY_OUTAGE_S:
+                r = httpx.post(f"{p.url}/rank", json=_request(u % USERS, 6), timeout=10)
+                codes[r.status_code] += 1
+                wrong += r.status_code == 200 and r.json()["model_version"] != expected[u % USERS]
+                u += 4
+            return codes, wrong
         with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda u: httpx.post(f"{p.url}/rank", json=_request(u, 6), timeout=10), users))
-        assert [r.status_code for r in answers] == [200] * len(answers)
-        assert [r.json()["model_version"] for r in answers] == [expected[u] for u in users]
-        assert _metric(p, "flywheel_registry_poll_errors_total") > errors
+            answers = list(pool.map(load, range(4)))
+        codes, wrong = sum((c for c, _ in answers), Counter()), sum(w for _, w in answers)
+        poll_errors = _metric(p, "flywheel_registry_poll_errors_total") - errors
+        server = next(x for x in stack.status(p.s) if x.name == "ranking-server")
+        faults.record(f"MLflow down {REGISTRY_OUTAGE_S:.0f} s under /rank load",
+                      "/rank 0 non-2xx, challenger route kept, poll errors counted, status says registry unreachable",
+                      f"{codes.total()} requests: {dict(codes)}, {wrong} served another version; {poll_errors:.0f} "
+                      f"poll errors counted; status: "
+                      f"{next((x for x in server.detail.split('; ') if 'registry' in x), server.detail)[:90]}",
+                      set(codes) == {200} and not wrong and poll_errors > 0 and "registry unreachable" in server.detail)
+        assert set(codes) == {200} and not wrong, (codes, wrong)
+        assert poll_errors > 0
         assert _served(p)["registry"]["reachable"] is False and _served(p)["registry"]["error"]
         health = httpx.get(f"{p.url}/healthz", timeout=5).json()
         assert health["status"] == "ok" and "registry unreachable" in health["notes"][0], health
-        server = next(x for x in stack.status(p.s) if x.name == "ranking-server")
         assert "registry unreachable" in server.detail, server
     finally:
         stack.up(p.s)  # MLflow again, on its data
@@ -668,7 +721,9 @@ def test_a_registry_outage_keeps_every_route_and_is_reported(platform: Platform)
     wait_for(lambda: _assert(_everywhere(p, CHALLENGER) == {None}), timeout_s=30)
 
 
-def test_a_broker_crash_is_reported_and_the_prediction_log_recovers_by_itself(platform: Platform) -> None:
+@pytest.mark.chaos
+def test_a_broker_crash_is_reported_and_the_prediction_log_recovers_by_itself(platform: Platform,
+                                                                               faults: FaultTable) -> None:
     """kill -9 of the (in-memory) broker: the records it held are gone, but every one the server could
     not deliver is counted, the server says its log is down, and it logs again once a broker is back,
     with no restart."""
@@ -677,6 +732,7 @@ def test_a_broker_crash_is_reported_and_the_prediction_log_recovers_by_itself(pl
     undelivered = _metric(p, "flywheel_prediction_log_errors_total")
     broker = psutil.Process(process.read_pidfile(stack.pidfile(p.s, _service(p, "kafka"))).pid)
     broker.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
     broker.wait(10)
     during = {f"outage-{k}" for k in range(4)}
     for i in during:
@@ -684,9 +740,12 @@ def test_a_broker_crash_is_reported_and_the_prediction_log_recovers_by_itself(pl
     wait_for(lambda: _assert(httpx.get(f"{p.url}/healthz", timeout=5).json()["status"] == "degraded"), timeout_s=30)
     server = next(x for x in stack.status(p.s) if x.name == "ranking-server")
     assert server.state == "unhealthy" and "prediction log down" in server.detail, server
+    unhealthy_s = time.monotonic() - killed
     stack.up(p.s)  # a new, empty broker
+    back = time.monotonic()
     # Up again with nothing to send: the log asks whether a broker answers (`up` waits for a healthy server).
     wait_for(lambda: _assert(httpx.get(f"{p.url}/healthz", timeout=5).json()["status"] == "ok"), timeout_s=30)
+    ok_s = time.monotonic() - back
     after = {f"after-{k}" for k in range(4)}
 
     def logging_again() -> None:
@@ -697,4 +756,10 @@ def test_a_broker_crash_is_reported_and_the_prediction_log_recovers_by_itself(pl
     wait_for(lambda: _assert(httpx.get(f"{p.url}/healthz", timeout=5).json()["status"] == "ok"), timeout_s=30)
     # What the outage's requests logged either reached the new broker or was counted as not delivered.
     delivered = {r["request_id"] for r in _predictions(p, during, timeout_s=5)}
-    assert len(delivered) + _metric(p, "flywheel_prediction_log_errors_total") - undelivered >= len(during)
+    counted = _metric(p, "flywheel_prediction_log_errors_total") - undelivered
+    assert faults.record("dead prediction producer (broker kill -9 under /rank)",
+                         "status unhealthy within 60 s; healthy again without a human after the cause ends",
+                         f"/rank 200 throughout; server unhealthy (prediction log down) {unhealthy_s:.0f} s after the "
+                         f"kill; healthy {ok_s:.0f} s after the broker was back, no restart; {len(delivered)} of "
+                         f"{len(during)} outage records delivered, {counted:.0f} counted undelivered",
+                         unhealthy_s <= 60 and len(delivered) + counted >= len(during))
