@@ -105,8 +105,10 @@ def _run_steps(s: Settings, services: list[Service], step: str) -> None:
                              f"--- last lines of {log}:\n{process.tail(log, 20)}")
 
 
-def wait_healthy(s: Settings, services: list[Service], timeout_s: float) -> dict[str, Health]:
-    """Poll every service until all are healthy or `timeout_s` passes; the last health of each."""
+def wait_healthy(s: Settings, services: list[Service], timeout_s: float,
+                 tolerated: frozenset[str] = frozenset()) -> dict[str, Health]:
+    """Poll every service until all are healthy or `timeout_s` passes; the last health of each. Raises at
+    the timeout unless every service still unhealthy is `tolerated`."""
     deadline = time.monotonic() + timeout_s
     last: dict[str, Health] = {}
     pending = list(services)
@@ -122,6 +124,8 @@ def wait_healthy(s: Settings, services: list[Service], timeout_s: float) -> dict
                                      f"--- last lines of {logfile(s, svc)}:\n"
                                      f"{process.tail(logfile(s, svc), 20)}")
             if pending and time.monotonic() > deadline:
+                if all(p.name in tolerated for p in pending):
+                    break
                 names = ", ".join(f"{p.name} ({last[p.name].detail})" for p in pending)
                 raise StackError(f"not healthy after {timeout_s:.0f}s: {names}")
             if pending:
@@ -170,13 +174,16 @@ def up(s: Settings, say: Callable[[str], None] = lambda _: None) -> list[str]:
     Phase by phase: infrastructure, the pipeline, serving; a phase's setup commands run before its
     processes start. A running service is restarted (and `say` tells why) when one it depends on was
     started again, or when it is supervised and unhealthy. Returns the names of the services this call
-    started.
+    started. One that was running before, and that this call left as it was, is waited for too but never
+    fails the start of the others: still unhealthy at the timeout, it is named in a StackError raised once
+    every phase is up, what this call started left running.
     """
     check_dataset(s)
     s.paths.data_dir.chmod(0o700)  # created by check_dataset; one of an earlier version may be 755
     services = enabled_services(s)
     _check_ports(s, services)
     started: list[str] = []
+    left_unhealthy: list[str] = []
     try:
         for phase in sorted({svc.phase for svc in services}):
             batch = [svc for svc in services if svc.phase == phase]
@@ -193,13 +200,18 @@ def up(s: Settings, say: Callable[[str], None] = lambda _: None) -> list[str]:
                     process.spawn(svc.command(), pidfile(s, svc), logfile(s, svc), env, cwd=s.paths.data_dir,
                                   nice=svc.nice)
                     started.append(svc.name)
-            wait_healthy(s, batch, s.stack.start_timeout_s)
+            found = frozenset(svc.name for svc in batch if svc.name not in started)  # running, left as they were
+            health = wait_healthy(s, batch, s.stack.start_timeout_s, tolerated=found)
+            left_unhealthy += [f"{name} ({health[name].detail})" for name in sorted(found) if not health[name].ok]
             _run_steps(s, [svc for svc in batch if svc.name in started], "after_start")
     except BaseException:  # leave nothing half-started behind, whatever interrupted us
         for svc in reversed(services):
             if svc.name in started:
                 process.stop(pidfile(s, svc), s.stack.stop_timeout_s, svc.stop_signal)
         raise
+    if left_unhealthy:
+        raise StackError(f"started {', '.join(started) or 'nothing'}; running before this `up` and still unhealthy "
+                         f"after {s.stack.start_timeout_s:.0f}s: {', '.join(left_unhealthy)}")
     return started
 
 

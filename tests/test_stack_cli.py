@@ -5,6 +5,7 @@ import signal
 import socket
 import stat
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -177,3 +178,25 @@ def test_the_online_store_keeps_what_it_took_across_a_crash_and_its_files_are_pr
         files = [f for f in s.paths.service_dir("redis").rglob("*") if f.is_file()]
         assert any(f.suffix == ".aof" for f in files), files
         assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {f.name: "0o600" for f in files}
+
+
+def test_up_keeps_what_it_started_when_a_service_it_found_running_stays_unhealthy(tmp_path: Path) -> None:
+    """`up` after a crash (here: the broker) starts what is gone; a service that was running and stays
+    unhealthy (Redis, stopped) is named, but never makes `up` stop the broker it just started."""
+    for s in running_stack(tmp_path / "stack", "kafka,redis"):
+        pids = {svc.name: process.read_pidfile(stack.pidfile(s, svc)).pid for svc in enabled_services(s)}
+        broker = psutil.Process(pids["kafka"])
+        broker.send_signal(signal.SIGKILL)
+        broker.wait(10)
+        stopped_redis = psutil.Process(pids["redis"])
+        stopped_redis.suspend()
+        try:
+            hurried = replace(s, stack=replace(s.stack, start_timeout_s=5.0))
+            with pytest.raises(stack.StackError, match=r"started kafka; running before this `up` and still "
+                                                       r"unhealthy after 5s: redis \("):
+                stack.up(hurried)
+            kafka = next(st for st in stack.status(s) if st.name == "kafka")
+            assert kafka.state == "healthy" and kafka.pid != pids["kafka"], kafka
+        finally:
+            stopped_redis.resume()
+        assert stack.up(s) == []  # all running and healthy again: nothing to start
