@@ -1,7 +1,8 @@
 """Flink's REST API behind mutual TLS, and a read-only front of it for everyone else.
 
-Flink's REST endpoint authenticates nobody, and it registers its cancel, stop-with-savepoint, rescale and
-cluster-shutdown handlers whatever `web.*.enable` say. So the endpoint itself listens at `flink.api_url`
+Flink's REST endpoint authenticates nobody: it registers its cancel handler whatever `web.cancel.enable`
+says, and its savepoint and stop-with-savepoint handlers with no switch at all (flink-dist 2.3.0's
+WebMonitorEndpoint). So the endpoint itself listens at `flink.api_url`
 and takes only clients that present the stack's certificate (`security.ssl.rest.authentication-enabled`):
 the platform, which submits, checkpoints and cancels its job there. The web UI and every reader (status,
 benchmarks, a person's curl) use `flink.rest_url`: a front that passes GET and HEAD through and answers
