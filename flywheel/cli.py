@@ -171,7 +171,25 @@ def _print_status(s: Settings, show_secrets: bool = False) -> bool:
                 fresh = not getattr(s, service).password and not password_file(s, service).exists()
                 where = f"no password: the stack of {s.paths.data_dir} never started" if fresh else password(s)
             click.echo(f"{label} {url}  login: {user} / {where}")
+    if any(r.name == "prometheus" and r.state in ("healthy", "external") for r in rows):
+        _print_alerts(s)
     return all(r.state in ("healthy", "external") for r in rows)
+
+
+def _print_alerts(s: Settings) -> None:
+    """The alerts firing, each with what it says (infra/monitoring.py: the rules), and the dashboard."""
+    import httpx
+
+    from infra.monitoring import firing
+
+    try:
+        alerts = firing(s)
+    except httpx.HTTPError as exc:
+        click.echo(f"Alerts: Prometheus did not answer ({type(exc).__name__})")
+        return
+    click.echo(f"Dashboard:  {s.prometheus.url}/consoles/flywheel.html   alerts: {s.prometheus.url}/alerts")
+    for a in sorted(alerts, key=lambda a: (a["name"], a["summary"])):
+        click.echo(f"  FIRING {a['name']:<30} since {a['since'][:19]}  {a['summary']}")
 
 
 @main.command()

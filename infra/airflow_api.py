@@ -94,6 +94,20 @@ class AirflowClient:
         runs = self._call("GET", f"/dags/{dag_id}/dagRuns", params={"state": ["queued", "running"]})["dag_runs"]
         return [r["dag_run_id"] for r in runs]
 
+    def last_finished_runs(self, limit: int = 200) -> dict[str, dict]:
+        """Each DAG's last finished run among the `limit` that ended last: {dag_id: {"state", "end"}}
+        (end in epoch seconds). One call for every DAG (`~`)."""
+        from datetime import datetime
+
+        runs = self._call("GET", "/dags/~/dagRuns", tries=1, params={
+            "state": sorted(FINISHED), "order_by": "-end_date", "limit": limit})["dag_runs"]
+        latest: dict[str, dict] = {}
+        for r in runs:
+            if r["dag_id"] not in latest and r.get("end_date"):
+                latest[r["dag_id"]] = {"state": r["state"],
+                                       "end": datetime.fromisoformat(r["end_date"]).timestamp()}
+        return latest
+
     def task_instances(self, dag_id: str, run_id: str) -> list[dict]:
         return self._call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
 

@@ -18,7 +18,7 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
-from infra import flink_cluster, flink_rest, postgres
+from infra import flink_cluster, flink_rest, monitoring, postgres
 from infra.flink_cluster import EVENTS_TOPIC_ID
 from infra.progress import progress_health, topic_id
 from infra.redis_clients import credentials, graph_url
@@ -567,10 +567,43 @@ def _server_health(r: httpx.Response) -> Health:
     return Health(body.get("status") == "ok", "; ".join(["HTTP 200", *said]))
 
 
+# --- monitoring: Prometheus and the platform's exporter (infra/monitoring.py, infra/exporter.py) ------------
+
+def _prometheus(s: Settings) -> list[Service]:
+    host, port = s.prometheus.host_port
+    python = str(BIN_DIR / "python")
+
+    def health() -> Health:
+        answer = _http_health(f"{s.prometheus.url}/-/ready",
+                              lambda r: Health(r.status_code == 200, f"HTTP {r.status_code}"))
+        if not answer.ok:
+            return answer
+        targets = monitoring.targets(s)
+        down = sorted(t["job"] for t in targets if t["health"] != "up")
+        firing = sorted({a["name"] for a in monitoring.firing(s)})
+        return Health(True, f"{len(targets) - len(down)} of {len(targets)} targets up"
+                      + (f" (down: {', '.join(down)})" if down else "")
+                      + (f"; firing: {', '.join(firing)}" if firing else "; no alert firing"))
+
+    def exporter_health() -> Health:
+        return _http_health(f"{s.prometheus.exporter_url}/healthz", lambda r: Health(
+            r.status_code == 200, f"HTTP {r.status_code}"))
+
+    # SIGTERM: Prometheus writes its head block and exits within seconds.
+    return [
+        Service(name="metrics-exporter", group="prometheus", url=s.prometheus.exporter_url,
+                ports=(s.prometheus.exporter_host_port,), command=lambda: [python, "-m", "infra.exporter"],
+                env=_base_env, check=exporter_health),
+        Service(name="prometheus", group="prometheus", url=s.prometheus.url, ports=((host, port),),
+                command=lambda: monitoring.command(s), env=_base_env, check=health,
+                setup=lambda: [python, "-m", "infra.monitoring", "install"]),
+    ]
+
+
 def all_services(s: Settings) -> list[Service]:
     """Every service the local stack can run, in start order."""
     return [_kafka(s), *_redis(s), _postgres(s), _s3(s), _mlflow(s), *_airflow(s), *_flink(s), *_pipeline(s),
-            *_serving(s)]
+            *_serving(s), *_prometheus(s)]
 
 
 def used_groups(s: Settings) -> set[str]:

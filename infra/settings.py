@@ -27,8 +27,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV_PREFIX = "FLYWHEEL_"
 # Every service group the local stack can run; the default profile runs DEFAULT_SERVICES. "postgres",
 # "s3" and "flink" (a session cluster) back the distributed forms of the cluster profile.
-LOCAL_SERVICES = ("kafka", "redis", "postgres", "s3", "mlflow", "airflow", "flink", "pipeline", "serving")
-DEFAULT_SERVICES = ("kafka", "redis", "mlflow", "airflow", "pipeline", "serving")
+LOCAL_SERVICES = ("kafka", "redis", "postgres", "s3", "mlflow", "airflow", "flink", "pipeline", "serving",
+                  "prometheus")
+DEFAULT_SERVICES = ("kafka", "redis", "mlflow", "airflow", "pipeline", "serving", "prometheus")
 PROFILES_DIR = REPO_ROOT / "infra" / "profiles"  # <name>.toml: a config file layered under the user's
 
 
@@ -467,6 +468,29 @@ class ServingSettings:
 
 
 @dataclass(frozen=True)
+class PrometheusSettings:
+    """Monitoring (infra/monitoring.py): Prometheus scrapes the ranking server and the platform's exporter
+    (infra/exporter.py: the pipeline's consumers, the Flink job, Redis, the registry's aliases, DAG runs),
+    evaluates the alert rules and serves the dashboard (/consoles/flywheel.html). Only Prometheus reads
+    the stages: none of them waits on it."""
+
+    url: str = "http://127.0.0.1:9090"
+    exporter_url: str = "http://127.0.0.1:9464"
+    scrape_interval_s: float = 5.0  # also the rules' evaluation interval
+    # Airflow's DAG runs and the registry's aliases are asked of their servers, less often.
+    slow_scrape_interval_s: float = 30.0
+    retention: str = "15d"
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        return _host_port(self.url, default_port=9090)
+
+    @property
+    def exporter_host_port(self) -> tuple[str, int]:
+        return _host_port(self.exporter_url, default_port=9464)
+
+
+@dataclass(frozen=True)
 class Settings:
     paths: PathSettings = field(default_factory=PathSettings)
     stack: StackSettings = field(default_factory=StackSettings)
@@ -484,6 +508,7 @@ class Settings:
     graph: GraphSettings = field(default_factory=GraphSettings)
     retrieval: RetrievalSettings = field(default_factory=RetrievalSettings)
     serving: ServingSettings = field(default_factory=ServingSettings)
+    prometheus: PrometheusSettings = field(default_factory=PrometheusSettings)
 
     @property
     def spec(self) -> DatasetSpec:

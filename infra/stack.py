@@ -82,6 +82,8 @@ def side_by_side_environ(data_dir: Path, profile: str = "") -> dict[str, str]:
         "FLYWHEEL_FLINK_REST_URL": f"http://127.0.0.1:{port()}",
         "FLYWHEEL_FLINK_API_URL": f"https://127.0.0.1:{port()}",
         "FLYWHEEL_SERVING_PORT": str(port()),
+        "FLYWHEEL_PROMETHEUS_URL": f"http://127.0.0.1:{port()}",
+        "FLYWHEEL_PROMETHEUS_EXPORTER_URL": f"http://127.0.0.1:{port()}",
     }
 
 

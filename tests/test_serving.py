@@ -136,7 +136,7 @@ def _ready(url: str) -> None:
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """The stack with its ranking server; the server is up but not ready until @champion exists."""
     tmp = tmp_path_factory.mktemp("serving")
-    for s in running_stack(tmp / "stack", "kafka,redis,mlflow,serving", FLYWHEEL_SERVING_CANARY_PERCENT="30",
+    for s in running_stack(tmp / "stack", "kafka,redis,mlflow,serving,prometheus", FLYWHEEL_SERVING_CANARY_PERCENT="30",
                            FLYWHEEL_SERVING_SHADOW_PERCENT="50", FLYWHEEL_SERVING_MAX_INFLIGHT_ROWS="1500",
                            FLYWHEEL_SERVING_DEFAULT_DEADLINE_MS="500", FLYWHEEL_SERVING_MAX_CANDIDATES="500",
                            FLYWHEEL_SERVING_WORKERS=str(WORKERS), FLYWHEEL_SERVING_REFUSED_WINDOW_S="10"):
@@ -719,6 +719,45 @@ def test_a_registry_outage_keeps_every_route_and_is_reported(platform: Platform,
              timeout_s=60)
     connect(p.s).delete_registered_model_alias(p.s.models.name, CHALLENGER)
     wait_for(lambda: _assert(_everywhere(p, CHALLENGER) == {None}), timeout_s=30)
+
+
+@pytest.mark.chaos
+def test_prometheus_down_never_touches_serving_and_is_in_status(platform: Platform, faults: FaultTable) -> None:
+    """Prometheus scrapes the server; the server never waits on it. kill -9 of Prometheus and its exporter
+    under /rank load: every request answered 200, status names both stopped, and `up` brings them back
+    scraping the server again."""
+    p = platform
+    wait_for(lambda: _assert(_target_health(p).get("ranking-server") == "up"), timeout_s=60)
+    killed = [psutil.Process(process.read_pidfile(stack.pidfile(p.s, _service(p, name))).pid)
+              for name in ("prometheus", "metrics-exporter")]
+    for proc in killed:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    start = time.monotonic()
+
+    def load(worker: int) -> Counter:
+        codes, u = Counter(), worker
+        while time.monotonic() - start < 10:
+            codes[httpx.post(f"{p.url}/rank", json=_request(u % USERS, 6 + worker), timeout=10).status_code] += 1
+            u += 4
+        return codes
+    with ThreadPoolExecutor(4) as pool:
+        codes = sum(pool.map(load, range(4)), Counter())
+    states = {x.name: x.state for x in stack.status(p.s)}
+    stack.up(p.s)
+    wait_for(lambda: _assert(_target_health(p).get("ranking-server") == "up"), timeout_s=60)
+    assert faults.record("Prometheus and its exporter kill -9 under /rank load",
+                         "/rank 0 non-2xx; status shows them stopped; `up` brings them back, scraping",
+                         f"{codes.total()} requests: {dict(codes)}; status: prometheus {states['prometheus']}, "
+                         f"metrics-exporter {states['metrics-exporter']}; the server's target up after `up`",
+                         set(codes) == {200} and states["prometheus"] == states["metrics-exporter"] == "stopped")
+    assert set(codes) == {200}, codes
+
+
+def _target_health(p: Platform) -> dict[str, str]:
+    from infra.monitoring import targets
+
+    return {t["job"]: t["health"] for t in targets(p.s)}
 
 
 @pytest.mark.chaos

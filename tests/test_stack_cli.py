@@ -14,14 +14,14 @@ import pytest
 import redis
 from kafka import KafkaAdminClient
 
-from infra import process, stack
+from infra import monitoring, process, stack
 from infra.process import tagged
 from infra.redis_clients import online_store
 from infra.services import enabled_services
 from infra.settings import Settings, load_settings, redis_password
 from infra.stack import STACK_TAG
 from streaming.topics import prepare_pipeline
-from tests.conftest import run_cli, running_stack, stack_environ
+from tests.conftest import run_cli, running_stack, stack_environ, wait_for
 
 pytestmark = pytest.mark.stack
 
@@ -57,8 +57,15 @@ def test_up_is_idempotent_status_reports_health_and_down_leaves_nothing(tmp_path
         assert first.returncode == 0, first.stdout + first.stderr
         services = ["kafka", "redis", "mlflow", "airflow-api-server", "airflow-scheduler", "airflow-dag-processor",
                     "stream-job", "feast-ingestor", "event-log", "prediction-archive", "user-embedder",
-                    "ranking-server"]
+                    "ranking-server", "metrics-exporter", "prometheus"]
         assert sorted(pids(first.stdout)) == sorted(services)
+
+        # Prometheus scrapes every stage the stack runs, each answering (the exporter's parts ask their sources).
+        def all_targets_up() -> None:
+            seen = {t["job"]: t["health"] for t in monitoring.targets(settings)}
+            assert seen == dict.fromkeys(("prometheus", "ranking-server", "pipeline", "flink", "redis", "registry",
+                                          "airflow"), "up"), seen
+        wait_for(all_targets_up, timeout_s=90)
 
         again = run_cli(environ, "up")
         assert again.returncode == 0 and "already running" in again.stdout
@@ -102,7 +109,8 @@ def test_up_is_idempotent_status_reports_health_and_down_leaves_nothing(tmp_path
         assert len(running) > len(services)  # services and their workers
         # Nothing the stack opens listens beyond this machine: the Flink JVM's servers and PyFlink's included.
         listening = {(proc.name(), conn.laddr) for proc in running for conn in listening_sockets(proc)}
-        assert {settings.flink.host_port[1], settings.serving.port} <= {a.port for _, a in listening}, listening
+        assert {settings.flink.host_port[1], settings.serving.port, settings.prometheus.host_port[1],
+                settings.prometheus.exporter_host_port[1]} <= {a.port for _, a in listening}, listening
         assert all(address.ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for _, address in listening), listening
         # Batch work yields the cores: the scheduler (whose executor starts the DAG tasks) and the DAG
         # processor run nicer than the services that answer users.

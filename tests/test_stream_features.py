@@ -29,14 +29,14 @@ from feature_repo.files import view_dir
 from feature_repo.store import feature_store, online_row
 from infra import process, stack
 from infra.progress import read_progress
-from infra.settings import Settings
+from infra.settings import Settings, to_environ
 from models.dataset import Window, labelled_impressions, training_set
 from streaming.consumer import read_dead_letter
 from streaming.events import Event, InvalidEvent, decode
 from streaming.features import TOPIC_PREFIX
 from streaming.producer import EventProducer
 from streaming.topics import end_offsets, read_range
-from tests.conftest import FaultTable, running_stack, wait_for
+from tests.conftest import FaultTable, run_cli, running_stack, wait_for
 
 pytestmark = pytest.mark.stack
 
@@ -46,7 +46,7 @@ CLICK, IMP, BUY = "click", "impression", "purchase"
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    yield from running_stack(tmp_path_factory.mktemp("pipeline"), "kafka,redis,pipeline",
+    yield from running_stack(tmp_path_factory.mktemp("pipeline"), "kafka,redis,pipeline,prometheus",
                              FLYWHEEL_STREAMING_SEQUENCE_LENGTH="3", FLYWHEEL_STREAMING_HISTORY_LENGTH="4",
                              FLYWHEEL_STREAMING_HISTORY_CATEGORIES="2", FLYWHEEL_STREAMING_HISTORY_PER_CATEGORY="3")
 
@@ -412,6 +412,11 @@ def test_a_stopped_ingestor_is_named_unhealthy_with_its_lag_and_recovers(pipelin
             assert state == "unhealthy" and detail.startswith("stalled") and lag and int(lag[1]) > 0, detail
         wait_for(stalled, timeout_s=s.stack.stall_after_s + 30)
         unhealthy_s = time.monotonic() - stopped
+        wait_for(lambda: _assert_stall_alert(s, firing=True), timeout_s=60)
+        alert_s = time.monotonic() - stopped
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")} | to_environ(s)
+        status = run_cli(environ, "status").stdout
+        assert "FIRING FlywheelConsumerStalled" in status and "feast-ingestor has not polled Kafka" in status, status
     finally:
         os.kill(pid, signal.SIGCONT)
     resumed = time.monotonic()
@@ -421,10 +426,22 @@ def test_a_stopped_ingestor_is_named_unhealthy_with_its_lag_and_recovers(pipelin
         assert state == "healthy" and "lag 0 records" in detail, detail
     wait_for(caught_up, timeout_s=30)
     healthy_s = time.monotonic() - resumed
+    wait_for(lambda: _assert_stall_alert(s, firing=False), timeout_s=60)
+    cleared_s = time.monotonic() - resumed
     assert faults.record("stuck consumer (kill -STOP of the ingestor)",
-                         "status unhealthy within 60 s; healthy again without a human after the cause ends",
-                         f"unhealthy {unhealthy_s:.0f} s after the stop (stall_after_s {s.stack.stall_after_s:g}); "
-                         f"healthy, lag 0, {healthy_s:.0f} s after kill -CONT", unhealthy_s <= 60)
+                         "status unhealthy and the stalled-consumer alert firing within 60 s; healthy and cleared "
+                         "again without a human after the cause ends",
+                         f"unhealthy {unhealthy_s:.0f} s, alert firing {alert_s:.0f} s after the stop (stall_after_s "
+                         f"{s.stack.stall_after_s:g}); healthy, lag 0, {healthy_s:.0f} s and the alert cleared "
+                         f"{cleared_s:.0f} s after kill -CONT", unhealthy_s <= 60 and alert_s <= 60)
+
+
+def _assert_stall_alert(s: Settings, firing: bool) -> None:
+    from infra.monitoring import firing as firing_now
+
+    stalled = [a for a in firing_now(s) if a["name"] == "FlywheelConsumerStalled"
+               and a["labels"].get("service") == "feast-ingestor"]
+    assert bool(stalled) == firing, stalled
 
 
 def test_up_restarts_a_supervised_consumer_that_is_stuck(pipeline: Settings, timeline: Timeline) -> None:
