@@ -545,8 +545,10 @@ def versions(model_name: str | None) -> None:
                    f" data {r['data']}{parent}")
         if r["reason"]:
             click.echo(f"      gate: {r['reason']}")
+        if r["canary"]:
+            click.echo(f"      canary: {r['canary']}")
         if r["rolled_back"]:
-            click.echo(f"      rolled back: {r['rolled_back']}")
+            click.echo(f"      rolled back by {r['rolled_back_by'] or '-'}: {r['rolled_back']}")
         if r["drill"]:
             click.echo(f"      drill: {r['drill']}")
 

@@ -8,6 +8,7 @@ One path per scrape job, each asked of its own source at scrape time (nothing is
     /metrics/redis      INFO of each Redis server of the stack
     /metrics/registry   the registered models' aliases in MLflow
     /metrics/airflow    each DAG's last finished run
+    /metrics/canary     the canary analysis' last look (serving/canary.py), served CTR and AUC per version
 
 A path whose source does not answer is answered 503 with the reason: Prometheus shows that target down
 (and `up` 0), the others keep their figures. Run as `python -m infra.exporter`; binds
@@ -29,7 +30,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from infra.progress import Progress, consumer_lag
+from infra.progress import Progress, consumer_lag, state_path
 from infra.settings import Settings, get_settings, mlflow_password
 
 log = logging.getLogger("flywheel.exporter")
@@ -231,11 +232,51 @@ class AirflowCollector(Collector):
                      ["dag_id"], [([dag], run["end"]) for dag, run in latest.items()])
 
 
+class CanaryCollector(Collector):
+    """What the canary analyst found at its last look (its state file): the canary running, each side's
+    judged requests and request AUC, the test's likelihood ratio, the rollbacks it made and a failing one;
+    and per version served (in the canary, else the last five minutes): CTR and request AUC."""
+
+    def __init__(self, s: Settings) -> None:
+        self.s = s
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            st = json.loads(state_path(self.s, "canary-analyst").read_text())
+        except (OSError, ValueError):
+            return
+        active = bool(st.get("version"))
+        yield _gauge("flywheel_canary_analysis_timestamp_seconds", "When the canary analysis last looked.", [],
+                     [([], st["updated_at"])])
+        yield _gauge("flywheel_canary_active", "1 while a new champion serves a share of users against @control.",
+                     ["version", "control"], [([st["version"], st["control"]], 1.0)] if active else [(["", ""], 0.0)])
+        if active:
+            yield _gauge("flywheel_canary_champion_percent", "The new champion's share of users.", ["version"],
+                         [([st["version"]], st["champion_percent"])])
+            yield _gauge("flywheel_canary_likelihood_ratio", "The mSPRT's likelihood ratio (rolled back at 1/alpha "
+                         "when worse).", ["version"], [([st["version"]], st["likelihood_ratio"])])
+            arms = st.get("arms", {})
+            yield _gauge("flywheel_canary_judged_requests", "Judged /rank requests per side since the canary began.",
+                         ["side", "version"], [([side, a["version"]], a["judged"]) for side, a in arms.items()])
+            yield _gauge("flywheel_canary_request_auc", "Mean request AUC per side since the canary began.",
+                         ["side", "version"], [([side, a["version"]], a["auc"]) for side, a in arms.items()])
+        yield _gauge("flywheel_canary_rollback_failing", "Failed tries of the rollback the analysis asked for (0 "
+                     "once one succeeds).", [], [([], st.get("rollback_failing", 0))])
+        yield _gauge("flywheel_canary_rollback_timestamp_seconds", "When the analysis rolled a version back, and why.",
+                     ["version", "to", "reason"], [([r["version"], r["to"], r["reason"][:300]], r["at"])
+                                                   for r in st.get("rollbacks", [])])
+        served = st.get("served", {})
+        for key, doc in (("ctr", "clicks per item shown"), ("request_auc", "mean AUC of its judged /rank requests"),
+                         ("requests", "requests served")):
+            yield _gauge(f"flywheel_served_{key}", f"Per version, on the traffic it served (the canary, else the "
+                         f"last five minutes): {doc}.", ["version"], [([v], f[key]) for v, f in served.items()])
+
+
 def collectors(s: Settings) -> dict[str, Callable[[], Collector]]:
     """Each path's collector, made on first use (a stack without Airflow never logs in to it)."""
     return {"pipeline": lambda: PipelineCollector(s), "flink": lambda: FlinkCollector(s),
             "redis": lambda: RedisCollector(s), "registry": lambda: RegistryCollector(s),
-            "airflow": lambda: AirflowCollector(s)}
+            "airflow": lambda: AirflowCollector(s), "canary": lambda: CanaryCollector(s)}
 
 
 class _Handler(BaseHTTPRequestHandler):

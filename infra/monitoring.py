@@ -79,6 +79,13 @@ def alerts(s: Settings) -> list[Alert]:
               "deliver its prediction log to Kafka", for_s=30),
         Alert("FlywheelRegistryUnreachable", "flywheel_registry_reachable == 0", "worker {{ $labels.pid }} "
               "cannot reach the registry (the last known aliases keep serving)", for_s=60, severity="ticket"),
+        Alert("FlywheelCanaryRolledBack", "time() - flywheel_canary_rollback_timestamp_seconds < 900",
+              "the canary analysis rolled v{{ $labels.version }} back to v{{ $labels.to }}: {{ $labels.reason }}"),
+        Alert("FlywheelCanaryRollbackFailing", "flywheel_canary_rollback_failing > 0", "the canary analysis "
+              "asked for a rollback that failed {{ $value }} times (retried every look)"),
+        Alert("FlywheelCanaryAnalysisStalled", "time() - flywheel_canary_analysis_timestamp_seconds > "
+              f"{max(stall, 3 * s.canary.interval_s):g}", "the canary analysis has not looked for "
+              "{{ $value | humanizeDuration }}"),
         Alert("FlywheelDagRunFailed", "flywheel_dag_last_run_failed == 1", "the last run of DAG "
               "{{ $labels.dag_id }} failed", severity="ticket"),
     ]
@@ -103,7 +110,7 @@ def scrape_jobs(s: Settings) -> list[dict]:
                 "scrape_timeout": f"{min(interval * 0.8, 10):g}s", "static_configs": [{"targets": [target]}]}
 
     parts = {"pipeline": ("pipeline", fast), "flink": ("pipeline", fast), "redis": ("redis", fast),
-             "registry": ("mlflow", slow), "airflow": ("airflow", slow)}
+             "registry": ("mlflow", slow), "airflow": ("airflow", slow), "canary": ("serving", fast)}
     return [job("prometheus", "{}:{}".format(*s.prometheus.host_port), "/metrics", fast),
             *([job("ranking-server", f"{s.serving.host}:{s.serving.port}", "/metrics", fast)]
               if "serving" in groups else []),

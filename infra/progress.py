@@ -24,6 +24,11 @@ def progress_path(s: Settings, service: str) -> Path:
     return s.paths.run_dir / f"{service}.progress.json"
 
 
+def state_path(s: Settings, service: str) -> Path:
+    """Where a stack process that is not a consumer says what it found (the canary analyst)."""
+    return s.paths.run_dir / f"{service}.state.json"
+
+
 @dataclass
 class Progress:
     group: str  # the consumer group and its topics: where `consumer_lag` looks

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,7 +21,7 @@ import httpx
 
 from infra import flink_cluster, flink_rest, monitoring, postgres
 from infra.flink_cluster import EVENTS_TOPIC_ID
-from infra.progress import progress_health, topic_id
+from infra.progress import progress_health, state_path, topic_id
 from infra.redis_clients import credentials, graph_url
 from infra.redis_cluster import cluster_info
 from infra.settings import (
@@ -550,10 +551,32 @@ def _serving(s: Settings) -> list[Service]:
                 command=lambda: [str(BIN_DIR / "python"), "-m", "serving.nearline"], env=_base_env,
                 check=_progressing(s, "user-embedder"), phase=2, supervised=True,
                 setup=lambda: [str(BIN_DIR / "python"), "-m", "streaming.topics"]),
+        # The canary analysis of a promoted ranker (serving/canary.py): judges and ramps or rolls back.
+        Service(name="canary-analyst", group="serving", url=s.mlflow.tracking_uri, ports=(),
+                command=lambda: [str(BIN_DIR / "python"), "-m", "serving.canary"], env=_base_env,
+                check=lambda: _canary_health(s), phase=2, supervised=True),
         Service(name="ranking-server", group="serving", url=url, ports=((s.serving.host, s.serving.port),),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "serving.supervisor"], env=_base_env,
                 check=lambda: _http_health(f"{url}/healthz", _server_health), phase=3),
     ]
+
+
+def _canary_health(s: Settings) -> Health:
+    """Healthy while it looks (its state file is rewritten every `canary.interval_s`) and no rollback it
+    asked for is failing; says the canary running and its last verdict."""
+    try:
+        state = json.loads(state_path(s, "canary-analyst").read_text())
+    except (OSError, ValueError):
+        return Health(True, "started, no look yet")
+    age = time.time() - state["updated_at"]
+    if age > max(s.stack.stall_after_s, 3 * s.canary.interval_s):
+        return Health(False, f"stalled: no look for {age:.0f} s")
+    if state.get("rollback_failing"):
+        return Health(False, f"a rollback it asked for failed {state['rollback_failing']} times: {state['error']}")
+    if not state.get("version"):
+        return Health(True, "no canary running" + (f"; {state['error']}" if state.get("error") else ""))
+    return Health(True, f"v{state['version']} on {state['champion_percent']:g}% of users against v{state['control']}: "
+                  f"{state['decision']}")
 
 
 def _server_health(r: httpx.Response) -> Health:

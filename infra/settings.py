@@ -468,6 +468,25 @@ class ServingSettings:
 
 
 @dataclass(frozen=True)
+class CanarySettings:
+    """Canary analysis of a promoted ranker (serving/canary.py): the new @champion first serves
+    `ramp_percent[0]` % of users (by a stable hash), the champion before it (@control) the others; their
+    served outcomes on the same period are compared by a sequential test (mSPRT) on each /rank request's
+    AUC. Shown worse: rolled back at once, the reason on the version. Not shown worse once each side has
+    `min_requests` judged requests at a step: the next step, then all traffic. Lacking evidence: the share
+    stays. docs: docs/concepts.md "Canary analysis"."""
+
+    enabled: bool = True
+    ramp_percent: tuple[float, ...] = (50.0,)  # the new champion's shares before all traffic
+    min_requests: int = 20  # judged /rank requests (a click and a non-click among the shown) per side and step
+    # The test's false-alarm rate: a version as good as its control is rolled back with probability at most
+    # alpha per canary, however often the analysis looks (mSPRT: Johari, Pekelis & Walsh 2017).
+    alpha: float = 0.01
+    mixture_sd: float = 0.2  # the mSPRT's normal mixture over the AUC difference: the size of regression it is tuned to
+    interval_s: float = 5.0  # how often the analysis reads the archives
+
+
+@dataclass(frozen=True)
 class PrometheusSettings:
     """Monitoring (infra/monitoring.py): Prometheus scrapes the ranking server and the platform's exporter
     (infra/exporter.py: the pipeline's consumers, the Flink job, Redis, the registry's aliases, DAG runs),
@@ -509,6 +528,7 @@ class Settings:
     retrieval: RetrievalSettings = field(default_factory=RetrievalSettings)
     serving: ServingSettings = field(default_factory=ServingSettings)
     prometheus: PrometheusSettings = field(default_factory=PrometheusSettings)
+    canary: CanarySettings = field(default_factory=CanarySettings)
 
     @property
     def spec(self) -> DatasetSpec:

@@ -5,6 +5,11 @@ Lineage lives in version tags: `data_start`/`data_end` (the training window; `da
 watermark incremental training continues from), `eval_start`/`eval_end` (the window the gate
 compares on), `parent_version` (incremental runs), `kind`. Gate decisions and rollbacks are tags too
 (`gate_decision`, `gate_reason`, `gate_guardrail` of a refusal, `previous_champion`, `rolled_back_*`).
+
+A promoted ranker starts a canary (settings.canary, serving/canary.py): @control names the champion before
+it, which keeps serving the users outside the new champion's share (the registered model's tag
+`champion_percent`) until the analysis ramps the new one to all traffic (@control removed) or rolls it
+back. The canary's state is on the version: `canary_started_at`, `canary_status`, `canary_decision`.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from models.metrics import auc, auc_difference, calibration
 if TYPE_CHECKING:  # TensorFlow takes seconds to import: only the calls that score load it
     from models.ctr import CtrModel
 
-CHAMPION, CHALLENGER = "champion", "challenger"
+CHAMPION, CHALLENGER, CONTROL = "champion", "challenger", "control"
+CHAMPION_PERCENT = "champion_percent"  # registered-model tag: the new champion's share during its canary
 
 
 class RegistryError(RuntimeError):
@@ -106,6 +112,52 @@ def aliases(client: MlflowClient, name: str) -> dict[str, str]:
         said = " ".join(str(exc.message).split())  # a refused connection's cause is at the end of a long line
         said = said if len(said) < 200 else f"{said[:90]} ... {said[-100:]}"
         raise RegistryError(f"aliases of {name!r} not read: {said}") from exc
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What the ranking server follows: the aliases, and the new champion's share while @control serves."""
+
+    aliases: dict[str, str]
+    champion_percent: float = 100.0
+
+
+def routing(client: MlflowClient, name: str) -> Routing:
+    """The aliases and the champion's canary share in one registry call (raises RegistryError as `aliases`)."""
+    try:
+        model = client.get_registered_model(name)
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return Routing({})
+        return Routing(aliases(client, name))  # raises the RegistryError that says why
+    named = {alias: str(version) for alias, version in model.aliases.items()}
+    try:
+        percent = float(model.tags.get(CHAMPION_PERCENT, 100.0))
+    except ValueError:
+        percent = 100.0
+    return Routing(named, percent if CONTROL in named else 100.0)
+
+
+def start_canary(s: Settings, version: str, previous: str) -> None:
+    """`version` is about to become @champion in place of `previous`: @control keeps serving the users
+    outside the first share. A canary already running keeps its @control, the last version that passed one."""
+    client, name = connect(s), s.models.name
+    if alias_version(client, name, CONTROL) is None:
+        client.set_registered_model_alias(name, CONTROL, previous)
+    client.set_registered_model_tag(name, CHAMPION_PERCENT, f"{s.canary.ramp_percent[0]:g}")
+    client.set_model_version_tag(name, version, "canary_started_at", datetime.now(UTC).isoformat())
+    client.set_model_version_tag(name, version, "canary_status",
+                                 f"serving {s.canary.ramp_percent[0]:g}% of users; @control serves the others")
+
+
+def end_canary(s: Settings) -> None:
+    """Every user to @champion: @control and the share removed (a canary ramped, or a rollback)."""
+    client, name = connect(s), s.models.name
+    model = client.get_registered_model(name)
+    if CONTROL in model.aliases:
+        client.delete_registered_model_alias(name, CONTROL)
+    if CHAMPION_PERCENT in model.tags:
+        client.delete_registered_model_tag(name, CHAMPION_PERCENT)
 
 
 def load_version(s: Settings, version: str) -> CtrModel:
@@ -192,13 +244,14 @@ def gate(s: Settings, version: str, candidate: CtrModel, evaluation: Examples, w
         reason = (f"AUC {candidate_auc:.4f} vs champion v{champion}'s {champion_auc:.4f}, difference "
                   f"{difference:+.4f} +- {se:.4f} (DeLong), {verdict} on {window}")
     return decide(s, version, guardrail, reason, candidate_auc, champion, champion_auc,
-                  {"gate_auc": f"{candidate_auc:.6f}"})
+                  {"gate_auc": f"{candidate_auc:.6f}"}, canary=s.canary.enabled)
 
 
 def decide(s: Settings, version: str, guardrail: str | None, reason: str, score: float, champion: str | None,
-           champion_score: float | None, tags: dict[str, str]) -> Decision:
+           champion_score: float | None, tags: dict[str, str], canary: bool = False) -> Decision:
     """Record a gate's decision on `version` of `s.models.name` (tags: decision, reason, guardrail, the
-    champion it replaces) and move the alias: @champion unless a guardrail refused it, else @challenger."""
+    champion it replaces) and move the alias: @champion unless a guardrail refused it, else @challenger.
+    `canary`: a promotion that replaces a champion starts a canary (start_canary) before @champion moves."""
     client, name = connect(s), s.models.name
     promoted = guardrail is None
     if guardrail:
@@ -209,6 +262,8 @@ def decide(s: Settings, version: str, guardrail: str | None, reason: str, score:
         tags["previous_champion"] = champion
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, value)
+    if promoted and canary and champion not in (None, version):
+        start_canary(s, version, champion)  # before @champion moves: no poll sees the new one serve everyone
     client.set_registered_model_alias(name, CHAMPION if promoted else CHALLENGER, version)
     if promoted and alias_version(client, name, CHALLENGER) == version:
         client.delete_registered_model_alias(name, CHALLENGER)
@@ -232,6 +287,7 @@ def rollback(s: Settings, why: str, to: str = "previous", who: str | None = None
     except MlflowException:
         raise RegistryError(f"{name} has no version {target}") from None
     client.set_registered_model_alias(name, CHAMPION, target)
+    end_canary(s)  # the version rolled back to serves everyone
     for key, value in {"rolled_back_to": target, "rolled_back_by": who or getpass.getuser(),
                        "rolled_back_reason": why, "rolled_back_at": datetime.now(UTC).isoformat()}.items():
         client.set_model_version_tag(name, current, key, value)
@@ -241,7 +297,8 @@ def rollback(s: Settings, why: str, to: str = "previous", who: str | None = None
 
 
 def list_versions(s: Settings) -> list[dict[str, str]]:
-    """Every version, newest first, with its aliases, kind, window, parent, gate decision and AUC."""
+    """Every version, newest first, with its aliases, kind, window, parent, gate decision, AUC, rollback and
+    canary (its decision, else its status)."""
     client, name = connect(s), s.models.name
     try:
         aliases = client.get_registered_model(name).aliases  # alias -> version
@@ -257,5 +314,6 @@ def list_versions(s: Settings) -> list[dict[str, str]]:
                      "parent": t.get("parent_version", ""), "auc": t.get("gate_auc", ""),
                      "recall": t.get("gate_recall", ""),
                      "gate": t.get("gate_decision", ""), "reason": t.get("gate_reason", ""),
-                     "rolled_back": t.get("rolled_back_reason", ""), "drill": t.get("drill", "")})
+                     "rolled_back": t.get("rolled_back_reason", ""), "rolled_back_by": t.get("rolled_back_by", ""),
+                     "canary": t.get("canary_decision") or t.get("canary_status", ""), "drill": t.get("drill", "")})
     return rows

@@ -2,7 +2,10 @@
 the shadow, and how much compute a request gets at the current load.
 
 Routing is by a stable hash of the user id, so a user sees one model for the whole canary (no
-flip-flopping between versions), and raising the percentage only moves users one way.
+flip-flopping between versions), and raising the percentage only moves users one way. Two canaries, each
+its own hash: a refused version's (@challenger, `serving.canary_percent` of users) and a new champion's
+(the registry's `champion_percent` of the champion's users while @control, the champion before, serves
+the rest: serving/canary.py).
 
 Compute allocation by value tier (JD's dynamic power allocation). Load is the fill of the admission
 bound (candidate rows admitted and not yet answered / `serving.max_inflight_rows`). As it rises:
@@ -26,7 +29,7 @@ import hashlib
 from dataclasses import dataclass
 
 from infra.settings import ServingSettings
-from models.registry import CHALLENGER, CHAMPION
+from models.registry import CHALLENGER, CHAMPION, CONTROL
 
 TIERS = ("high", "normal", "low")
 
@@ -39,6 +42,11 @@ def _bucket(key: str) -> float:
 def route(user_id: str, canary_percent: float) -> str:
     """@challenger for the users whose hash falls under the canary percentage, else @champion."""
     return CHALLENGER if _bucket(f"canary:{user_id}") < canary_percent else CHAMPION
+
+
+def champion_route(user_id: str, champion_percent: float) -> str:
+    """@champion for the users whose hash falls under its canary share, else @control."""
+    return CHAMPION if _bucket(f"champion:{user_id}") < champion_percent else CONTROL
 
 
 def shadowed(request_id: str, shadow_percent: float) -> bool:

@@ -74,7 +74,9 @@ class RankIn(BaseModel):
 class RankOut(BaseModel):
     request_id: str
     model_version: str
-    route: Literal["champion", "challenger"]
+    route: Literal["champion", "challenger", "control"] = Field(description="The alias that scored it: "
+                                                                "control is the champion before, during the new "
+                                                                "one's canary.")
     scores: list[float | None] = Field(description="Click probability per candidate, in request order; null "
                                                    "= not scored (degraded under load).")
     defaulted: bool
@@ -250,6 +252,7 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         runners, refused = list(follower.runners.items()), dict(follower.refused)
         return {"model_name": s.models.name, "worker": os.getpid(),
                 "serving": {route: (m.version if m else None) for route, m in served},
+                "champion_percent": follower.champion_percent,
                 "warm": [v for v, _ in warm], "loaded_by": {v: m.loaded_by for v, m in warm}, "refused": refused,
                 "compiled_shapes": {str(arch): sorted(r.compiled_shapes()) for arch, r in runners},
                 "registry": {"reachable": follower.registry_reachable, "error": follower.registry_error or None,

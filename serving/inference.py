@@ -28,7 +28,7 @@ import redis
 from contract.examples import Examples, concat
 from contract.inputs import NUMERIC_FEATURES
 from infra.settings import Settings
-from models.registry import CHALLENGER, CHAMPION
+from models.registry import CHALLENGER, CHAMPION, CONTROL
 from serving import access, metrics
 from serving.batching import Batcher, DeadlineExceeded, Overloaded
 from serving.features import Candidate, Fetched, OnlineFeatures
@@ -182,6 +182,8 @@ class Inference:
         route = access.route(req.user_id, self.s.serving.canary_percent)
         if route == CHALLENGER and self.follower.current(CHALLENGER) is None:
             route = CHAMPION
+        if route == CHAMPION and self.follower.current(CONTROL) is not None:  # the new champion's canary
+            route = access.champion_route(req.user_id, self.follower.champion_percent)
         scores, version = await self._score(_Job(route, fetched.examples), req.tier, deadline)
         if route == CHAMPION and access.shadowed(req.request_id, self.s.serving.shadow_percent):
             self._shadow(req, fetched)

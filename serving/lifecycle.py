@@ -35,12 +35,12 @@ from contract.examples import Examples
 from contract.terms import unmet
 from infra.settings import Settings
 from models.ctr import CtrModel, ModelSpec
-from models.registry import CHALLENGER, CHAMPION, RegistryError, aliases, connect, load_version
+from models.registry import CHALLENGER, CHAMPION, CONTROL, RegistryError, Routing, connect, load_version, routing
 from serving import metrics
 from serving.dense import DenseRunner
 
 log = logging.getLogger(__name__)
-ROUTES = (CHAMPION, CHALLENGER)
+ROUTES = (CHAMPION, CHALLENGER, CONTROL)  # @control: the champion before, during the new one's canary
 RETRY_REFUSED_S = 300.0  # a refused version is tried again this long after (a cause may have been transient)
 READ_SHARED_S = 0.1  # how often a worker reads the aliases another worker polled (a file read)
 
@@ -67,7 +67,8 @@ def architecture(spec: ModelSpec) -> tuple:
 
 
 class ModelFollower:
-    """Holds the served versions of @champion and @challenger and keeps them current."""
+    """Holds the served versions of @champion, @challenger and @control and keeps them current, with the
+    champion's share of users while @control serves (`champion_percent`)."""
 
     def __init__(self, s: Settings, warm_example: Examples, shared: Path | None = None) -> None:
         self.s = s
@@ -79,6 +80,7 @@ class ModelFollower:
         self.runners: dict[tuple, DenseRunner] = {}
         self.served: dict[str, ServedModel | None] = dict.fromkeys(ROUTES)
         self.warm: OrderedDict[str, ServedModel] = OrderedDict()  # version -> model, most recent last
+        self.champion_percent = 100.0
         self.refused: dict[str, str] = {}  # version -> why
         self._refused_at: dict[str, float] = {}
         self._stop = threading.Event()
@@ -106,20 +108,20 @@ class ModelFollower:
             self._client = connect(self.s)
         return self._client
 
-    def _aliases(self) -> dict[str, str]:
-        """The registry's aliases, at most `serving.poll_interval_s` old: one registry call, or the
-        shared file when another worker made it recently."""
+    def _routing(self) -> Routing:
+        """The registry's aliases and the champion's share, at most `serving.poll_interval_s` old: one
+        registry call, or the shared file when another worker made it recently."""
         if self.shared is not None:
             try:
                 if time.time() - self.shared.stat().st_mtime < self.s.serving.poll_interval_s:
-                    return json.loads(self.shared.read_text())
-            except (OSError, ValueError):  # absent, or caught mid-replace on a filesystem without atomic rename
+                    return Routing(**json.loads(self.shared.read_text()))
+            except (OSError, ValueError, TypeError):  # absent, mid-replace, or written by an older version
                 pass
         asked_at = time.time()
-        named = aliases(self._registry(), self.s.models.name)
+        found = routing(self._registry(), self.s.models.name)
         if self.shared is not None:
             tmp = self.shared.with_name(f"{self.shared.name}.{os.getpid()}")
-            tmp.write_text(json.dumps(named))
+            tmp.write_text(json.dumps({"aliases": found.aliases, "champion_percent": found.champion_percent}))
             os.utime(tmp, (asked_at, asked_at))  # the answer's age counts from the question
             try:  # a slow answer must not replace one another worker asked for later (a rollback undone)
                 newer = self.shared.stat().st_mtime > asked_at
@@ -129,7 +131,7 @@ class ModelFollower:
                 tmp.unlink()
             else:
                 tmp.replace(self.shared)
-        return named
+        return found
 
     def _registry_state(self, error: str | None) -> None:
         """Record a poll's outcome; log once per change of reachability, not once per poll."""
@@ -148,7 +150,9 @@ class ModelFollower:
 
     def poll_once(self) -> None:
         """Read the aliases; load, warm and swap in any version that changed."""
-        named = self._aliases()
+        found = self._routing()
+        named = found.aliases
+        self.champion_percent = found.champion_percent
         for route in ROUTES:
             version = named.get(route)
             current = self.served[route]

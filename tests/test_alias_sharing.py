@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from infra.settings import load_settings
-from models.registry import RegistryError
+from models.registry import RegistryError, Routing
 from serving import lifecycle
 
 
@@ -23,23 +23,23 @@ def test_a_slow_registry_answer_does_not_replace_a_later_one(tmp_path: Path, mon
     slow._client, fast._client = "slow", "fast"  # stand-ins for the registry clients
     asked, answer = threading.Event(), threading.Event()
 
-    def registry_aliases(client: str, name: str) -> dict[str, str]:
-        if client == "slow":  # asked before the rollback, answers after it: the old champion
+    def registry_routing(client: str, name: str) -> Routing:
+        if client == "slow":  # asked before the rollback, answers after it: the old champion in a canary
             asked.set()
             answer.wait(10)
-            return {"champion": "2"}
-        return {"champion": "1"}
+            return Routing({"champion": "2", "control": "1"}, 50.0)
+        return Routing({"champion": "1"})
 
-    monkeypatch.setattr(lifecycle, "aliases", registry_aliases)
-    late = threading.Thread(target=slow._aliases)
+    monkeypatch.setattr(lifecycle, "routing", registry_routing)
+    late = threading.Thread(target=slow._routing)
     late.start()
     assert asked.wait(10)
     time.sleep(0.05)
-    assert fast._aliases() == {"champion": "1"}  # asked later: the rollback
+    assert fast._routing() == Routing({"champion": "1"})  # asked later: the rollback
     answer.set()
     late.join(10)
-    # Every worker reading the shared answer now gets the later one.
-    assert slow._aliases() == fast._aliases() == {"champion": "1"}
+    # Every worker reading the shared answer now gets the later one, share included.
+    assert slow._routing() == fast._routing() == Routing({"champion": "1"}, 100.0)
 
 
 class _Registry:
@@ -60,7 +60,7 @@ def test_a_registry_outage_mid_fetch_does_not_refuse_the_version(tmp_path: Path,
     s = load_settings({}, config_file=None)
     follower, registry = lifecycle.ModelFollower(s, None, None), _Registry()
     follower._client = registry
-    monkeypatch.setattr(lifecycle, "aliases", lambda client, name: {"champion": "3"})
+    monkeypatch.setattr(lifecycle, "routing", lambda client, name: Routing({"champion": "3"}))
 
     def obtain(version: str) -> object:
         if registry.down:
@@ -76,6 +76,6 @@ def test_a_registry_outage_mid_fetch_does_not_refuse_the_version(tmp_path: Path,
     registry.down = False
     follower.poll_once()
     assert follower.served["champion"].version == "3"
-    monkeypatch.setattr(lifecycle, "aliases", lambda client, name: {"champion": "4"})
+    monkeypatch.setattr(lifecycle, "routing", lambda client, name: Routing({"champion": "4"}))
     follower.poll_once()
     assert follower.served["champion"].version == "3" and "non-finite" in follower.refused["4"]

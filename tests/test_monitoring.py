@@ -51,7 +51,7 @@ def test_the_generated_config_and_rules_are_valid(promtool: str, settings: Setti
                              capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     jobs = {j["job_name"] for j in monitoring.scrape_jobs(settings)}
-    assert jobs == {"prometheus", "ranking-server", "pipeline", "flink", "redis", "registry", "airflow"}
+    assert jobs == {"prometheus", "ranking-server", "pipeline", "flink", "redis", "registry", "airflow", "canary"}
 
 
 def test_a_consumer_that_stops_polling_fires_once_past_stall_after_s_and_clears_when_it_resumes(

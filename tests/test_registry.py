@@ -20,7 +20,9 @@ from contract.examples import to_frame
 from infra.settings import Settings
 from models.ctr import CtrModel
 from models.dataset import Window
-from models.registry import CHALLENGER, CHAMPION, RegistryError, alias_version, connect, gate, log_model, rollback
+from models.registry import (
+    CHALLENGER, CHAMPION, CONTROL, RegistryError, Routing, alias_version, connect, gate, log_model, rollback,
+    routing)
 from models.train import train_full
 from tests.conftest import running_stack
 from tests.ctr_data import SPEC, synthetic
@@ -74,10 +76,15 @@ def test_gate_promotes_refuses_and_rollback_restores(registry: Settings, tmp_pat
     # Whatever the sign of its small difference, it is not significantly worse: promoted.
     assert promoted.promoted and "DeLong" in promoted.reason, promoted.reason
     assert champion(s) == v3
+    # ... in a canary: the champion it replaced serves the users outside the first share (serving/canary.py).
+    assert routing(connect(s), s.models.name) == Routing({CHAMPION: v3, CHALLENGER: v2, CONTROL: v1},
+                                                         s.canary.ramp_percent[0])
+    assert "canary_started_at" in connect(s).get_model_version(s.models.name, v3).tags
     started = time.monotonic()
     assert rollback(s, why="bad canary", who="tester") == (v3, v1)
     assert time.monotonic() - started < 5  # rollback is an alias move: seconds, not a redeploy
     assert champion(s) == v1
+    assert routing(connect(s), s.models.name) == Routing({CHAMPION: v1, CHALLENGER: v2})  # the canary is over
     tags = connect(s).get_model_version(s.models.name, v3).tags
     assert (tags["rolled_back_to"], tags["rolled_back_by"], tags["rolled_back_reason"]) == (v1, "tester", "bad canary")
 

@@ -39,7 +39,8 @@ from infra.redis_clients import online_store
 from infra.services import enabled_services
 from infra.settings import Settings
 from models.ctr import CtrModel, ModelSpec
-from models.registry import CHALLENGER, CHAMPION, connect, log_model
+from models.registry import (
+    CHALLENGER, CHAMPION, CONTROL, connect, end_canary, log_model, routing, start_canary, version_tags)
 from models.sparse import SparseConfig
 from serving import access
 from serving.client import Served, closed_loop, open_loop
@@ -383,6 +384,44 @@ def test_canary_and_shadow_follow_the_challenger(platform: Platform) -> None:
     finally:
         connect(p.s).delete_registered_model_alias(p.s.models.name, CHALLENGER)
     wait_for(lambda: _assert(_everywhere(p, CHALLENGER) == {None}), timeout_s=30)
+
+
+@pytest.mark.chaos
+def test_a_promoted_champion_serves_its_canary_share_and_lacking_evidence_keeps_it(platform: Platform,
+                                                                                  faults: FaultTable) -> None:
+    """A promotion in a canary (models/registry.py: start_canary, as the gate does): the new champion scores
+    its share of users by a stable hash, @control (the champion before) the others. With no clicks to judge
+    by (this stack has no event log), the analysis neither ramps nor rolls back: the share stays and the
+    version says why."""
+    p = platform
+    v1, v2, name = p.versions["v1"], p.versions["v2"], p.s.models.name
+    percent = p.s.canary.ramp_percent[0]
+    start_canary(p.s, v2, v1)
+    connect(p.s).set_registered_model_alias(name, CHAMPION, v2)
+    try:
+        wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {v2} and _everywhere(p, CONTROL) == {v1}), timeout_s=30)
+        routed = {u: (out["route"], out["model_version"]) for u in range(USERS) if (out := httpx.post(
+            f"{p.url}/rank", json=_request(u, 4, request_id=f"champion-canary-{u}"), timeout=10).json())}
+        expected = {u: (access.champion_route(f"u{u}", percent),
+                        v2 if access.champion_route(f"u{u}", percent) == CHAMPION else v1) for u in range(USERS)}
+        assert routed == expected and 0 < sum(r == CHAMPION for r, _ in routed.values()) < USERS
+        assert {r["route"] for r in _predictions(p, {f"champion-canary-{u}" for u in range(USERS)})} == {
+            CHAMPION, CONTROL}  # logged by route: what the analysis compares
+        wait_for(lambda: _assert("lacking evidence" in version_tags(p.s, v2).get("canary_status", "")),
+                 timeout_s=60)
+        time.sleep(3 * p.s.canary.interval_s)  # more looks, still without evidence
+        now = routing(connect(p.s), name)
+        status = version_tags(p.s, v2)["canary_status"]
+        held = (now.aliases.get(CHAMPION), now.aliases.get(CONTROL), now.champion_percent) == (v2, v1, percent)
+        faults.record("a canary analysis without evidence (no clicks)",
+                      "the share kept (neither ramped nor rolled back); the version says so",
+                      f"@champion v{now.aliases.get(CHAMPION)} on {now.champion_percent:g}%, @control "
+                      f"v{now.aliases.get(CONTROL)}; on the version: {status[:80]}", held)
+        assert held, (now, status)
+    finally:
+        end_canary(p.s)
+        connect(p.s).set_registered_model_alias(name, CHAMPION, v1)
+    wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {v1} and _everywhere(p, CONTROL) == {None}), timeout_s=30)
 
 
 def _assert(condition: bool) -> None:

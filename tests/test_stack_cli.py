@@ -57,14 +57,14 @@ def test_up_is_idempotent_status_reports_health_and_down_leaves_nothing(tmp_path
         assert first.returncode == 0, first.stdout + first.stderr
         services = ["kafka", "redis", "mlflow", "airflow-api-server", "airflow-scheduler", "airflow-dag-processor",
                     "stream-job", "feast-ingestor", "event-log", "prediction-archive", "user-embedder",
-                    "ranking-server", "metrics-exporter", "prometheus"]
+                    "canary-analyst", "ranking-server", "metrics-exporter", "prometheus"]
         assert sorted(pids(first.stdout)) == sorted(services)
 
         # Prometheus scrapes every stage the stack runs, each answering (the exporter's parts ask their sources).
         def all_targets_up() -> None:
             seen = {t["job"]: t["health"] for t in monitoring.targets(settings)}
             assert seen == dict.fromkeys(("prometheus", "ranking-server", "pipeline", "flink", "redis", "registry",
-                                          "airflow"), "up"), seen
+                                          "airflow", "canary"), "up"), seen
         wait_for(all_targets_up, timeout_s=90)
 
         again = run_cli(environ, "up")

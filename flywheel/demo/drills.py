@@ -1,10 +1,13 @@
-"""The drills, once an incrementally trained champion serves: a bad version the gate must refuse, and a
-rollback through Airflow that the ranking server must follow."""
+"""The drills, once an incrementally trained champion serves: a bad version the gate must refuse, a
+rollback through Airflow that the ranking server must follow, and a live regression: a bad version the
+gate promotes, which the canary analysis must roll back by itself."""
 
 from __future__ import annotations
 
 import tempfile
 import time
+from dataclasses import replace
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import mlflow
@@ -13,7 +16,7 @@ from flywheel.demo.plan import LoopError, Say, Summary
 from flywheel.demo.probes import wait_serving
 from infra.airflow_api import AirflowClient
 from infra.settings import Settings
-from models.registry import Decision, connect, load_version, log_model, version_tags
+from models.registry import CHAMPION, Decision, alias_version, connect, gate, load_version, log_model, version_tags
 
 
 def drills(s: Settings, server: str, airflow: AirflowClient, champion: str, summary: Summary, known: set[str],
@@ -39,14 +42,49 @@ def drills(s: Settings, server: str, airflow: AirflowClient, champion: str, summ
                         "served_after_dag_s": served_s}
     say(f"  drill: model_rollback (Airflow) moved @champion v{moved['from']} -> v{moved['to']} in {dag_s:.1f}s; "
         f"the ranking server served v{moved['to']} {served_s:.1f}s after the run finished")
+    airflow.set_paused("incremental_training", True)  # no version trained on the regression's traffic meanwhile
+    try:
+        live_regression(s, moved["to"], summary, known, say)
+    finally:
+        airflow.set_paused("incremental_training", False)
 
 
-def register_inverted(s: Settings, champion: str) -> tuple[str, Decision]:
+def live_regression(s: Settings, champion: str, summary: Summary, known: set[str], say: Say,
+                    timeout_s: float = 180.0) -> None:
+    """A version the offline gate promotes and that serves worse: the champion with its output inverted,
+    judged on its evaluation window with the labels swapped (a join upstream of the gate that marked the
+    clicks as passes and the passes as clicks). The canary analysis (serving/canary.py) must roll it back
+    by itself, with the reason on the version."""
+    bad, decision = register_inverted(s, champion, labels_swapped=True)
+    known.add(bad)
+    if not decision.promoted:
+        raise LoopError(f"the live-regression drill's v{bad} was refused by the gate ({decision.reason}): it "
+                        "needs a version the gate promotes")
+    promoted_at = datetime.fromisoformat(version_tags(s, bad)["gate_at"])
+    say(f"  drill: v{bad} = v{champion} with its output inverted, gated on labels swapped upstream: promoted "
+        f"({decision.reason}); in its canary against v{champion}")
+    deadline = time.monotonic() + timeout_s
+    while (tags := version_tags(s, bad)).get("rolled_back_by") != "canary-analysis":
+        if time.monotonic() > deadline:
+            raise LoopError(f"the canary analysis did not roll back v{bad} within {timeout_s:.0f}s: "
+                            f"{tags.get('canary_status', 'no status')}; see `flywheel logs canary-analyst`")
+        time.sleep(1)
+    rolled_back_at = datetime.fromisoformat(tags["rolled_back_at"])
+    summary.live_regression = {
+        "version": bad, "control": tags["rolled_back_to"], "promoted_at": promoted_at.isoformat(),
+        "rolled_back_at": rolled_back_at.isoformat(), "seconds": (rolled_back_at - promoted_at).total_seconds(),
+        "reason": tags["rolled_back_reason"], "champion_now": alias_version(connect(s), s.models.name, CHAMPION)}
+    say(f"  drill: the canary analysis rolled v{bad} back to v{tags['rolled_back_to']} "
+        f"{summary.live_regression['seconds']:.0f}s after its promotion: {tags['rolled_back_reason']}")
+
+
+def register_inverted(s: Settings, champion: str, labels_swapped: bool = False) -> tuple[str, Decision]:
     """Register the champion with its output layer negated (every ranking reversed, as a model trained
     on inverted labels would rank) and run the gate, on the test window of the full training the
     champion descends from: the live windows of incremental runs pool /rank's candidates with
     /recommend's (which the ranker put first and few click), where even a good version's AUC can sit
     near 0.5 and an inverted one is not shown worse (docs/benchmarks.md)."""
+    from models.dataset import Window, training_set
     from models.train import gate_version  # imports TensorFlow (~10 s): only once the drill runs
 
     model = load_version(s, champion)
@@ -59,7 +97,13 @@ def register_inverted(s: Settings, champion: str) -> tuple[str, Decision]:
     tags = {k: v for k, v in tags.items() if k in ("kind", "data_start", "data_end", "eval_start", "eval_end")}
     connect(s)
     mlflow.set_experiment(s.models.experiment)
+    drill = "output inverted, labels swapped at the gate" if labels_swapped else "output inverted"
     with mlflow.start_run(run_name="drill-inverted"), tempfile.TemporaryDirectory() as tmp:
-        version = log_model(s, model.save(Path(tmp) / "model"),
-                            tags | {"parent_version": champion, "drill": "output inverted"})
-    return version, gate_version(s, version)
+        version = log_model(s, model.save(Path(tmp) / "model"), tags | {"parent_version": champion, "drill": drill})
+    if not labels_swapped:
+        return version, gate_version(s, version)
+    window = Window(datetime.fromisoformat(tags["eval_start"]),
+                    datetime.fromisoformat(tags["eval_end"]) + timedelta(milliseconds=1))
+    evaluation, _ = training_set(s, window, s.streaming.sequence_length)
+    swapped = replace(evaluation, labels=1.0 - evaluation.labels)
+    return version, gate(s, version, model, swapped, f"its evaluation window {window}, labels swapped")

@@ -25,7 +25,9 @@ class LoopPlan:
     history_from: datetime = datetime(1997, 9, 1, tzinfo=UTC)  # offline training window start
     history_limit: int | None = None  # replay at most this many history ratings (a shortened loop)
     sessions: int | None = None  # the first N live sessions (None: all after `split`), replayed in a cycle
-    rate: float = 2.0  # live requests per second
+    # live requests per second: a fifth of /rank lists have a click and a pass (MovieLens), what a canary
+    # judges; at 6/s each side of a 50% canary has a dozen such in ~30 s
+    rate: float = 6.0
     recommend_every: int = 4  # every Nth live request asks /recommend for the session's user (0: none)
     tail_s: float = 30.0  # live traffic kept up after the rollback is served
     feature_timeout_s: float = 900.0
@@ -78,5 +80,7 @@ class Summary:
     incremental_promoted: list[str] = field(default_factory=list)
     refused_drill: dict[str, str] = field(default_factory=dict)
     rollback: dict[str, object] = field(default_factory=dict)
+    live_regression: dict[str, object] = field(default_factory=dict)  # promoted, rolled back by the canary analysis
+    canaries: list[dict] = field(default_factory=list)  # every promoted version's canary: decision, by whom
     catch_up: dict[str, object] = field(default_factory=dict)  # incremental_training after the rollback
     seconds: float = 0.0

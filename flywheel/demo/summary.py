@@ -65,8 +65,10 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
                 else f"full ({v['kind']})")
         lines.append(f"  v{v['version']:<3} {('@' + v['aliases']) if v['aliases'] else '':<12} {kind:<22} "
                      f"gate {v['gate'] or '-'}: {v['reason'] or '-'}")
+        if v["canary"]:
+            lines.append(f"       canary: {v['canary']}")
         if v["rolled_back"]:
-            lines.append(f"       rolled back: {v['rolled_back']}")
+            lines.append(f"       rolled back by {v['rolled_back_by']}: {v['rolled_back']}")
         if (row := served.get(v["version"])) is not None:
             fresh_s = summary.model_freshness_s.get(v["version"])
             lines.append(f"       served {row['requests']:,} requests / {row['items']:,} items, CTR {row['ctr']:.3f}, "
@@ -95,6 +97,13 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
         r = summary.rollback
         lines.append(f"rollback drill: model_rollback DAG v{r['from']} -> v{r['to']} in {r['dag_s']:.1f}s, served "
                      f"{r['served_after_dag_s']:.1f}s later")
+    if r := summary.live_regression:
+        honest = [v["version"] for v in summary.versions
+                  if v["rolled_back_by"] == "canary-analysis" and not v["drill"]]
+        lines.append(f"live-regression drill: v{r['version']} promoted by the gate at {r['promoted_at'][11:19]}, "
+                     f"rolled back to v{r['control']} by the canary analysis at {r['rolled_back_at'][11:19]} "
+                     f"({r['seconds']:.0f}s); honest versions the canary analysis rolled back: {len(honest)}"
+                     + (f" ({', '.join(honest)})" if honest else ""))
     if summary.catch_up:
         c = summary.catch_up
         lines.append(f"after the rollback: incremental_training from v{c['from']} {c['state']} (train {c['train']})"

@@ -1,0 +1,269 @@
+"""Canary analysis of a promoted ranker: the new @champion's served outcomes against @control's, the
+champion before it, on the same period's traffic; a version shown worse is rolled back at once.
+
+A promotion that replaces a champion (models/registry.py: decide) leaves @control on the old one and the
+registered model's `champion_percent` at `canary.ramp_percent[0]`: the ranking server scores that share of
+users (by a stable hash) with the new champion, the others with @control. Every `canary.interval_s` this
+process joins the prediction archive to the event log's clicks (serving/outcomes.py) since the canary
+started and judges each /rank request the users were served: its AUC, the share of (clicked, not
+clicked) pairs of shown items that the scores put in the clicked one's favour. Requests with no click or
+nothing but clicks tell nothing and are left out; /recommend lists too (their candidates come from recall
+sources the ranker did not choose).
+
+The test is the mixture sequential probability ratio test (mSPRT, Johari, Pekelis & Walsh 2017, "Always
+valid inference") on the difference of the two sides' mean request AUC, with a normal mixture of standard
+deviation `canary.mixture_sd` over it:
+
+    Lambda = sqrt(V / (V + tau^2)) * exp(tau^2 * d^2 / (2 V (V + tau^2))),   V = s_t^2 / n_t + s_c^2 / n_c
+
+Under "no difference" the chance that Lambda ever reaches 1/alpha is at most alpha (Ville's inequality),
+however often it is looked at: a version as good as its control is rolled back with probability at most
+`canary.alpha` per canary. Decisions:
+
+- Lambda >= 1/alpha with d < 0, each side with half of `canary.min_requests` judged: **shown worse**.
+  Rolled back to @control (models/registry.py: rollback), the reason on the version (`rolled_back_reason`, `canary_decision`) and in the alert. A rollback that
+  fails (the registry down) is retried every interval and alerted.
+- each side with `canary.min_requests` judged requests at this step and not shown worse: the next share
+  of `canary.ramp_percent`, then all traffic (@control removed, `canary_decision` on the version).
+- otherwise: **lacking evidence**: the share stays, and the version says so (`canary_status`).
+
+What it found is in `run/canary-analyst.state.json`: the exporter's /metrics/canary (served CTR and request AUC
+per version too), `flywheel status`, the dashboard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+
+import numpy as np
+import pandas as pd
+
+from infra.progress import state_path
+from infra.settings import Settings, get_settings
+from models.registry import (
+    CHAMPION, CHAMPION_PERCENT, CONTROL, connect, end_canary, rollback, routing, version_tags)
+from serving.outcomes import served_outcomes
+
+log = logging.getLogger("flywheel.canary")
+WHO = "canary-analysis"
+SERVICE = "canary-analyst"  # the stack's name for this process
+SERVED_WINDOW_S = 300.0  # served figures per version, outside a canary: the last five minutes
+
+
+def request_aucs(outcomes: pd.DataFrame) -> pd.DataFrame:
+    """One row per judged /rank request: model_version, route, request_id, auc (ties count half)."""
+    ranked = outcomes[outcomes["sources"].isna()] if len(outcomes) else outcomes
+    rows = []
+    for (version, route, request), g in ranked.groupby(["model_version", "route", "request_id"], sort=False):
+        labels, scores = g["label"].to_numpy(), g["score"].to_numpy()
+        clicked, passed = scores[labels > 0.5], scores[labels <= 0.5]
+        if len(clicked) and len(passed):
+            wins = (clicked[:, None] > passed[None, :]).mean() + 0.5 * (clicked[:, None] == passed[None, :]).mean()
+            rows.append((version, route, request, float(wins)))
+    return pd.DataFrame(rows, columns=["model_version", "route", "request_id", "auc"])
+
+
+def msprt(treatment: np.ndarray, control: np.ndarray, tau: float) -> tuple[float, float]:
+    """(difference of means treatment - control, the mixture likelihood ratio Lambda); Lambda 1 with fewer
+    than two observations on a side (nothing to estimate a variance from)."""
+    if len(treatment) < 2 or len(control) < 2:
+        return float("nan"), 1.0
+    d = float(treatment.mean() - control.mean())
+    v = float(treatment.var(ddof=1) / len(treatment) + control.var(ddof=1) / len(control))
+    v = max(v, 1e-12)
+    log_lambda = 0.5 * math.log(v / (v + tau**2)) + tau**2 * d**2 / (2 * v * (v + tau**2))
+    return d, math.exp(min(log_lambda, 700.0))
+
+
+@dataclass
+class Arm:
+    version: str
+    judged: int = 0  # requests with a click and a non-click among the shown
+    auc: float = float("nan")  # their mean request AUC
+    requests: int = 0
+    ctr: float = float("nan")  # clicks per shown item
+
+
+@dataclass
+class Verdict:
+    decision: str  # "worse", "ramp", "lacking"
+    reason: str
+    difference: float
+    likelihood_ratio: float
+    arms: dict[str, Arm]  # "champion", "control"
+
+
+def judge(s: Settings, outcomes: pd.DataFrame, champion: str, control: str, step_started_ms: int) -> Verdict:
+    """The verdict on `champion` against `control` from the outcomes since the canary started."""
+    c = s.canary
+    judged = request_aucs(outcomes)
+    arms, values, at_step = {}, {}, {}
+    for route, version in ((CHAMPION, champion), (CONTROL, control)):
+        mine = outcomes[(outcomes["model_version"] == version) & (outcomes["route"] == route)] if len(outcomes) \
+            else outcomes
+        rows = judged[(judged["model_version"] == version) & (judged["route"] == route)]
+        values[route] = rows["auc"].to_numpy()
+        stamps = mine.groupby("request_id")["served_at"].min() if len(mine) else pd.Series(dtype=float)
+        at_step[route] = int((stamps.reindex(rows["request_id"]) >= step_started_ms).sum())
+        arms[route] = Arm(version, len(rows), float(values[route].mean()) if len(rows) else float("nan"),
+                          int(mine["request_id"].nunique()) if len(mine) else 0,
+                          float(mine["label"].mean()) if len(mine) else float("nan"))
+    d, lam = msprt(values[CHAMPION], values[CONTROL], c.mixture_sd)
+    said = (f"request AUC v{champion} {arms[CHAMPION].auc:.3f} on {arms[CHAMPION].judged} judged requests vs "
+            f"v{control} {arms[CONTROL].auc:.3f} on {arms[CONTROL].judged}, difference {d:+.3f}; mSPRT "
+            f"likelihood ratio {lam:.3g} (threshold 1/alpha = {1 / c.alpha:g})")
+    # A variance from a handful of requests is noise: no verdict of "worse" before half the evidence a step needs.
+    if lam >= 1 / c.alpha and d < 0 and min(a.judged for a in arms.values()) >= max(2, c.min_requests // 2):
+        return Verdict("worse", f"shown worse than v{control} on live traffic: {said}", d, lam, arms)
+    if min(at_step.values()) >= c.min_requests:
+        return Verdict("ramp", f"not shown worse: {said}", d, lam, arms)
+    return Verdict("lacking", f"lacking evidence: {min(at_step.values())} judged requests on the smaller side at "
+                              f"this step, {c.min_requests} needed; {said}", d, lam, arms)
+
+
+def served_figures(outcomes: pd.DataFrame) -> dict[str, dict]:
+    """Per version served: requests, items shown, CTR, judged /rank requests and their mean request AUC."""
+    judged = request_aucs(outcomes)
+    out = {}
+    for version, g in (outcomes.groupby("model_version") if len(outcomes) else []):
+        aucs = judged.loc[judged["model_version"] == version, "auc"]
+        out[str(version)] = {"requests": int(g["request_id"].nunique()), "items": len(g),
+                             "ctr": float(g["label"].mean()), "judged": len(aucs),
+                             "request_auc": float(aucs.mean()) if len(aucs) else float("nan")}
+    return out
+
+
+@dataclass
+class State:
+    """What the analysis found at its last look (run/canary-analyst.state.json)."""
+
+    updated_at: float = 0.0
+    version: str = ""  # the champion in its canary ("" when none runs)
+    control: str = ""
+    champion_percent: float = 100.0
+    decision: str = ""
+    reason: str = ""
+    likelihood_ratio: float = 1.0
+    arms: dict = field(default_factory=dict)
+    served: dict = field(default_factory=dict)
+    rollbacks: list = field(default_factory=list)  # the last ones it made: version, to, reason, at
+    rollback_failing: int = 0  # failed tries of the rollback it asked for (0 once one succeeds)
+    error: str = ""
+
+
+def read_state(s: Settings) -> State | None:
+    try:
+        return State(**json.loads(state_path(s, SERVICE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+class Analyst:
+    def __init__(self, s: Settings) -> None:
+        self.s = s
+        self.state = read_state(s) or State()
+        self.state.rollback_failing, self._said, self._served_at = 0, ("", 0.0), 0.0
+
+    def look(self) -> None:
+        """One look: judge the canary running, if any, and act on the verdict."""
+        s, name = self.s, self.s.models.name
+        client = connect(s)
+        found = routing(client, name)
+        champion, control = found.aliases.get(CHAMPION), found.aliases.get(CONTROL)
+        st = self.state
+        if control is None or champion is None or champion == control:
+            if control is not None:  # rolled back (or moved) to the control by hand: the canary is over
+                end_canary(s)
+            st.version, st.control, st.champion_percent, st.decision, st.reason, st.arms = "", "", 100.0, "", "", {}
+            if time.time() - self._served_at >= 60:  # a read of the archives: outside a canary, once a minute
+                st.served = served_figures(served_outcomes(s, int((time.time() - SERVED_WINDOW_S) * 1000)))
+                self._served_at = time.time()
+            return
+        tags = version_tags(s, champion)
+        started = _ms(tags.get("canary_started_at")) or int(time.time() * 1000)
+        step_started = _ms(tags.get("canary_step_started_at")) or started
+        outcomes = served_outcomes(s, started)
+        verdict = judge(s, outcomes, champion, control, step_started)
+        st.version, st.control, st.champion_percent = champion, control, found.champion_percent
+        st.decision, st.reason, st.likelihood_ratio = verdict.decision, verdict.reason, verdict.likelihood_ratio
+        st.arms = {route: asdict(arm) for route, arm in verdict.arms.items()}
+        st.served = served_figures(outcomes)
+        if verdict.decision == "worse":
+            self._roll_back(champion, control, verdict.reason)
+        elif verdict.decision == "ramp":
+            self._ramp(champion, found.champion_percent, verdict.reason)
+        elif self._said[0] != champion or time.time() - self._said[1] > 30:  # a registry write: not every look
+            client.set_model_version_tag(name, champion, "canary_status", f"{found.champion_percent:g}% of users; "
+                                         f"{verdict.reason}")
+            self._said = (champion, time.time())
+
+    def _roll_back(self, champion: str, control: str, reason: str) -> None:
+        try:
+            rollback(self.s, f"canary analysis: {reason}", to=control, who=WHO)
+            connect(self.s).set_model_version_tag(self.s.models.name, champion, "canary_decision",
+                                                  f"rolled back to v{control}: {reason}")
+        except Exception as exc:  # noqa: BLE001 - the registry down: tried again at the next look, and alerted
+            self.state.rollback_failing += 1
+            self.state.error = f"rollback of v{champion} to v{control} failed: {type(exc).__name__}: {exc}"[:500]
+            log.error("%s (try %d; again in %gs)", self.state.error, self.state.rollback_failing,
+                      self.s.canary.interval_s)
+            return
+        log.warning("rolled back v%s to v%s: %s", champion, control, reason)
+        self.state.rollbacks = [*self.state.rollbacks, {"version": champion, "to": control, "reason": reason,
+                                                         "at": time.time()}][-10:]
+        self.state.rollback_failing, self.state.error = 0, ""
+
+    def _ramp(self, champion: str, percent: float, reason: str) -> None:
+        client, name = connect(self.s), self.s.models.name
+        steps = [p for p in self.s.canary.ramp_percent if p > percent]
+        if steps:
+            client.set_registered_model_tag(name, CHAMPION_PERCENT, f"{steps[0]:g}")
+            client.set_model_version_tag(name, champion, "canary_step_started_at", datetime.now(UTC).isoformat())
+            client.set_model_version_tag(name, champion, "canary_status", f"ramped to {steps[0]:g}% of users: {reason}")
+            log.info("v%s ramped to %g%% of users: %s", champion, steps[0], reason)
+            return
+        end_canary(self.s)
+        client.set_model_version_tag(name, champion, "canary_decision", f"ramped to all traffic: {reason}")
+        log.info("v%s ramped to all traffic: %s", champion, reason)
+
+    def save(self) -> None:
+        self.state.updated_at = time.time()
+        path = state_path(self.s, SERVICE)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self.state), default=str))
+        os.replace(tmp, path)  # a reader never sees half a file
+
+
+def _ms(iso: str | None) -> int | None:
+    return int(datetime.fromisoformat(iso).timestamp() * 1000) if iso else None
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    s = get_settings()
+    analyst, stopping = Analyst(s), []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    log.info("judging the canaries of %s every %gs (alpha %g, ramp %s%%)", s.models.name, s.canary.interval_s,
+             s.canary.alpha, "/".join(f"{p:g}" for p in s.canary.ramp_percent))
+    while not stopping:
+        try:
+            analyst.look()
+            if not analyst.state.rollback_failing:
+                analyst.state.error = ""
+        except Exception as exc:  # noqa: BLE001 - the registry or the archives away: said, and looked at again
+            analyst.state.error = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("canary analysis: %s", analyst.state.error)
+        analyst.save()
+        time.sleep(s.canary.interval_s)
+
+
+if __name__ == "__main__":
+    main()

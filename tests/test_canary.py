@@ -1,0 +1,79 @@
+"""The canary analysis' test and verdicts (serving/canary.py), without a stack: the mSPRT's false-alarm
+rate under continuous monitoring, its power against a regression the size of an inverted ranker, and the
+verdicts it gives on served outcomes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from infra.settings import load_settings
+from models.registry import CHAMPION, CONTROL
+from serving.canary import judge, msprt, request_aucs
+
+
+def aucs(rng: np.random.Generator, mean: float, n: int) -> np.ndarray:
+    """Request AUCs like the demo's (mean 0.66, sd 0.22 on MovieLens /rank sessions), in [0, 1]."""
+    return np.clip(rng.normal(mean, 0.22, n), 0, 1)
+
+
+def first_alarm(treatment: np.ndarray, control: np.ndarray, alpha: float, tau: float, minimum: int) -> int | None:
+    """The number of requests per side at the first look (one per new request) where the test says worse."""
+    for n in range(minimum, len(treatment) + 1):
+        d, lam = msprt(treatment[:n], control[:n], tau)
+        if lam >= 1 / alpha and d < 0:
+            return n
+    return None
+
+
+def test_an_equal_version_is_rolled_back_at_most_alpha_of_the_time_however_often_it_is_looked_at() -> None:
+    s = load_settings({}, config_file=None)
+    c = s.canary
+    rng = np.random.default_rng(0)
+    runs = 400
+    alarms = sum(first_alarm(aucs(rng, 0.66, 150), aucs(rng, 0.66, 150), c.alpha, c.mixture_sd,
+                             c.min_requests // 2) is not None for _ in range(runs))
+    # 150 looks each: a fixed-sample test at alpha repeated this often would alarm in most runs.
+    assert alarms / runs <= c.alpha + 3 * np.sqrt(c.alpha / runs), alarms
+
+
+def test_an_inverted_ranker_is_shown_worse_within_a_few_dozen_judged_requests() -> None:
+    s = load_settings({}, config_file=None)
+    c = s.canary
+    rng = np.random.default_rng(1)
+    found = [first_alarm(aucs(rng, 1 - 0.66, 100), aucs(rng, 0.66, 100), c.alpha, c.mixture_sd, c.min_requests // 2)
+             for _ in range(50)]
+    assert all(n is not None for n in found) and np.median(found) <= 20, found
+
+
+def outcomes(rng: np.random.Generator, champion_mean: float, requests: int) -> pd.DataFrame:
+    """Served /rank lists of 6 items, half the users on each side: scores that put the clicked items ahead
+    with probability `champion_mean` for the champion (0.7 for the control), one or two clicks each."""
+    rows = []
+    for r in range(requests):
+        route, version, mean = (CHAMPION, "5", champion_mean) if r % 2 else (CONTROL, "4", 0.7)
+        clicks = rng.integers(1, 3)
+        for k in range(6):
+            label = float(k < clicks)
+            score = rng.random() + (0.5 if (rng.random() < mean) == bool(label) else 0.0)
+            rows.append((f"r{r}", f"i{k}", version, route, 1_000 + r, score, label, None))
+    return pd.DataFrame(rows, columns=["request_id", "item_id", "model_version", "route", "served_at", "score",
+                                       "label", "sources"])
+
+
+def test_the_verdicts_worse_ramp_and_lacking_evidence() -> None:
+    s = load_settings({}, config_file=None)
+    rng = np.random.default_rng(2)
+    worse = judge(s, outcomes(rng, 0.2, 80), "5", "4", step_started_ms=0)
+    assert worse.decision == "worse" and worse.difference < 0 and "shown worse than v4" in worse.reason
+    assert worse.arms[CHAMPION].judged == worse.arms[CONTROL].judged == 40
+    same = judge(s, outcomes(rng, 0.7, 80), "5", "4", step_started_ms=0)
+    assert same.decision == "ramp" and "not shown worse" in same.reason, same.reason
+    # The same traffic, but the step began after most of it: too little at this step to ramp.
+    late = judge(s, outcomes(rng, 0.7, 80), "5", "4", step_started_ms=1_060)
+    assert late.decision == "lacking" and "lacking evidence: 10 judged requests" in late.reason, late.reason
+    # /recommend lists (with candidate sources) and lists without both a click and a non-click judge nothing.
+    few = outcomes(rng, 0.2, 8)
+    recommended = few.assign(sources=[["graph"]] * len(few))
+    assert request_aucs(recommended).empty
+    assert judge(s, few, "5", "4", 0).decision == "lacking"
