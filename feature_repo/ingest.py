@@ -65,6 +65,7 @@ class FeatureIngestor:
         apply(s)  # the feature views Feast reads these rows through
         self.writer = OnlineWriter(s)
         self.stats = IngestStats()
+        self.online_s: list[float] = []  # the last batch's rows: appended to their topic -> online, seconds
         # librdkafka: fetching and decoding in C, a prefetch queue filled while this process writes; a
         # fetch answered within `kafka.fetch_wait_ms`, not its default 500, on a quiet stream (freshness)
         self.consumer = Consumer(s.kafka.stream_consumer(GROUP))
@@ -76,6 +77,7 @@ class FeatureIngestor:
         # `max_wait_ms`), with whatever the consumer fetched meanwhile: batches grow with the load.
         first = self.consumer.poll(self.max_wait_ms / 1000)
         polled = [] if first is None else [first, *self.consumer.consume(self.max_records - 1, 0)]
+        self.online_s = []
         by_partition: dict[tuple[str, int], list] = defaultdict(list)
         for record in polled:
             if record.error():  # librdkafka retries transient ones (a broker away) itself
@@ -112,6 +114,8 @@ class FeatureIngestor:
         if polled:
             commit_written(self.consumer)
             self.stats.batches += 1
+            online = time.time()  # every row of the batch is online: from the stream job's append to now
+            self.online_s = [online - r.timestamp()[1] / 1000 for r in polled if r.timestamp()[0] and not r.error()]
         written = sum(len(rows) * len(VIEWS_BY_TOPIC[topic]) for topic, _, rows in batches)
         self.stats.rows += written
         return written
@@ -130,7 +134,9 @@ def main() -> None:
     last_report = time.monotonic()
     try:
         while not stopping:
-            progress.beat(wrote=ingestor.run_once() > 0)
+            wrote = ingestor.run_once() > 0
+            progress.observe("feature_online", ingestor.online_s)
+            progress.beat(wrote=wrote)
             if time.monotonic() - last_report > 30:
                 log.info("%s", ingestor.stats)
                 last_report = time.monotonic()

@@ -596,13 +596,16 @@ def trigger(dag_id: str, conf: str, wait: bool) -> None:
 @click.option("--history-limit", type=int, default=None, help="Replay at most N history events.")
 @click.option("--sessions", type=int, default=None,
               help="Replay only the first N sessions after --split (all by default; they start over if needed).")
-@click.option("--rate", type=float, default=2.0, show_default=True, help="Live requests per second.")
+@click.option("--rate", type=float, default=None,
+              help="Live requests per second. Default: the loop plan's (2).")
 @click.option("--tail", type=float, default=30.0, show_default=True,
               help="Seconds of live traffic kept up after the rollback drill is served.")
-def demo(split: datetime | None, history_limit: int | None, sessions: int | None, rate: float, tail: float) -> None:
+def demo(split: datetime | None, history_limit: int | None, sessions: int | None, rate: float | None,
+         tail: float) -> None:
     """The whole loop on the local stack: history into Kafka and Flink/Feast, offline training through
     Airflow, the first champion served, the rest of the history as live traffic through the ranking API,
-    incremental training from it, a refused bad model and a rollback; then the summary."""
+    incremental training from it, a refused bad model, a rollback and a live regression the canary analysis
+    rolls back; then the summary."""
     import warnings
 
     from flywheel.demo import LoopError, LoopPlan, run_loop, summary_lines
@@ -616,8 +619,8 @@ def demo(split: datetime | None, history_limit: int | None, sessions: int | None
     s = _settings()
     click.echo(f"dataset {s.spec.name} ({s.spec.path}); data in {s.paths.data_dir}")
     click.get_current_context().invoke(up)
-    plan = LoopPlan.of(s, _utc(split) if split else None, history_limit=history_limit, sessions=sessions, rate=rate,
-                       tail_s=tail)
+    plan = LoopPlan.of(s, _utc(split) if split else None, history_limit=history_limit, sessions=sessions, tail_s=tail,
+                       **({"rate": rate} if rate else {}))
     try:
         summary = _models_call(run_loop, s, plan, click.echo)
     except (LoopError, AirflowApiError) as exc:

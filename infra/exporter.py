@@ -26,11 +26,11 @@ from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from infra.progress import Progress, consumer_lag, state_path
+from infra.progress import LATENCY_BUCKETS, Progress, consumer_lag, state_path
 from infra.settings import Settings, get_settings, mlflow_password
 
 log = logging.getLogger("flywheel.exporter")
@@ -45,6 +45,10 @@ def _gauge(name: str, doc: str, labels: list[str], samples: list[tuple[list[str]
     for values, value in samples:
         family.add_metric(values, value)
     return family
+
+
+LATENCY_DOCS = {"feature_online": "Feature rows: appended to their topic by the stream job -> written online by "
+                                  "the ingestor (the stream job's own time is its source lag)."}
 
 
 class PipelineCollector(Collector):
@@ -75,6 +79,15 @@ class PipelineCollector(Collector):
         yield _gauge("flywheel_consumer_lost_records", "Records a restarted broker no longer held when the "
                      "consumer came for them (a lower bound).", ["service"],
                      [([k], p.lost) for k, p in reports.items()])
+        histograms: dict[str, HistogramMetricFamily] = {}
+        for service, p in reports.items():
+            for name, h in p.latencies.items():
+                if name not in histograms:
+                    histograms[name] = HistogramMetricFamily(
+                        f"flywheel_{name}_seconds", LATENCY_DOCS.get(name, name), labels=["service"])
+                histograms[name].add_metric([service], [(f"{b:g}" if b != float("inf") else "+Inf", c) for b, c in
+                                                        zip(LATENCY_BUCKETS, h["counts"])], h["sum"])
+        yield from histograms.values()
         yield _gauge("flywheel_consumer_lag_records", "Records in the consumer's topics past its committed "
                      "offsets (absent while Kafka does not answer).", ["service"], lags)
 
@@ -179,7 +192,8 @@ class RedisCollector(Collector):
                          [([server], float(info.get(field, 0))) for server, info in infos.items()])
         yield _gauge("flywheel_redis_keys", "Redis: keys in each database.", ["server", "db"],
                      [([server, db], float(v["keys"])) for server, info in infos.items()
-                      for db, v in info.items() if db.startswith("db") and isinstance(v, dict)])
+                      for db, v in info.items()
+                      if db.startswith("db") and db[2:].isdigit() and isinstance(v, dict) and "keys" in v])
 
 
 class RegistryCollector(Collector):
@@ -193,6 +207,7 @@ class RegistryCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         samples: list[tuple[list[str], float]] = []
         numbers: list[tuple[list[str], float]] = []
+        freshness: list[tuple[list[str], float]] = []
         for model in (self.s.models.name, self.s.retrieval.name):
             try:
                 answer = self.http.get("/api/2.0/mlflow/registered-models/get", params={"name": model})
@@ -205,10 +220,32 @@ class RegistryCollector(Collector):
             for alias in answer.json()["registered_model"].get("aliases", []):
                 samples.append(([model, alias["alias"], str(alias["version"])], 1.0))
                 numbers.append(([model, alias["alias"]], float(alias["version"])))
+                if model == self.s.models.name:
+                    freshness.extend(self._freshness(model, alias["alias"], str(alias["version"])))
         yield _gauge("flywheel_registry_alias_version", "The version number each alias points at (versions over "
                      "time on a graph).", ["model", "alias"], numbers)
         yield _gauge("flywheel_registry_alias", "1 for the version each alias of a registered model points at.",
                      ["model", "alias", "version"], samples)
+        yield _gauge("flywheel_model_data_end_timestamp_seconds", "The end of the data each alias' ranker version "
+                     "was trained on (time() minus it: how stale the served model is).", ["model", "alias", "version"],
+                     [(labels, end) for labels, end, _ in freshness])
+        yield _gauge("flywheel_model_freshness_seconds", "Per ranker version an alias names: the newest event in its "
+                     "data -> its promotion.", ["model", "alias", "version"],
+                     [(labels, fresh) for labels, _, fresh in freshness if fresh is not None])
+
+    def _freshness(self, model: str, alias: str, version: str) -> list[tuple[list[str], float, float | None]]:
+        from datetime import datetime
+
+        answer = self.http.get("/api/2.0/mlflow/model-versions/get", params={"name": model, "version": version})
+        if answer.status_code != 200:
+            return []
+        tags = {t["key"]: t["value"] for t in answer.json()["model_version"].get("tags", [])}
+        try:
+            end = datetime.fromisoformat(tags["data_end"]).timestamp()
+        except (KeyError, ValueError):
+            return []
+        promoted = datetime.fromisoformat(tags["gate_at"]).timestamp() if tags.get("gate_at") else None
+        return [([model, alias, version], end, promoted - end if promoted else None)]
 
 
 class AirflowCollector(Collector):

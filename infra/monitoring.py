@@ -59,6 +59,10 @@ def alerts(s: Settings) -> list[Alert]:
               "(flywheel_flink_source_lag_records > 10000 and deriv(flywheel_flink_source_lag_records[2m]) "
               "> 0) or (flywheel_consumer_lag_records > 10000 and deriv(flywheel_consumer_lag_records[2m]) > 0)",
               "lag of {{ $labels.service }}{{ $labels.vertex }} is {{ $value }} records and growing", for_s=120),
+        Alert("FlywheelFeatureFreshness", "histogram_quantile(0.99, sum by (le) "
+              "(rate(flywheel_feature_online_seconds_bucket[1m]))) > 1",
+              "feature rows reach the online store {{ $value | humanizeDuration }} after the stream job appends "
+              "them (p99, over 1 s)", for_s=120),
         Alert("FlywheelStreamJobDown", "flywheel_flink_job_running == 0", "the stream job {{ $labels.job }} is "
               "not RUNNING", for_s=30),
         Alert("FlywheelStreamJobRestarting", "flywheel_flink_restarts_last_10m > 2",

@@ -14,7 +14,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from infra.settings import Settings
@@ -38,6 +38,12 @@ class Progress:
     written_at: float | None = None
     lost: int = 0  # records a restarted broker no longer held when the consumer came for them (a lower bound)
     lost_at: float | None = None
+    # What the consumer timed, as cumulative histograms: name -> {"counts": per LATENCY_BUCKETS bound (the
+    # last: +Inf), "sum": seconds}; the exporter serves them to Prometheus (flywheel_<name>_seconds).
+    latencies: dict = field(default_factory=dict)
+
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
 
 
 class ProgressReport:
@@ -61,6 +67,19 @@ class ProgressReport:
             self._save(now)  # at once: `flywheel status` reports it
         elif now - self._saved >= self.every_s:
             self._save(now)
+
+    def observe(self, name: str, seconds: Sequence[float]) -> None:
+        """Add timings (seconds) to the histogram `name`, saved with the next beat."""
+        import numpy as np
+
+        if not len(seconds):
+            return
+        h = self.progress.latencies.setdefault(name, {"counts": [0] * len(LATENCY_BUCKETS), "sum": 0.0})
+        values = np.asarray(seconds, dtype=float)
+        at = np.searchsorted(LATENCY_BUCKETS, values, side="left")  # the first bound >= the value
+        per_bucket = np.bincount(at, minlength=len(LATENCY_BUCKETS))
+        h["counts"] = [int(c) for c in np.cumsum(per_bucket) + np.asarray(h["counts"])]
+        h["sum"] += float(values.sum())
 
     def _save(self, now: float) -> None:
         tmp = self.path.with_suffix(".tmp")

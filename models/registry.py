@@ -8,7 +8,8 @@ compares on), `parent_version` (incremental runs), `kind`. Gate decisions and ro
 
 A promoted ranker starts a canary (settings.canary, serving/canary.py): @control names the champion before
 it, which keeps serving the users outside the new champion's share (the registered model's tag
-`champion_percent`) until the analysis ramps the new one to all traffic (@control removed) or rolls it
+`champion_canary`, "<version>:<percent>": a share for that version alone, so a @champion moved by hand
+serves everyone at once) until the analysis ramps the new one to all traffic (@control removed) or rolls it
 back. The canary's state is on the version: `canary_started_at`, `canary_status`, `canary_decision`.
 """
 
@@ -36,7 +37,7 @@ if TYPE_CHECKING:  # TensorFlow takes seconds to import: only the calls that sco
     from models.ctr import CtrModel
 
 CHAMPION, CHALLENGER, CONTROL = "champion", "challenger", "control"
-CHAMPION_PERCENT = "champion_percent"  # registered-model tag: the new champion's share during its canary
+CANARY_TAG = "champion_canary"  # registered-model tag "<version>:<percent>": a new champion's share in its canary
 
 
 class RegistryError(RuntimeError):
@@ -116,10 +117,16 @@ def aliases(client: MlflowClient, name: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Routing:
-    """What the ranking server follows: the aliases, and the new champion's share while @control serves."""
+    """What the ranking server follows: the aliases, and @champion's share of users while @control serves
+    the others (100: no canary, or one for another version than @champion, which a hand moved)."""
 
     aliases: dict[str, str]
     champion_percent: float = 100.0
+    canary_version: str | None = None  # the version the canary tag names, whether or not it is @champion
+
+
+def canary_tag(version: str, percent: float) -> str:
+    return f"{version}:{percent:g}"
 
 
 def routing(client: MlflowClient, name: str) -> Routing:
@@ -131,11 +138,13 @@ def routing(client: MlflowClient, name: str) -> Routing:
             return Routing({})
         return Routing(aliases(client, name))  # raises the RegistryError that says why
     named = {alias: str(version) for alias, version in model.aliases.items()}
+    version, _, percent = model.tags.get(CANARY_TAG, "").partition(":")
     try:
-        percent = float(model.tags.get(CHAMPION_PERCENT, 100.0))
+        share = float(percent)
     except ValueError:
-        percent = 100.0
-    return Routing(named, percent if CONTROL in named else 100.0)
+        return Routing(named)
+    applies = CONTROL in named and version == named.get(CHAMPION)
+    return Routing(named, share if applies else 100.0, version or None)
 
 
 def start_canary(s: Settings, version: str, previous: str) -> None:
@@ -144,7 +153,7 @@ def start_canary(s: Settings, version: str, previous: str) -> None:
     client, name = connect(s), s.models.name
     if alias_version(client, name, CONTROL) is None:
         client.set_registered_model_alias(name, CONTROL, previous)
-    client.set_registered_model_tag(name, CHAMPION_PERCENT, f"{s.canary.ramp_percent[0]:g}")
+    client.set_registered_model_tag(name, CANARY_TAG, canary_tag(version, s.canary.ramp_percent[0]))
     client.set_model_version_tag(name, version, "canary_started_at", datetime.now(UTC).isoformat())
     client.set_model_version_tag(name, version, "canary_status",
                                  f"serving {s.canary.ramp_percent[0]:g}% of users; @control serves the others")
@@ -156,8 +165,8 @@ def end_canary(s: Settings) -> None:
     model = client.get_registered_model(name)
     if CONTROL in model.aliases:
         client.delete_registered_model_alias(name, CONTROL)
-    if CHAMPION_PERCENT in model.tags:
-        client.delete_registered_model_tag(name, CHAMPION_PERCENT)
+    if CANARY_TAG in model.tags:
+        client.delete_registered_model_tag(name, CANARY_TAG)
 
 
 def load_version(s: Settings, version: str) -> CtrModel:

@@ -2,7 +2,7 @@
 champion before it, on the same period's traffic; a version shown worse is rolled back at once.
 
 A promotion that replaces a champion (models/registry.py: decide) leaves @control on the old one and the
-registered model's `champion_percent` at `canary.ramp_percent[0]`: the ranking server scores that share of
+registered model's `champion_canary` tag at `canary.ramp_percent[0]`: the ranking server scores that share of
 users (by a stable hash) with the new champion, the others with @control. Every `canary.interval_s` this
 process joins the prediction archive to the event log's clicks (serving/outcomes.py) since the canary
 started and judges each /rank request the users were served: its AUC, the share of (clicked, not
@@ -21,8 +21,9 @@ however often it is looked at: a version as good as its control is rolled back w
 `canary.alpha` per canary. Decisions:
 
 - Lambda >= 1/alpha with d < 0, each side with half of `canary.min_requests` judged: **shown worse**.
-  Rolled back to @control (models/registry.py: rollback), the reason on the version (`rolled_back_reason`, `canary_decision`) and in the alert. A rollback that
-  fails (the registry down) is retried every interval and alerted.
+  Rolled back to @control (models/registry.py: rollback), the reason on the version
+  (`rolled_back_reason`, `canary_decision`) and in the alert. A rollback that fails (the registry down) is
+  retried every interval and alerted.
 - each side with `canary.min_requests` judged requests at this step and not shown worse: the next share
   of `canary.ramp_percent`, then all traffic (@control removed, `canary_decision` on the version).
 - otherwise: **lacking evidence**: the share stays, and the version says so (`canary_status`).
@@ -48,7 +49,7 @@ import pandas as pd
 from infra.progress import state_path
 from infra.settings import Settings, get_settings
 from models.registry import (
-    CHAMPION, CHAMPION_PERCENT, CONTROL, connect, end_canary, rollback, routing, version_tags)
+    CANARY_TAG, CHAMPION, CONTROL, canary_tag, connect, end_canary, rollback, routing)
 from serving.outcomes import served_outcomes
 
 log = logging.getLogger("flywheel.canary")
@@ -170,23 +171,42 @@ class Analyst:
         self.s = s
         self.state = read_state(s) or State()
         self.state.rollback_failing, self._said, self._served_at = 0, ("", 0.0), 0.0
+        self._client, self._moot = None, False
+
+    def client(self):
+        """One registry client for every look (connecting costs a registry call); a new one after a failure."""
+        if self._client is None:
+            self._client = connect(self.s)
+        return self._client
 
     def look(self) -> None:
         """One look: judge the canary running, if any, and act on the verdict."""
         s, name = self.s, self.s.models.name
-        client = connect(s)
-        found = routing(client, name)
+        client = self.client()
+        try:
+            found = routing(client, name)
+        except Exception:
+            self._client = None
+            raise
         champion, control = found.aliases.get(CHAMPION), found.aliases.get(CONTROL)
         st = self.state
-        if control is None or champion is None or champion == control:
-            if control is not None:  # rolled back (or moved) to the control by hand: the canary is over
+        # @champion moved by hand (to @control, or to a version the canary is not for): the canary is over.
+        # Twice in a row: the gate sets the canary's tag and @control a moment before it moves @champion.
+        moot = control is not None and (champion in (None, control) or found.canary_version != champion)
+        seen_before, self._moot = self._moot, moot
+        if moot and not seen_before:
+            return
+        if control is None or moot:
+            if moot:
                 end_canary(s)
+                log.info("@champion v%s is not the canary's (v%s): @control v%s removed", champion,
+                         found.canary_version, control)
             st.version, st.control, st.champion_percent, st.decision, st.reason, st.arms = "", "", 100.0, "", "", {}
             if time.time() - self._served_at >= 60:  # a read of the archives: outside a canary, once a minute
                 st.served = served_figures(served_outcomes(s, int((time.time() - SERVED_WINDOW_S) * 1000)))
                 self._served_at = time.time()
             return
-        tags = version_tags(s, champion)
+        tags = dict(client.get_model_version(name, champion).tags)
         started = _ms(tags.get("canary_started_at")) or int(time.time() * 1000)
         step_started = _ms(tags.get("canary_step_started_at")) or started
         outcomes = served_outcomes(s, started)
@@ -207,7 +227,7 @@ class Analyst:
     def _roll_back(self, champion: str, control: str, reason: str) -> None:
         try:
             rollback(self.s, f"canary analysis: {reason}", to=control, who=WHO)
-            connect(self.s).set_model_version_tag(self.s.models.name, champion, "canary_decision",
+            self.client().set_model_version_tag(self.s.models.name, champion, "canary_decision",
                                                   f"rolled back to v{control}: {reason}")
         except Exception as exc:  # noqa: BLE001 - the registry down: tried again at the next look, and alerted
             self.state.rollback_failing += 1
@@ -221,10 +241,10 @@ class Analyst:
         self.state.rollback_failing, self.state.error = 0, ""
 
     def _ramp(self, champion: str, percent: float, reason: str) -> None:
-        client, name = connect(self.s), self.s.models.name
+        client, name = self.client(), self.s.models.name
         steps = [p for p in self.s.canary.ramp_percent if p > percent]
         if steps:
-            client.set_registered_model_tag(name, CHAMPION_PERCENT, f"{steps[0]:g}")
+            client.set_registered_model_tag(name, CANARY_TAG, canary_tag(champion, steps[0]))
             client.set_model_version_tag(name, champion, "canary_step_started_at", datetime.now(UTC).isoformat())
             client.set_model_version_tag(name, champion, "canary_status", f"ramped to {steps[0]:g}% of users: {reason}")
             log.info("v%s ramped to %g%% of users: %s", champion, steps[0], reason)

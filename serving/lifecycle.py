@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlflow
@@ -121,7 +121,7 @@ class ModelFollower:
         found = routing(self._registry(), self.s.models.name)
         if self.shared is not None:
             tmp = self.shared.with_name(f"{self.shared.name}.{os.getpid()}")
-            tmp.write_text(json.dumps({"aliases": found.aliases, "champion_percent": found.champion_percent}))
+            tmp.write_text(json.dumps(asdict(found)))
             os.utime(tmp, (asked_at, asked_at))  # the answer's age counts from the question
             try:  # a slow answer must not replace one another worker asked for later (a rollback undone)
                 newer = self.shared.stat().st_mtime > asked_at

@@ -27,7 +27,7 @@ def test_a_slow_registry_answer_does_not_replace_a_later_one(tmp_path: Path, mon
         if client == "slow":  # asked before the rollback, answers after it: the old champion in a canary
             asked.set()
             answer.wait(10)
-            return Routing({"champion": "2", "control": "1"}, 50.0)
+            return Routing({"champion": "2", "control": "1"}, 50.0, "2")
         return Routing({"champion": "1"})
 
     monkeypatch.setattr(lifecycle, "routing", registry_routing)

@@ -4,12 +4,16 @@ verdicts it gives on served outcomes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 
 from infra.settings import load_settings
-from models.registry import CHAMPION, CONTROL
-from serving.canary import judge, msprt, request_aucs
+from models.registry import CHAMPION, CONTROL, RegistryError
+from serving import canary
+from serving.canary import Analyst, judge, msprt, read_state, request_aucs
+from tests.conftest import stack_environ
 
 
 def aucs(rng: np.random.Generator, mean: float, n: int) -> np.ndarray:
@@ -77,3 +81,32 @@ def test_the_verdicts_worse_ramp_and_lacking_evidence() -> None:
     recommended = few.assign(sources=[["graph"]] * len(few))
     assert request_aucs(recommended).empty
     assert judge(s, few, "5", "4", 0).decision == "lacking"
+
+
+def test_a_rollback_that_fails_is_tried_again_at_each_look_and_counted_until_it_succeeds(tmp_path: Path,
+                                                                                        monkeypatch) -> None:
+    s = load_settings(stack_environ(tmp_path / "data"))
+    tries, tagged = [], []
+
+    def rollback(s, why: str, to: str, who: str) -> tuple[str, str]:
+        tries.append((why, to, who))
+        if len(tries) < 3:
+            raise RegistryError("MLflow at ... is unreachable (ConnectError)")
+        return "5", to
+
+    class Client:
+        def set_model_version_tag(self, name: str, version: str, key: str, value: str) -> None:
+            tagged.append((version, key, value))
+
+    monkeypatch.setattr(canary, "rollback", rollback)
+    monkeypatch.setattr(canary, "connect", lambda s: Client())
+    analyst = Analyst(s)
+    for look in range(3):
+        analyst._roll_back("5", "4", "shown worse than v4 on live traffic: ...")
+        analyst.save()
+        state = read_state(s)
+        assert state.rollback_failing == (look + 1 if look < 2 else 0), state
+        assert ("unreachable" in state.error) == (look < 2)
+    assert [to for _, to, _ in tries] == ["4"] * 3 and {who for _, _, who in tries} == {"canary-analysis"}
+    assert state.rollbacks[-1]["version"] == "5" and state.rollbacks[-1]["to"] == "4"
+    assert tagged == [("5", "canary_decision", "rolled back to v4: shown worse than v4 on live traffic: ...")]

@@ -17,7 +17,7 @@ import pytest
 from feature_repo.event_log import read_event_log
 from feature_repo.online import OnlineReader
 from feature_repo.store import feature_store, online_row
-from infra import stack
+from infra import monitoring, stack
 from infra.airflow_api import AirflowClient
 from flywheel.demo import LoopPlan, Summary, run_loop, summary_lines
 from infra.settings import Settings, load_settings
@@ -139,6 +139,24 @@ def test_the_rollback_is_followed_by_serving(loop) -> None:
     resumed_from = c["from"] if c["from"] == r["to"] else version_tags(s, c["from"])["parent_version"]
     assert resumed_from == r["to"] and c["state"] == "success" and c["train"] in ("success", "skipped"), c
     assert c["train"] == "skipped" or version_tags(s, c["version"])["parent_version"] == c["from"]
+
+
+def test_a_live_regression_the_gate_promoted_was_rolled_back_by_the_canary_analysis_alone(loop) -> None:
+    """The drill's version passed the gate (its evaluation labels swapped upstream) and served worse: the canary
+    analysis rolled it back within a minute, the reason on the version and in the alert; no honest version
+    was rolled back by it."""
+    s, summary = loop
+    r = summary.live_regression
+    tags = version_tags(s, r["version"])
+    assert tags["gate_decision"] == "promoted" and tags["rolled_back_by"] == "canary-analysis", tags
+    assert "shown worse" in tags["rolled_back_reason"] and tags["canary_decision"].startswith("rolled back")
+    assert r["seconds"] <= 60 and r["champion_now"] == r["control"] == summary.rollback["to"], r
+    assert not [v for v in summary.versions if v["rolled_back_by"] == "canary-analysis" and not v["drill"]]
+
+    def alerted() -> None:
+        fired = [a for a in monitoring.firing(s) if a["name"] == "FlywheelCanaryRolledBack"]
+        assert fired and f"v{r['version']} back to v{r['control']}" in fired[0]["summary"], fired
+    wait_for(alerted, timeout_s=60)
 
 
 def test_recommend_answers_from_the_whole_catalogue_and_follows_a_fresh_users_clicks(loop) -> None:

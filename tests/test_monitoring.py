@@ -90,6 +90,24 @@ def test_a_server_that_does_not_serve_the_registrys_champion_for_a_minute_fires(
     ])
 
 
+def test_the_canary_analysis_alerts_say_the_rollback_and_its_reason_and_a_failing_one(
+        promtool: str, settings: Settings, tmp_path: Path) -> None:
+    reason = "shown worse than v4 on live traffic: request AUC v5 0.331 ..."
+    rule_test(promtool, settings, tmp_path, {
+        f'flywheel_canary_rollback_timestamp_seconds{{version="5",to="4",reason="{reason}"}}': values((60, 300)),
+        "flywheel_canary_rollback_failing": values((0, 4), (2, 4), (0, 4)),
+    }, [
+        {"eval_time": "100s", "alertname": "FlywheelCanaryRolledBack", "exp_alerts": [{
+            "exp_labels": {"version": "5", "to": "4", "reason": reason, "severity": "page"},
+            "exp_annotations": {"summary": f"the canary analysis rolled v5 back to v4: {reason}"}}]},
+        {"eval_time": "1000s", "alertname": "FlywheelCanaryRolledBack", "exp_alerts": []},  # 15 min later
+        {"eval_time": "25s", "alertname": "FlywheelCanaryRollbackFailing", "exp_alerts": [{
+            "exp_labels": {"severity": "page"}, "exp_annotations": {
+                "summary": "the canary analysis asked for a rollback that failed 2 times (retried every look)"}}]},
+        {"eval_time": "45s", "alertname": "FlywheelCanaryRollbackFailing", "exp_alerts": []},
+    ])
+
+
 @pytest.fixture
 def exporter(settings: Settings) -> Iterator[Settings]:
     server = _Exporter(settings)
@@ -104,9 +122,18 @@ def exporter(settings: Settings) -> Iterator[Settings]:
 def test_the_exporter_answers_503_with_the_reason_for_a_source_that_is_down_and_keeps_the_rest(
         exporter: Settings) -> None:
     s = exporter
-    ProgressReport(s, "feast-ingestor", "group", ["features.x"]).beat(wrote=True)
+    report = ProgressReport(s, "feast-ingestor", "group", ["features.x"])
+    report.observe("feature_online", [0.03, 0.2, 0.7, 0.7, 90.0])
+    report.observe("feature_online", [0.04])
+    report.beat(wrote=True)
+    report._save(0)  # a beat saves at most once a second
     pipeline = httpx.get(f"{s.prometheus.exporter_url}/metrics/pipeline", timeout=10)
     assert pipeline.status_code == 200
+    # The rows' times as a cumulative histogram per bound, summed over both observations.
+    for le, count in (("0.05", 2), ("0.25", 3), ("1", 5), ("60", 5), ("+Inf", 6)):
+        assert f'flywheel_feature_online_seconds_bucket{{le="{le}",service="feast-ingestor"}} {count:.1f}' in \
+            pipeline.text, pipeline.text
+    assert 'flywheel_feature_online_seconds_count{service="feast-ingestor"} 6.0' in pipeline.text
     assert 'flywheel_consumer_polled_timestamp_seconds{service="feast-ingestor"}' in pipeline.text
     assert 'flywheel_consumer_lag_records{service=' not in pipeline.text  # no broker: unknown, not 0
     for part, source in (("flink", "Flink REST"), ("redis", "Redis"), ("registry", "MLflow"), ("airflow", "Airflow")):

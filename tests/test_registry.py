@@ -78,7 +78,7 @@ def test_gate_promotes_refuses_and_rollback_restores(registry: Settings, tmp_pat
     assert champion(s) == v3
     # ... in a canary: the champion it replaced serves the users outside the first share (serving/canary.py).
     assert routing(connect(s), s.models.name) == Routing({CHAMPION: v3, CHALLENGER: v2, CONTROL: v1},
-                                                         s.canary.ramp_percent[0])
+                                                         s.canary.ramp_percent[0], v3)
     assert "canary_started_at" in connect(s).get_model_version(s.models.name, v3).tags
     started = time.monotonic()
     assert rollback(s, why="bad canary", who="tester") == (v3, v1)

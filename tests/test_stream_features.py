@@ -7,7 +7,9 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -27,7 +29,7 @@ from feature_repo.definitions import TIMESTAMP_FIELD
 from feature_repo.event_log import read_event_log
 from feature_repo.files import view_dir
 from feature_repo.store import feature_store, online_row
-from infra import process, stack
+from infra import monitoring, process, stack
 from infra.progress import read_progress
 from infra.settings import Settings, to_environ
 from models.dataset import Window, labelled_impressions, training_set
@@ -434,6 +436,28 @@ def test_a_stopped_ingestor_is_named_unhealthy_with_its_lag_and_recovers(pipelin
                          f"unhealthy {unhealthy_s:.0f} s, alert firing {alert_s:.0f} s after the stop (stall_after_s "
                          f"{s.stack.stall_after_s:g}); healthy, lag 0, {healthy_s:.0f} s and the alert cleared "
                          f"{cleared_s:.0f} s after kill -CONT", unhealthy_s <= 60 and alert_s <= 60)
+
+
+def test_the_dashboard_renders_in_a_headless_browser(pipeline: Settings, tmp_path) -> None:
+    """The console page Prometheus serves, as Debian's Chromium renders it (scripts run): the figures table,
+    every target's health and the graphs drawn from the stack's own series."""
+    s = pipeline
+    if shutil.which("chromium") is None:  # as the stack installs Prometheus: Debian's package, once
+        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"], check=True,
+                       env=os.environ | {"DEBIAN_FRONTEND": "noninteractive"}, capture_output=True)
+    wait_for(lambda: _assert({t["job"] for t in monitoring.targets(s) if t["health"] == "up"} >= {"pipeline", "flink"}),
+             timeout_s=60)
+    url = f"{s.prometheus.url}/consoles/flywheel.html"
+    browser = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1400,1800",
+               "--virtual-time-budget=10000"]
+    dom = subprocess.run([*browser, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    assert "Flywheel: the loop" in dom and "Alerts firing" in dom, dom[:2000]
+    assert re.search(r"<td>pipeline</td><td>up</td>", dom) and re.search(r"<td>flink</td><td>up</td>", dom), dom
+    # Rickshaw drew the series Prometheus holds: a line path inside a graph's SVG.
+    assert dom.count("rickshaw_graph") >= 8 and re.search(r'<path d="M[0-9]', dom), dom[-3000:]
+    shot = tmp_path / "dashboard.png"
+    subprocess.run([*browser, f"--screenshot={shot}", url], capture_output=True, timeout=120)
+    assert shot.stat().st_size > 20_000
 
 
 def _assert_stall_alert(s: Settings, firing: bool) -> None:

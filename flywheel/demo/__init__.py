@@ -16,13 +16,15 @@ two at the split (the spec's `[demo]`, `LoopPlan.of`).
    pass the gate, and the server follows.
 4. Drills, once an incremental version serves: a deliberately bad version (the champion with its
    output inverted) is refused by the gate; the `model_rollback` DAG moves @champion back and the
-   server follows.
+   server follows; a live regression (the inverted version again, gated on labels swapped upstream, so the
+   gate promotes it) serves half the users in its canary until the canary analysis rolls it back by itself
+   (serving/canary.py), within a minute.
 5. The summary: events, feature freshness, versions and gate decisions, each version's AUC on the
    traffic it served, model freshness, serving latency. Also written to `<data_dir>/demo/`.
 
 Modules by job: `loop` runs the stages; `sessions` cuts the live part of the history into requests;
 `traffic` generates the live load; `probes` watch features
-and the server; `drills` are the bad-model and rollback drills; `summary` collects and prints.
+and the server; `drills` are the bad-model, rollback and live-regression drills; `summary` collects and prints.
 """
 
 from flywheel.demo.loop import run_loop

@@ -19,7 +19,7 @@ from flywheel.demo.traffic import Traffic
 from infra.airflow_api import AirflowClient
 from infra.settings import Settings
 from models.graph import graph_size
-from models.registry import CHAMPION, alias_version, connect, list_versions
+from models.registry import CHAMPION, CONTROL, alias_version, connect, list_versions
 from serving.client import endpoint
 from serving.outcomes import percentiles
 from streaming.history import history_events as past_events
@@ -181,13 +181,14 @@ def live(s: Settings, plan: LoopPlan, server: str, airflow: AirflowClient, summa
                 say(f"  live: {len(traffic.results):,} requests answered ({ok:,} ok), serving "
                     f"{sorted(traffic.served_versions())}, {sum(traffic.events.values()):,} events sent")
             time.sleep(2)
+        for run_id in airflow.active_runs("incremental_training"):  # it trains on this traffic: let it finish
+            say(f"  waiting for incremental_training run {run_id} to finish")
+            airflow.wait("incremental_training", run_id, 600)
+        catch_up(s, airflow, summary, say)
+        settle_canary(s, summary, say)  # judged on live traffic: it keeps flowing until then
     finally:
         traffic.stop.set()
         traffic.thread.join()
-    for run_id in airflow.active_runs("incremental_training"):  # it trains on this traffic: let it finish
-        say(f"  waiting for incremental_training run {run_id} to finish")
-        airflow.wait("incremental_training", run_id, 600)
-    catch_up(s, airflow, summary, say)
     summary.live_events = dict(traffic.events)
     summary.feature_freshness_s = traffic.probes.seconds
     summary.feature_probes_timed_out = traffic.probes.timed_out
@@ -222,3 +223,16 @@ def catch_up(s: Settings, airflow: AirflowClient, summary: Summary, say: Say) ->
                         "gate": learned["gate"] if learned else None}
     say(f"  after the rollback: incremental_training from v{champion} {state} (train {train})"
         + (f": v{learned['version']} {learned['gate']}" if learned else ""))
+
+
+def settle_canary(s: Settings, summary: Summary, say: Say, timeout_s: float = 240.0) -> None:
+    """Wait until no canary runs (@control gone: the newest champion ramped to all traffic, or rolled back),
+    so the stack the demo leaves serves one champion to everyone. Past `timeout_s` the canary stays (it
+    lacks evidence) and the summary says so."""
+    client, t0 = connect(s), time.monotonic()
+    while alias_version(client, s.models.name, CONTROL) is not None and time.monotonic() - t0 < timeout_s:
+        time.sleep(2)
+    champion = alias_version(client, s.models.name, CHAMPION)
+    tags = dict(client.get_model_version(s.models.name, champion).tags) if champion else {}
+    summary.catch_up["canary"] = tags.get("canary_decision") or tags.get("canary_status") or "none (no champion before)"
+    say(f"  canary of v{champion}: {summary.catch_up['canary']} ({time.monotonic() - t0:.0f}s)")

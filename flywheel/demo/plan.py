@@ -25,9 +25,7 @@ class LoopPlan:
     history_from: datetime = datetime(1997, 9, 1, tzinfo=UTC)  # offline training window start
     history_limit: int | None = None  # replay at most this many history ratings (a shortened loop)
     sessions: int | None = None  # the first N live sessions (None: all after `split`), replayed in a cycle
-    # live requests per second: a fifth of /rank lists have a click and a pass (MovieLens), what a canary
-    # judges; at 6/s each side of a 50% canary has a dozen such in ~30 s
-    rate: float = 6.0
+    rate: float = 2.0  # live requests per second
     recommend_every: int = 4  # every Nth live request asks /recommend for the session's user (0: none)
     tail_s: float = 30.0  # live traffic kept up after the rollback is served
     feature_timeout_s: float = 900.0

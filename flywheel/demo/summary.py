@@ -107,7 +107,8 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
     if summary.catch_up:
         c = summary.catch_up
         lines.append(f"after the rollback: incremental_training from v{c['from']} {c['state']} (train {c['train']})"
-                     + (f", v{c['version']} {c['gate']} by the gate" if c["version"] else ""))
+                     + (f", v{c['version']} {c['gate']} by the gate" if c["version"] else "")
+                     + (f"; @champion's canary: {c['canary']}" if c.get("canary") else ""))
     lines += [f"whole loop: {summary.seconds / 60:.1f} min",
               f"Airflow UI: {s.airflow.api_url} (user {s.airflow.username}; "
               f"its password: `flywheel status{dataset_flag(s)} --show-secrets`)",
