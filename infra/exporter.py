@@ -110,7 +110,7 @@ class FlinkCollector(Collector):
         name = self.s.streaming.job_name
         jobs = [j for j in self._get("/jobs/overview")["jobs"] if j.get("name") == name]
         running = next((j for j in jobs if j.get("state") == "RUNNING"), None)
-        yield _gauge("flywheel_flink_job_running", "1 while the stream job is RUNNING.", ["job"],
+        yield _gauge("flywheel_flink_job_running", "1 while the stream job is RUNNING.", ["flink_job"],
                      [([name], 1.0 if running else 0.0)])
         if running is None:
             return
@@ -118,25 +118,25 @@ class FlinkCollector(Collector):
         job = self._get(f"/jobs/{jid}")
         fed = {i["id"] for node in job["plan"]["nodes"] for i in node.get("inputs", [])}
         sources = [v for v in job["vertices"] if v["name"].startswith("Source")]
-        yield _gauge("flywheel_flink_job_uptime_seconds", "Since the stream job (re)started.", ["job"],
+        yield _gauge("flywheel_flink_job_uptime_seconds", "Since the stream job (re)started.", ["flink_job"],
                      [([name], max(0, job["now"] - job["start-time"]) / 1000)])
-        yield _gauge("flywheel_flink_records_in", "Events read by the job's Kafka sources.", ["job"],
+        yield _gauge("flywheel_flink_records_in", "Events read by the job's Kafka sources.", ["flink_job"],
                      [([name], sum(v["metrics"]["read-records"] for v in sources))])
-        yield _gauge("flywheel_flink_records_out", "Rows written by the job's sinks.", ["job"],
+        yield _gauge("flywheel_flink_records_out", "Rows written by the job's sinks.", ["flink_job"],
                      [([name], sum(v["metrics"]["write-records"] for v in job["vertices"] if v["id"] not in fed))])
         failures = self._get(f"/jobs/{jid}/exceptions")["exceptionHistory"]["entries"]
         yield _gauge("flywheel_flink_restarts_last_10m", "Job failures (each a restart) in the last 10 minutes.",
-                     ["job"], [([name], sum(job["now"] - f["timestamp"] < 600_000 for f in failures))])
+                     ["flink_job"], [([name], sum(job["now"] - f["timestamp"] < 600_000 for f in failures))])
         checkpoints = self._get(f"/jobs/{jid}/checkpoints")
         counts = checkpoints.get("counts", {})
         yield _gauge("flywheel_flink_checkpoints", "Checkpoints of the running job, by outcome.",
-                     ["job", "outcome"], [([name, k], counts.get(k, 0)) for k in ("completed", "failed")])
+                     ["flink_job", "outcome"], [([name, k], counts.get(k, 0)) for k in ("completed", "failed")])
         latest = (checkpoints.get("latest") or {}).get("completed")
         if latest:
             yield _gauge("flywheel_flink_checkpoint_duration_seconds", "The last completed checkpoint's "
-                         "end-to-end duration.", ["job"], [([name], latest["end_to_end_duration"] / 1000)])
+                         "end-to-end duration.", ["flink_job"], [([name], latest["end_to_end_duration"] / 1000)])
             yield _gauge("flywheel_flink_checkpoint_timestamp_seconds", "When the last completed checkpoint "
-                         "was triggered.", ["job"], [([name], latest["trigger_timestamp"] / 1000)])
+                         "was triggered.", ["flink_job"], [([name], latest["trigger_timestamp"] / 1000)])
         back: list[tuple[list[str], float]] = []
         pending: list[tuple[list[str], float]] = []
         for v in job["vertices"]:
@@ -150,9 +150,9 @@ class FlinkCollector(Collector):
                 got = self._get(f"/jobs/{jid}/vertices/{v['id']}/subtasks/metrics?get={','.join(ids)}&agg=sum")
                 pending.append(([name, v["name"][:80]], sum(m.get("sum", 0.0) for m in got)))
         yield _gauge("flywheel_flink_backpressured_ratio", "Share of time the busiest subtask of each vertex "
-                     "was back-pressured.", ["job", "vertex"], back)
+                     "was back-pressured.", ["flink_job", "vertex"], back)
         yield _gauge("flywheel_flink_source_lag_records", "Records in Kafka the job's source has not read yet: "
-                     "its Kafka consumers' records-lag-max, summed over subtasks.", ["job", "vertex"], pending)
+                     "its Kafka consumers' records-lag-max, summed over subtasks.", ["flink_job", "vertex"], pending)
 
 
 class RedisCollector(Collector):

@@ -63,8 +63,8 @@ def alerts(s: Settings) -> list[Alert]:
               "(rate(flywheel_feature_online_seconds_bucket[1m]))) > 1",
               "feature rows reach the online store {{ $value | humanizeDuration }} after the stream job appends "
               "them (p99, over 1 s)", for_s=120),
-        Alert("FlywheelStreamJobDown", "flywheel_flink_job_running == 0", "the stream job {{ $labels.job }} is "
-              "not RUNNING", for_s=30),
+        Alert("FlywheelStreamJobDown", "flywheel_flink_job_running == 0", "the stream job {{ $labels.flink_job }} "
+              "is not RUNNING", for_s=30),
         Alert("FlywheelStreamJobRestarting", "flywheel_flink_restarts_last_10m > 2",
               "the stream job failed {{ $value }} times in the last 10 minutes"),
         Alert("FlywheelServerErrors", 'sum(rate(flywheel_requests_total{status=~"5.."}[1m])) / '

@@ -279,7 +279,7 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
 class Rebalance:
     """ASGI middleware: while this worker holds more than its share of the server's open connections
     (serving/supervisor.py), each response closes its connection, so the client reconnects and the
-    kernel hashes the new one to a worker afresh, until the split is even."""
+    kernel hashes the new one to a worker afresh, until the split is even. /metrics answers always close."""
 
     REFRESH_S = 0.5  # an idle worker's count stays current for the others
 
@@ -302,8 +302,12 @@ class Rebalance:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
+        # A scraper's connection (Prometheus keeps one) is not traffic to balance: /metrics always closes it.
+        scrape = scope.get("path") == "/metrics"
+
         async def sending(message: dict) -> None:
-            if message["type"] == "http.response.start" and self.shares.over_share(self.slot, len(self.connections)):
+            if message["type"] == "http.response.start" and (
+                    scrape or self.shares.over_share(self.slot, len(self.connections))):
                 message["headers"] = [*message.get("headers", ()), (b"connection", b"close")]
             await send(message)
 

@@ -454,7 +454,7 @@ def test_the_dashboard_renders_in_a_headless_browser(pipeline: Settings, tmp_pat
     assert "Flywheel: the loop" in dom and "Alerts firing" in dom, dom[:2000]
     assert re.search(r"<td>pipeline</td><td>up</td>", dom) and re.search(r"<td>flink</td><td>up</td>", dom), dom
     # Rickshaw drew the series Prometheus holds: a line path inside a graph's SVG.
-    assert dom.count("rickshaw_graph") >= 8 and re.search(r'<path d="M[0-9]', dom), dom[-3000:]
+    assert dom.count("rickshaw_graph") >= 8 and re.search(r'<path class="path" d="M[0-9]', dom), dom[-3000:]
     shot = tmp_path / "dashboard.png"
     subprocess.run([*browser, f"--screenshot={shot}", url], capture_output=True, timeout=120)
     assert shot.stat().st_size > 20_000
