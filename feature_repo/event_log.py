@@ -54,10 +54,12 @@ def write_batch(s: Settings, batch: list[Consumed]) -> int:
     return len(groups)
 
 
-def read_event_log(s: Settings, start_ms: int | None = None, end_ms: int | None = None) -> pa.Table:
+def read_event_log(s: Settings, start_ms: int | None = None, end_ms: int | None = None,
+                   columns: list[str] | None = None, written_since_ms: int | None = None) -> pa.Table:
     """The log's date partitions that can hold events with start_ms <= event_time < end_ms (all when
-    not given); rows are not filtered, so the caller also sees the rest of those days."""
-    return read_days(event_log_dir(s), SCHEMA, start_ms, end_ms)
+    not given); rows are not filtered, so the caller also sees the rest of those days. `columns` and
+    `written_since_ms`: files.read_days."""
+    return read_days(event_log_dir(s), SCHEMA, start_ms, end_ms, columns, written_since_ms)
 
 
 def last_write(s: Settings) -> datetime | None:

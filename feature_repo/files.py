@@ -45,12 +45,23 @@ def day(time_ms: int) -> str:
     return datetime.fromtimestamp(time_ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d")
 
 
-def read_days(root: Path, schema: pa.Schema, start_ms: int | None = None, end_ms: int | None = None) -> pa.Table:
+CLOCK_SLACK_MS = 60_000  # `written_since_ms` reads files written up to this much earlier too: other hosts' clocks
+
+
+def read_days(root: Path, schema: pa.Schema, start_ms: int | None = None, end_ms: int | None = None,
+              columns: list[str] | None = None, written_since_ms: int | None = None) -> pa.Table:
     """The date partitions under `root` that can hold records with start_ms <= time < end_ms (all when
-    not given); rows are not filtered, so the caller also sees the rest of those days."""
+    not given); rows are not filtered, so the caller also sees the rest of those days. `columns`: only
+    those; `written_since_ms`: only the files written since (a file is written after its records arrive,
+    so one older holds nothing that arrived later: a canary's few minutes read a few minutes of files)."""
     first, last = day(start_ms) if start_ms is not None else "", day(end_ms) if end_ms is not None else "~"
     files = sorted(f for d in root.glob("date=*") if first <= d.name[5:] <= last for f in d.glob("*.parquet"))
-    return pa.concat_tables([pq.read_table(f, schema=schema) for f in files]) if files else schema.empty_table()
+    if written_since_ms is not None:
+        files = [f for f in files if f.stat().st_mtime * 1000 >= written_since_ms - CLOCK_SLACK_MS]
+    if columns is not None:
+        schema = pa.schema([schema.field(c) for c in columns])
+    return pa.concat_tables([pq.read_table(f, schema=schema, columns=columns) for f in files]) if files \
+        else schema.empty_table()
 
 
 def last_day_write(root: Path) -> datetime | None:

@@ -50,7 +50,7 @@ from infra.progress import state_path
 from infra.settings import Settings, get_settings
 from models.registry import (
     CANARY_TAG, CHAMPION, CONTROL, canary_tag, connect, end_canary, rollback, routing)
-from serving.outcomes import served_outcomes
+from serving.outcomes import clicked_outcomes
 
 log = logging.getLogger("flywheel.canary")
 WHO = "canary-analysis"
@@ -101,9 +101,20 @@ class Verdict:
     arms: dict[str, Arm]  # "champion", "control"
 
 
-def judge(s: Settings, outcomes: pd.DataFrame, champion: str, control: str, step_started_ms: int) -> Verdict:
-    """The verdict on `champion` against `control` from the outcomes since the canary started."""
+def totals_of(outcomes: pd.DataFrame) -> pd.DataFrame:
+    """Requests and items per model_version and route, from outcomes that hold every list."""
+    if not len(outcomes):
+        return pd.DataFrame(columns=["model_version", "route", "requests", "items"])
+    grouped = outcomes.groupby(["model_version", "route"])
+    return pd.DataFrame({"requests": grouped["request_id"].nunique(), "items": grouped.size()}).reset_index()
+
+
+def judge(s: Settings, outcomes: pd.DataFrame, champion: str, control: str, step_started_ms: int,
+          totals: pd.DataFrame | None = None) -> Verdict:
+    """The verdict on `champion` against `control` from the outcomes since the canary started (the clicked
+    lists are enough: serving/outcomes.py clicked_outcomes, with every list's `totals`)."""
     c = s.canary
+    totals = totals_of(outcomes) if totals is None else totals
     judged = request_aucs(outcomes)
     arms, values, at_step = {}, {}, {}
     for route, version in ((CHAMPION, champion), (CONTROL, control)):
@@ -113,9 +124,10 @@ def judge(s: Settings, outcomes: pd.DataFrame, champion: str, control: str, step
         values[route] = rows["auc"].to_numpy()
         stamps = mine.groupby("request_id")["served_at"].min() if len(mine) else pd.Series(dtype=float)
         at_step[route] = int((stamps.reindex(rows["request_id"]) >= step_started_ms).sum())
+        total = totals[(totals["model_version"] == version) & (totals["route"] == route)]
+        items = int(total["items"].sum())
         arms[route] = Arm(version, len(rows), float(values[route].mean()) if len(rows) else float("nan"),
-                          int(mine["request_id"].nunique()) if len(mine) else 0,
-                          float(mine["label"].mean()) if len(mine) else float("nan"))
+                          int(total["requests"].sum()), float(mine["label"].sum()) / items if items else float("nan"))
     d, lam = msprt(values[CHAMPION], values[CONTROL], c.mixture_sd)
     said = (f"request AUC v{champion} {arms[CHAMPION].auc:.3f} on {arms[CHAMPION].judged} judged requests vs "
             f"v{control} {arms[CONTROL].auc:.3f} on {arms[CONTROL].judged}, difference {d:+.3f}; mSPRT "
@@ -129,14 +141,17 @@ def judge(s: Settings, outcomes: pd.DataFrame, champion: str, control: str, step
                               f"this step, {c.min_requests} needed; {said}", d, lam, arms)
 
 
-def served_figures(outcomes: pd.DataFrame) -> dict[str, dict]:
-    """Per version served: requests, items shown, CTR, judged /rank requests and their mean request AUC."""
+def served_figures(outcomes: pd.DataFrame, totals: pd.DataFrame) -> dict[str, dict]:
+    """Per version served: requests, items shown, CTR, judged /rank requests and their mean request AUC
+    (`outcomes`: the clicked lists at least; `totals`: every list's)."""
     judged = request_aucs(outcomes)
     out = {}
-    for version, g in (outcomes.groupby("model_version") if len(outcomes) else []):
+    for version, g in (totals.groupby("model_version") if len(totals) else []):
+        items = int(g["items"].sum())
+        clicks = float(outcomes.loc[outcomes["model_version"] == version, "label"].sum()) if len(outcomes) else 0.0
         aucs = judged.loc[judged["model_version"] == version, "auc"]
-        out[str(version)] = {"requests": int(g["request_id"].nunique()), "items": len(g),
-                             "ctr": float(g["label"].mean()), "judged": len(aucs),
+        out[str(version)] = {"requests": int(g["requests"].sum()), "items": items,
+                             "ctr": clicks / items if items else float("nan"), "judged": len(aucs),
                              "request_auc": float(aucs.mean()) if len(aucs) else float("nan")}
     return out
 
@@ -203,18 +218,18 @@ class Analyst:
                          found.canary_version, control)
             st.version, st.control, st.champion_percent, st.decision, st.reason, st.arms = "", "", 100.0, "", "", {}
             if time.time() - self._served_at >= 60:  # a read of the archives: outside a canary, once a minute
-                st.served = served_figures(served_outcomes(s, int((time.time() - SERVED_WINDOW_S) * 1000)))
+                st.served = served_figures(*clicked_outcomes(s, int((time.time() - SERVED_WINDOW_S) * 1000)))
                 self._served_at = time.time()
             return
         tags = dict(client.get_model_version(name, champion).tags)
         started = _ms(tags.get("canary_started_at")) or int(time.time() * 1000)
         step_started = _ms(tags.get("canary_step_started_at")) or started
-        outcomes = served_outcomes(s, started)
-        verdict = judge(s, outcomes, champion, control, step_started)
+        outcomes, totals = clicked_outcomes(s, started)
+        verdict = judge(s, outcomes, champion, control, step_started, totals)
         st.version, st.control, st.champion_percent = champion, control, found.champion_percent
         st.decision, st.reason, st.likelihood_ratio = verdict.decision, verdict.reason, verdict.likelihood_ratio
         st.arms = {route: asdict(arm) for route, arm in verdict.arms.items()}
-        st.served = served_figures(outcomes)
+        st.served = served_figures(outcomes, totals)
         if verdict.decision == "worse":
             self._roll_back(champion, control, verdict.reason)
         elif verdict.decision == "ramp":

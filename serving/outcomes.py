@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from feature_repo.event_log import read_event_log
@@ -24,13 +25,42 @@ def served_outcomes(s: Settings, since_ms: int | None = None, until_ms: int | No
     """One row per scored item shown in since_ms <= served_at < until_ms (all archived when not given):
     request_id, item_id, model_version, route, served_at (ms), score, label (1.0 if the user clicked it
     on that request), sources (the candidate sources of a recommended item; None: a ranked one)."""
-    log = read_event_log(s, since_ms)  # clicks follow what they click: none before the period
+    clicks = _clicks(s, since_ms)
+    return _rows(_shown(s, since_ms, until_ms), clicks)
+
+
+def clicked_outcomes(s: Settings, since_ms: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """What served_outcomes gives since `since_ms`, for the lists with a click only (the rest are all
+    passes: nothing to rank by), and every list's totals per model_version and route: requests, items.
+    Its Python work grows with the clicked lists, not with the traffic (a load test's millions of rows)."""
+    clicks = _clicks(s, since_ms)
+    shown = _shown(s, since_ms, None)
+    sizes = shown.select(["model_version", "route"]).append_column("items", pc.list_value_length(shown["items"]))
+    totals = sizes.group_by(["model_version", "route"]).aggregate([("items", "count"), ("items", "sum")]).to_pandas()
+    totals = totals.rename(columns={"items_count": "requests", "items_sum": "items"})
+    clicked = pa.array(sorted({request for request, _ in clicks}), pa.string())
+    return _rows(shown.filter(pc.is_in(shown["request_id"], value_set=clicked)), clicks), totals
+
+
+def _clicks(s: Settings, since_ms: int | None) -> set[tuple[str, str]]:
+    """(request id, item) of every click since `since_ms`. Clicks follow what they click: none before the
+    period, nor in a file written before it."""
+    log = read_event_log(s, since_ms, columns=["request_id", "item_id", "event_type"], written_since_ms=since_ms)
     log = log.filter(pc.field("event_type").isin(list(s.spec.labels)))
-    clicks = set(zip(log.column("request_id").to_pylist(), log.column("item_id").to_pylist()))
-    shown = read_predictions(s, since_ms, until_ms).filter(~pc.field("shadow"))
+    return set(zip(log.column("request_id").to_pylist(), log.column("item_id").to_pylist()))
+
+
+_SHOWN = ["request_id", "items", "scores", "model_version", "route", "served_at", "sources"]
+
+
+def _shown(s: Settings, since_ms: int | None, until_ms: int | None) -> pa.Table:
+    """The archived lists users were shown (shadow predictions never were)."""
+    return read_predictions(s, since_ms, until_ms, columns=[*_SHOWN, "shadow"]).filter(~pc.field("shadow"))
+
+
+def _rows(shown: pa.Table, clicks: set[tuple[str, str]]) -> pd.DataFrame:
     rows = []
-    columns = ["request_id", "items", "scores", "model_version", "route", "served_at", "sources"]
-    for p in shown.select(columns).to_pylist():
+    for p in shown.select(_SHOWN).to_pylist():
         for item, score, sources in zip(p["items"], p["scores"], p["sources"] or [None] * len(p["items"])):
             if score is not None:
                 rows.append((p["request_id"], item, p["model_version"], p["route"], p["served_at"], score,

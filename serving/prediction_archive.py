@@ -94,9 +94,12 @@ def write_batch(s: Settings, batch: list[Consumed]) -> int:
     return len(groups)
 
 
-def read_predictions(s: Settings, start_ms: int | None = None, end_ms: int | None = None) -> pa.Table:
-    """The archive's records served in start_ms <= served_at < end_ms (all when not given)."""
-    table = read_days(archive_dir(s), SCHEMA, start_ms, end_ms)
+def read_predictions(s: Settings, start_ms: int | None = None, end_ms: int | None = None,
+                     columns: list[str] | None = None) -> pa.Table:
+    """The archive's records served in start_ms <= served_at < end_ms (all when not given); `columns`:
+    only those (`served_at` among them when a period is given)."""
+    # A file is written after the records in it were served: one older than start_ms holds none after it.
+    table = read_days(archive_dir(s), SCHEMA, start_ms, end_ms, columns, written_since_ms=start_ms)
     if start_ms is not None:
         table = table.filter(pc.field("served_at") >= start_ms)
     return table.filter(pc.field("served_at") < end_ms) if end_ms is not None else table
