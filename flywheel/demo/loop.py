@@ -185,6 +185,9 @@ def live(s: Settings, plan: LoopPlan, server: str, airflow: AirflowClient, summa
             say(f"  waiting for incremental_training run {run_id} to finish")
             airflow.wait("incremental_training", run_id, 600)
         catch_up(s, airflow, summary, say)
+        # No version trained on the traffic after it: the demo's traffic ends, and a version promoted then
+        # would wait in its canary for traffic to judge it by (two models on every batch meanwhile).
+        airflow.set_paused("incremental_training", True)
         settle_canary(s, summary, say)  # judged on live traffic: it keeps flowing until then
     finally:
         traffic.stop.set()

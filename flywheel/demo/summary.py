@@ -116,5 +116,6 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
               f"its password: `flywheel status{dataset_flag(s)} --show-secrets`)",
               f"Ranking API: http://{s.serving.host}:{s.serving.port}/docs",
               f"Summary as JSON: {s.paths.data_dir / 'demo' / 'summary.json'}",
-              f"The stack keeps running (incremental_training on its cadence); stop it with `{stop_command(s)}`."]
+              "The stack keeps running; incremental_training is paused now that the demo's traffic stopped (unpause "
+              f"it in the Airflow UI when yours flows); stop the stack with `{stop_command(s)}`."]
     return lines
