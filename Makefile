@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 FLYWHEEL := .venv/bin/flywheel
 
-.PHONY: setup demo test test-fast chaos up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-retrieval bench-report lock clean
+.PHONY: setup demo test test-fast chaos up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-sparse bench-retrieval bench-report lock clean
 
 setup:  ## install both environments and the Flink connector jars from the lock files
 	@bash infra/setup.sh
@@ -45,6 +45,9 @@ bench-dags: setup  ## edges/s into the graph store; with ARGS=--training (after 
 
 bench-serving: setup  ## model limit vs server throughput at p99 <= 50 ms; batching, buckets, executors on/off; swap time
 	.venv/bin/python -m benchmarks.serving $(ARGS)
+
+bench-sparse: setup  ## the sparse tier: 50M ids in Redis served by the real server vs tables in each worker, a 1M-row delta (~15 min, ~8 GB)
+	.venv/bin/python -m benchmarks.sparse $(ARGS)
 
 bench-retrieval: setup  ## recall@20 / NDCG@20 of two-tower, graph, merged and popular candidates beside baselines, on the dataset's split (no stack)
 	.venv/bin/python -m benchmarks.retrieval $(ARGS)

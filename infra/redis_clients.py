@@ -1,6 +1,7 @@
 """Redis clients made from settings: the online store (one server, or a Redis Cluster when
-`redis.cluster_nodes` is set) and the graph store's server. Every client of the platform gets its
-connection here, so the switch to a cluster is the settings' alone."""
+`redis.cluster_nodes` is set), the embedding store (the online store's unless set apart) and the graph
+store's server. Every client of the platform gets its connection here, so the switch to a cluster is the
+settings' alone."""
 
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ def online_store(s: Settings, **options: Any) -> OnlineClient:
         return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in s.redis.nodes],
                             ssl=urlsplit(s.redis.url).scheme == "rediss", **credentials(s), **options)
     return redis.Redis.from_url(s.redis.url, **credentials(s), **options)
+
+
+def embedding_store(s: Settings, **options: Any) -> OnlineClient:
+    """The embedding store's Redis (the sparse tier): its own server at `sparse_tier.redis_url`, else the
+    online store's server or cluster."""
+    if s.sparse_tier.redis_url:
+        return redis.Redis.from_url(s.sparse_tier.redis_url, **credentials(s), **options)
+    return online_store(s, **options)
 
 
 def graph_url(s: Settings) -> str:

@@ -407,6 +407,24 @@ class RetrievalSettings:
 
 
 @dataclass(frozen=True)
+class SparseTierSettings:
+    """The embedding tables in Redis (models/embedding_store.py): the online store's server or cluster holds
+    every version's rows; each serving worker keeps the hot ones. Off: each worker holds whole tables.
+    docs: docs/concepts.md "The sparse tier"."""
+
+    enabled: bool = False
+    redis_url: str = ""  # a Redis of its own (credentials: redis.username/password); empty: the online store's
+    key_prefix: str = "emb"
+    max_lineage: int = 8  # a version whose parent chain would pass this is written in full (reads ask each)
+    keep_versions: int = 4  # besides the aliased versions (and their lineages), the newest kept in the store
+    cache_rows: int = 200_000  # per served version and worker: the hot rows, least recently used evicted
+    timeout_ms: float = 30.0  # a batch's read of its missing rows; past it they score with the default row
+    retry_after_s: float = 1.0  # after a failed read, the default rows at once for this long (no waiting)
+    deltas_topic: str = "embedding-deltas"
+    delta_part_rows: int = 8000  # rows per message (~0.6 MB at 16 dims: under Kafka's 1 MB default)
+
+
+@dataclass(frozen=True)
 class ServingSettings:
     """The ranking server (serving/): its endpoint, batching, shape buckets, traffic policy, model
     following. docs: docs/concepts.md "Serving: rank and recommend"."""
@@ -526,6 +544,7 @@ class Settings:
     models: ModelsSettings = field(default_factory=ModelsSettings)
     graph: GraphSettings = field(default_factory=GraphSettings)
     retrieval: RetrievalSettings = field(default_factory=RetrievalSettings)
+    sparse_tier: SparseTierSettings = field(default_factory=SparseTierSettings)
     serving: ServingSettings = field(default_factory=ServingSettings)
     prometheus: PrometheusSettings = field(default_factory=PrometheusSettings)
     canary: CanarySettings = field(default_factory=CanarySettings)

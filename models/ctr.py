@@ -8,8 +8,10 @@ snapshot of every table; `save_delta` writes only the rows changed since a versi
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -187,6 +189,27 @@ class CtrModel:
         return self._gathered(rows | shared, ex) | {"owner": (np.cumsum(starts) - 1).astype(np.int32),
                                                     "long_owner": long_owner}
 
+    def table_ids(self, ex: Examples) -> dict[str, list[str]]:
+        """The distinct ids `scoring_inputs(ex)` looks up in each table (padding left out)."""
+        lists = self._lists(ex)
+        named = {"user": ex.user_ids, "item": ex.item_ids, "category": ex.categories,
+                 **{name: lists[name] for name in ("sequence", "long_sequence", "item_tokens", "user_tokens")}}
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in TABLES}
+        for name, ids in named.items():
+            parts[_TABLE_OF[name]].append(np.asarray(ids, dtype=object).ravel())
+        out = {}
+        for table, arrays in parts.items():
+            ids = pd.unique(np.concatenate(arrays)) if arrays else np.array([], object)
+            out[table] = [i for i in ids.tolist() if i != PAD]
+        return out
+
+    def with_tables(self, tables: dict[str, object]) -> CtrModel:
+        """This model scoring with other tables (anything with `lookup` and `gather`: a batch's rows read
+        from the embedding store); shares the network."""
+        twin = copy.copy(self)
+        twin.tables = tables
+        return twin
+
     def dense_weights(self) -> list[np.ndarray]:
         """The dense network's weights in `network.trainable_variables` order (`stateless_call`'s)."""
         return [v.numpy() for v in self.network.trainable_variables]
@@ -283,6 +306,17 @@ class CtrModel:
         model = cls(spec, tables)
         model.network.load_weights(directory / "dense.weights.h5")
         return model.with_delta(delta) if delta is not None else model
+
+    @classmethod
+    def from_parts(cls, spec: str, dense: bytes) -> CtrModel:
+        """A model of `spec` (JSON) with the dense weights of an export's `dense.weights.h5` and empty tables
+        (the sparse tier supplies the rows per batch: `with_tables`)."""
+        model = cls(ModelSpec.from_json(spec))
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "dense.weights.h5"
+            path.write_bytes(dense)
+            model.network.load_weights(path)
+        return model
 
     def with_delta(self, delta: Path) -> CtrModel:
         """A new model: this one's tables patched by an incremental export's delta, and its dense

@@ -79,8 +79,10 @@ class CtrPyfunc(mlflow.pyfunc.PythonModel):
         return self.model.predict(from_frame(model_input, spec.numeric_features, spec.sequence_length))
 
 
-def log_model(s: Settings, export_dir: Path, tags: dict[str, str]) -> str:
-    """Log the export as the active run's pyfunc model and register it; returns the new version."""
+def log_model(s: Settings, export_dir: Path, tags: dict[str, str], delta_dir: Path | None = None) -> str:
+    """Log the export as the active run's pyfunc model and register it; returns the new version. With the
+    sparse tier on, its tables (only `delta_dir`'s rows where the store holds its parent) are written to
+    the embedding store too; a version the store refuses is tagged `sparse_tier_refused` and raises."""
     import tensorflow as tf
 
     info = mlflow.pyfunc.log_model(
@@ -91,6 +93,17 @@ def log_model(s: Settings, export_dir: Path, tags: dict[str, str]) -> str:
     client = connect(s)
     for key, value in tags.items():
         client.set_model_version_tag(s.models.name, version, key, value)
+    if s.sparse_tier.enabled:
+        from models import sparse_tier  # Kafka and Redis clients: only where the tier is on
+
+        newest = sorted((int(v.version) for v in client.search_model_versions(f"name='{s.models.name}'")),
+                        reverse=True)[: s.sparse_tier.keep_versions]
+        keep = set(aliases(client, s.models.name).values()) | {str(v) for v in newest}
+        try:
+            sparse_tier.publish(s, version, tags.get("parent_version", ""), export_dir, delta_dir, keep)
+        except sparse_tier.StoreFull as exc:
+            client.set_model_version_tag(s.models.name, version, "sparse_tier_refused", str(exc))
+            raise
     return version
 
 

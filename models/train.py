@@ -179,7 +179,8 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
         version = log_model(s, model.save(Path(tmp) / "model"), {
             "kind": model.spec.kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
             "eval_start": eval_span[0], "eval_end": eval_span[1], "parent_version": parent,
-            "sparse_delta": f"runs:/{mlflow.active_run().info.run_id}/delta", **_terms_tags(model.spec)})
+            "sparse_delta": f"runs:/{mlflow.active_run().info.run_id}/delta", **_terms_tags(model.spec)},
+            delta_dir=Path(tmp) / "delta")
     decision = gate(s, version, model, evaluation, f"newest 20% of {window}") if promote else None
     return TrainOutcome(version, decision, metrics, window, samples_per_s)
 

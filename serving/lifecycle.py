@@ -28,16 +28,20 @@ from pathlib import Path
 
 import mlflow
 import numpy as np
+import redis
 import tensorflow as tf
 from mlflow import MlflowClient
 
 from contract.examples import Examples
 from contract.terms import unmet
 from infra.settings import Settings
+from models import sparse_tier
 from models.ctr import CtrModel, ModelSpec
+from models.embedding_store import MissingVersion
 from models.registry import CHALLENGER, CHAMPION, CONTROL, RegistryError, Routing, connect, load_version, routing
 from serving import metrics
 from serving.dense import DenseRunner
+from serving.sparse_tier import Breaker, DeltaListener, RowCache, TieredTables
 
 log = logging.getLogger(__name__)
 ROUTES = (CHAMPION, CHALLENGER, CONTROL)  # @control: the champion before, during the new one's canary
@@ -54,11 +58,17 @@ class ServedModel:
     model: CtrModel
     weights: list[tf.Tensor]
     runner: DenseRunner
-    loaded_by: str  # "full" or "delta"
+    loaded_by: str  # "full", "delta" or "store" (the sparse tier: rows read per batch)
+    tiered: TieredTables | None = None
+
+    def inputs(self, ex: Examples) -> dict[str, np.ndarray]:
+        if self.tiered is None:
+            return self.model.scoring_inputs(ex)
+        return self.model.with_tables(self.tiered.tables_for(self.model.table_ids(ex))).scoring_inputs(ex)
 
     def score(self, ex: Examples) -> np.ndarray:
         """Click probabilities [N]; unknown ids use the default row."""
-        return self.runner.run(self.weights, self.model.scoring_inputs(ex))
+        return self.runner.run(self.weights, self.inputs(ex))
 
 
 def architecture(spec: ModelSpec) -> tuple:
@@ -91,6 +101,15 @@ class ModelFollower:
         self.registry_reachable: bool | None = None
         self.registry_error = ""
         self.registry_since = time.time()
+        # The sparse tier: versions read from the embedding store, each with its cache of hot rows.
+        self.caches: dict[str, RowCache] = {}
+        self.deltas: DeltaListener | None = None
+        if s.sparse_tier.enabled:
+            timeout = s.sparse_tier.timeout_ms / 1000
+            self.store = sparse_tier.store(s)  # swaps: a version's meta and dense weights
+            self.batch_store = sparse_tier.store(s, socket_timeout=timeout, socket_connect_timeout=timeout)
+            self.breaker = Breaker(s.sparse_tier.retry_after_s)
+            self.deltas = DeltaListener(s, self.caches)
 
     # --- what the executors read (one attribute read: a swap is atomic) -------------------------
 
@@ -198,23 +217,42 @@ class ModelFollower:
         if version in self.warm:
             self.warm.move_to_end(version)
             return self.warm[version]
-        tags = dict(self._registry().get_model_version(self.s.models.name, version).tags)
-        parent = self.warm.get(tags.get("parent_version", ""))
-        if parent is not None and tags.get("sparse_delta"):
-            with tempfile.TemporaryDirectory() as tmp:
-                delta = Path(mlflow.artifacts.download_artifacts(tags["sparse_delta"], dst_path=tmp))
-                model, how = parent.model.with_delta(delta), "delta"
-        else:
-            model, how = load_version(self.s, version), "full"
-        served = self._warmed(version, model, how)
+        served = self._from_store(version) if self.deltas is not None else None
+        if served is None:
+            tags = dict(self._registry().get_model_version(self.s.models.name, version).tags)
+            parent = self.warm.get(tags.get("parent_version", ""))
+            if parent is not None and parent.tiered is None and tags.get("sparse_delta"):
+                with tempfile.TemporaryDirectory() as tmp:
+                    delta = Path(mlflow.artifacts.download_artifacts(tags["sparse_delta"], dst_path=tmp))
+                    model, how = parent.model.with_delta(delta), "delta"
+            else:
+                model, how = load_version(self.s, version), "full"
+            served = self._warmed(version, model, how)
         self.warm[version] = served
         serving = {m.version for m in self.served.values() if m is not None}
         for old in [v for v in self.warm if v not in serving and v != version][
                 : max(0, len(self.warm) - max(2, self.s.serving.keep_warm))]:
             del self.warm[old]  # the least recently used first; a version serving a route stays
+            self.caches.pop(old, None)
         return served
 
-    def _warmed(self, version: str, model: CtrModel, how: str) -> ServedModel:
+    def _from_store(self, version: str) -> ServedModel | None:
+        """The version served from the embedding store, or None (logged) when the store does not hold it
+        or does not answer: the version is then loaded whole from the registry."""
+        try:
+            lineage = self.store.lineage(version)
+            spec, dense = self.store.model_of(version)
+        except (MissingVersion, redis.RedisError, OSError) as exc:
+            log.warning("v%s not read from the embedding store (%s: %s): loading it whole", version,
+                        type(exc).__name__, exc)
+            return None
+        cache = self.deltas.take(version) or RowCache(self.s.sparse_tier.cache_rows)
+        tiered = TieredTables(self.batch_store, lineage, cache, self.breaker)
+        served = self._warmed(version, CtrModel.from_parts(spec, dense), "store", tiered)
+        self.caches[version] = cache
+        return served
+
+    def _warmed(self, version: str, model: CtrModel, how: str, tiered: TieredTables | None = None) -> ServedModel:
         # Any subset of the numeric inputs, in any order, is served (each version takes its own columns);
         # another dataset's event types or inputs are not.
         if reasons := unmet(model.spec.terms):
@@ -226,8 +264,8 @@ class ModelFollower:
             runner = DenseRunner(model, sv.row_buckets, sv.sequence_buckets, sv.buckets,
                                  on_compile=lambda where: metrics.COMPILES.labels(where).inc())
             self.runners[arch] = runner
-        served = ServedModel(version, model, [tf.constant(w) for w in model.dense_weights()], runner, how)
-        runner.warm(served.weights, model.scoring_inputs(self.warm_example))
+        served = ServedModel(version, model, [tf.constant(w) for w in model.dense_weights()], runner, how, tiered)
+        runner.warm(served.weights, served.inputs(self.warm_example))
         if not np.all(np.isfinite(served.score(self.warm_example))):
             raise ValueError(f"v{version} gives non-finite scores")
         return served
@@ -255,9 +293,13 @@ class ModelFollower:
 
         self._thread = threading.Thread(target=loop, name="model-follower", daemon=True)
         self._thread.start()
+        if self.deltas is not None:
+            self.deltas.start()
 
     def stop(self) -> None:
         self._stop.set()
+        if self.deltas is not None:
+            self.deltas.stop()
         if self._thread is not None:
             self._thread.join(timeout=30)
         for runner in self.runners.values():

@@ -37,6 +37,16 @@ WORKER_READY = Gauge("flywheel_worker_ready", "1 once the worker has a champion 
                      multiprocess_mode="liveall")
 WORKER_LISTENING = Gauge("flywheel_worker_listening", "1 once the worker takes connections.",
                          multiprocess_mode="liveall")
+SPARSE_ROWS = Counter("flywheel_sparse_rows", "Embedding rows a batch looked up, by where they came from: cache "
+                      "(the worker's hot rows), store (read from the embedding store), default (the store failed "
+                      "or timed out: scored with the default row).", ["outcome"])
+SPARSE_READ_SECONDS = Histogram("flywheel_sparse_read_seconds", "A batch's one round trip to the embedding store.",
+                                buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1))
+SPARSE_READ_ERRORS = Counter("flywheel_sparse_read_errors", "Embedding store reads that failed or timed out.")
+SPARSE_DELTA_APPLIED = Gauge("flywheel_sparse_delta_applied", "The newest version whose announced delta the worker "
+                             "applied to its hot rows, per worker.", multiprocess_mode="liveall")
+SPARSE_DELTA_SECONDS = Histogram("flywheel_sparse_delta_seconds", "From a delta's announcement to a worker's "
+                                 "cache of the new version complete.", buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
 MODEL_SWAPS = Counter("flywheel_model_swaps", "Versions swapped in, by route.", ["route"])
 SWAP_SECONDS = Histogram("flywheel_model_swap_seconds", "Alias change seen -> new version serving.",
                          buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60))

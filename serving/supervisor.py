@@ -173,7 +173,9 @@ def serve(s: Settings) -> None:
     from streaming.topics import ensure_topics
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
-    ensure_topics(s, [s.serving.predictions_topic])
+    # The deltas topic before the workers subscribe: a consumer learns of a topic created later only at
+    # its next metadata refresh (minutes).
+    ensure_topics(s, [s.serving.predictions_topic, *([s.sparse_tier.deltas_topic] if s.sparse_tier.enabled else [])])
     apply(s)  # the feature definitions it reads (idempotent): the server also runs without the pipeline
     supervise(s)
 

@@ -1,0 +1,226 @@
+"""The sparse tier at scale, in one run on one machine (`make bench-sparse`).
+
+Self-contained: Kafka, Redis and MLflow of its own on free ports, the ranking server with the sparse tier
+on (`sparse_tier.enabled`), its workers as `serving.workers` says.
+
+  1. A ranker of the serving benchmark's spec (22 numeric features, behavior sequences of 50, 16-dim rows),
+     trained briefly on synthetic clicks (its quality is not what is measured). v1: its dense network with
+     user and item tables of `--users` and `--items` ids (seeded random rows) written to the embedding
+     store in chunks: served from the store. v2: the same network with its trained tables (a few thousand
+     ids), registered with the tier off: each worker holds it whole (the in-worker baseline).
+  2. Zipf requests (users and items by rank, exponent `--zipf`; median 100 candidates, 10-500; the hottest
+     users have behavior sequences online) at an open-loop `--rate`, on v1 and v2 in turn (@champion moved),
+     each twice; the p99 of each.
+  3. Worker RSS (the largest of the server's worker processes), the cache's hit rate on v1 (/metrics),
+     the store's bytes (Redis' used_memory before and after v1's rows).
+  4. A delta of `--delta-rows` rows of v1 (its hottest ids, new values) written as v3 and announced on the
+     deltas topic: seconds from the write's start until every worker reports v3's cache complete.
+Prints the issue's one line, `sparse-scale: ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import keras
+import mlflow
+import numpy as np
+import pandas as pd
+import psutil
+import tensorflow as tf
+
+from benchmarks.serving import CATEGORIES, SPEC, Server, _candidates, _examples, _summary
+from feature_repo.store import apply
+from infra import stack
+from infra.services import enabled_services
+from infra.settings import Settings, load_settings, override
+from models.ctr import CtrModel
+from models.embedding_store import TableRows
+from models.registry import CHAMPION, connect, log_model
+from models.sparse_tier import announce, store
+from serving.client import open_loop
+from streaming.topics import ensure_topics
+
+CHUNK = 1_000_000
+HOT_USERS = 20_000  # users with a behavior sequence online
+
+
+def _zipf(rng: np.random.Generator, n: int, size: int, a: float) -> np.ndarray:
+    return (rng.zipf(a, size) - 1) % n
+
+
+def _ids(prefix: str, a: int, b: int) -> np.ndarray:
+    return np.char.add(prefix, np.arange(a, b).astype(str)).astype(object)
+
+
+def _chunks(model: CtrModel, users: int, items: int):
+    """v1's tables: users and items generated chunk by chunk; categories and attributes as trained."""
+    for table, prefix, n in (("user", "u", users), ("item", "i", items)):
+        for k, a in enumerate(range(0, n, CHUNK)):
+            b = min(a + CHUNK, n)
+            rng = np.random.default_rng(k)
+            yield table, TableRows(_ids(prefix, a, b), rng.normal(0, 0.05, (b - a, 16)).astype(np.float32),
+                                   np.array([], object))
+            print(f"  {table} rows {b:,} of {n:,}", flush=True)
+    for table in ("category", "attribute"):
+        snap = model.tables[table].snapshot()
+        yield table, TableRows(snap.ids, snap.values, np.array([], object))
+
+
+def _world(s: Settings, tmp: Path, users: int, items: int, zipf: float) -> tuple[str, str, float, float]:
+    """Features online for the hottest users; v1 (the store's) and v2 (in-worker) registered. Returns them,
+    v1's write seconds and the store's bytes for v1's rows."""
+    rng = np.random.default_rng(0)
+    feast = apply(s)
+    now = pd.Timestamp.now(tz="UTC")
+    hot = [f"u{u}" for u in range(HOT_USERS)]
+    lengths = rng.integers(0, 51, HOT_USERS)
+    base = int(time.time() * 1000) - 86_400_000
+    feast.write_to_online_store("user_sequence", pd.DataFrame({
+        "user_id": hot, "seq_item_ids": [[f"i{j}" for j in _zipf(rng, items, k, zipf)] for k in lengths],
+        "seq_event_types": [["click"] * k for k in lengths],
+        "seq_event_times": [[base + j * 1000 for j in range(k)] for k in lengths], "event_timestamp": now}))
+    ensure_topics(s, [s.serving.predictions_topic, s.sparse_tier.deltas_topic])
+    keras.utils.set_random_seed(1)
+    model = CtrModel(SPEC)
+    model.fit(_examples(20_000, rng), progress=False)
+    connect(s)
+    mlflow.set_experiment(s.models.experiment)
+    off = override(s, "sparse_tier", enabled=False)  # registered only: v1's rows are written below
+    versions = []
+    for label in ("v1", "v2"):
+        with mlflow.start_run(run_name=label):
+            versions.append(log_model(off, model.save(tmp / label), {"kind": "ranker"}))
+    emb = store(s)
+    before = int(emb.client.info("memory")["used_memory"])
+    started = time.perf_counter()
+    counts = {"user": users, "item": items} | {t: len(model.tables[t]) for t in ("category", "attribute")}
+    emb.write_full(versions[0], 16, (tmp / "v1" / "spec.json").read_text(),
+                   (tmp / "v1" / "dense.weights.h5").read_bytes(), counts, _chunks(model, users, items))
+    seconds = time.perf_counter() - started
+    used = int(emb.client.info("memory")["used_memory"]) - before
+    return versions[0], versions[1], seconds, used
+
+
+def _request(rng: np.random.Generator, users: int, items: int, zipf: float) -> dict:
+    user, n = int(_zipf(rng, users, 1, zipf)[0]), int(_candidates(rng, 1)[0])
+    return {"user_id": f"u{user}", "tier": "high",
+            "candidates": [{"item_id": f"i{i}", "category": f"c{i % CATEGORIES}"} for i in _zipf(rng, items, n, zipf)]}
+
+
+def _metric(url: str, name: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}(\{{.*?\}})? (\S+)$", text, re.M)}
+
+
+def _serve(s: Settings, server: Server, version: str, load: list[dict], rate: float, seconds: float) -> dict:
+    client = connect(s)
+    client.set_registered_model_alias(s.models.name, CHAMPION, version)
+    deadline = time.monotonic() + 120
+    while sum(1 for line in httpx.get(f"{server.url}/metrics", timeout=5).text.splitlines()
+              if line.startswith("flywheel_model_version{") and 'route="champion"' in line
+              and f'version="{version}"' in line and line.endswith(" 1.0")) < s.serving.workers:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not swap to v{version}")
+        time.sleep(0.5)
+    asyncio.run(open_loop(server.url, iter(load[: int(rate * 3)]), rate))  # warm-up, not measured
+    summary = _summary(asyncio.run(open_loop(server.url, iter(load[: int(rate * seconds)]), rate)), seconds)
+    print(f"  v{version}: {summary}", flush=True)
+    return summary
+
+
+def _workers_rss(s: Settings) -> float:
+    """The largest resident memory of the server's worker processes, in bytes."""
+    rss = []
+    for svc in enabled_services(s):
+        root = psutil.Process(int(stack.pidfile(s, svc).read_text()))
+        rss += [p.memory_info().rss for p in root.children(recursive=True) if "serving.api" in " ".join(p.cmdline())]
+    return max(rss)
+
+
+def _delta(s: Settings, server: Server, parent: str, rows: int) -> float:
+    """Seconds from writing a delta of `rows` rows of `parent` until every worker applied it."""
+    emb = store(s)
+    version = str(int(parent) + 100)
+    delta = {"item": TableRows(_ids("i", 0, rows), np.random.default_rng(7).normal(0, 0.05, (rows, 16)).astype(
+        np.float32), np.array([], object))}
+    spec, dense = emb.model_of(parent)
+    started = time.perf_counter()
+    info = emb.write(version, parent, 16, spec, dense, delta=lambda: delta, full=dict)
+    written = time.perf_counter() - started
+    announce(s, info, delta)
+    workers = s.serving.workers
+    while True:
+        applied = _metric(server.url, "flywheel_sparse_delta_applied")
+        if sum(v == float(version) for v in applied.values()) >= workers:
+            break
+        if time.perf_counter() - started > 120:
+            raise RuntimeError(f"the delta reached {applied}, not {workers} workers, in 120 s")
+        time.sleep(0.05)
+    total = time.perf_counter() - started
+    print(f"  delta of {rows:,} rows: written in {written:.1f}s, applied by {workers} workers at {total:.1f}s",
+          flush=True)
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--users", type=int, default=40_000_000)
+    parser.add_argument("--items", type=int, default=10_000_000)
+    parser.add_argument("--zipf", type=float, default=1.1, help="Exponent of the ids' Zipf law.")
+    parser.add_argument("--rate", type=float, default=40.0, help="Open-loop requests/s of each run.")
+    parser.add_argument("--seconds", type=float, default=20.0, help="Length of each measured run.")
+    parser.add_argument("--delta-rows", type=int, default=1_000_000)
+    args = parser.parse_args()
+    print(f"machine: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, Python "
+          f"{sys.version.split()[0]}, TensorFlow {tf.__version__}", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-sparse-"))
+    s = load_settings(os.environ | stack.side_by_side_environ(tmp) | {
+        "FLYWHEEL_CONFIG": os.devnull, "FLYWHEEL_STACK_SERVICES": "kafka,redis,mlflow",
+        "FLYWHEEL_SERVING_POLL_INTERVAL_S": "1", "FLYWHEEL_SPARSE_TIER_ENABLED": "true"})
+    stack.up(s)
+    try:
+        v1, v2, write_s, used = _world(s, tmp, args.users, args.items, args.zipf)
+        ids = args.users + args.items
+        print(f"store: {ids:,} ids written in {write_s:.0f}s, {used / 1e9:.2f} GB", flush=True)
+        rng = np.random.default_rng(5)
+        load = [_request(rng, args.users, args.items, args.zipf) for _ in range(int(args.rate * args.seconds))]
+        connect(s).set_registered_model_alias(s.models.name, CHAMPION, v1)
+        server = Server(s)
+        try:
+            p99 = {v1: [], v2: []}
+            cache = {"hit": 0.0, "all": 0.0}
+            for _ in range(2):
+                for version in (v1, v2):
+                    before = _metric(server.url, "flywheel_sparse_rows_total")
+                    p99[version].append(_serve(s, server, version, load, args.rate, args.seconds)["p99"])
+                    if version == v1:
+                        after = _metric(server.url, "flywheel_sparse_rows_total")
+                        cache["hit"] += after.get('{outcome="cache"}', 0) - before.get('{outcome="cache"}', 0)
+                        cache["all"] += sum(after.values()) - sum(before.values())
+            connect(s).set_registered_model_alias(s.models.name, CHAMPION, v1)
+            _serve(s, server, v1, load, args.rate, 3)
+            rss = _workers_rss(server.s)
+            delta_s = _delta(s, server, v1, args.delta_rows)
+        finally:
+            server.close()
+    finally:
+        stack.down(s)
+    ratio = np.mean(p99[v1]) / np.mean(p99[v2])
+    print(f"p99 ms: tier {p99[v1]}, in-worker {p99[v2]}")
+    print(f"sparse-scale: ids {ids:,}, store GB {used / 1e9:.2f}, bytes/row {used / ids:.0f}, worker RSS max "
+          f"{rss / 1e9:.2f} GB, p99 ratio {ratio:.2f} (tier vs in-worker), "
+          f"cache hit {cache['hit'] / cache['all']:.3f}, "
+          f"delta of {args.delta_rows:,} rows to all workers {delta_s:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""The sparse tables in Redis: rows packed per bucket, a version as a lineage of deltas.
+
+Keys (prefix `sparse_tier.key_prefix`, model: the registered model's name):
+
+    {prefix}:{model}:{version}:meta             hash: parent ("" for a full version), depth, dim, buckets
+                                                (JSON {table: count}), spec (JSON), dense (the weights' .h5)
+    {prefix}:{model}:{version}:{table}:{bucket} hash: id -> the row's float32 bytes (b"": evicted, the default row)
+
+An id's bucket is crc32(id) mod its table's bucket count, fixed by the full version at the root of the
+lineage. A hash of at most `hash-max-listpack-entries` (128 by default) fields of at most 64 bytes is
+one listpack in Redis: a row of 16 float32 costs its 64 bytes, its id and a few bytes (`bytes_per_row`
+in `make bench-sparse`). On a Redis Cluster the bucket keys spread over the slots: the tables are sharded
+by id with no change here.
+
+A version's rows are the rows it wrote and, for other ids, its parent's, and so on up to the full version:
+an incremental version writes only the rows it changed. A read for version v asks each version of v's
+lineage for the ids' buckets, all in one pipelined round trip, and takes the newest answer. A version
+whose lineage would pass `max_lineage` is written in full. The meta is written last and deleted first: a
+version without it is not in the store, so a half-written or half-deleted one is never read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import redis
+
+log = logging.getLogger(__name__)
+ROWS_PER_BUCKET = 64  # rows per bucket on average: a bucket past 128 fields (Redis' listpack bound) is rare
+WRITE_CHUNK = 200_000  # rows per pipeline when writing
+EVICTED = b""
+
+
+class StoreFull(RuntimeError):
+    """Redis refused the version's rows (maxmemory): the version is not in the store."""
+
+
+class MissingVersion(LookupError):
+    """A version, or one of its lineage, is not in the store."""
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    version: str
+    parent: str  # "" for a full version
+    depth: int  # 0 for a full version, the parent's + 1 for a delta
+    dim: int
+    buckets: dict[str, int]  # table -> bucket count (the lineage's full version's)
+
+
+@dataclass(frozen=True)
+class TableRows:
+    """What a version writes of one table: rows of `ids` ([n] str, `values` [n, dim] float32) and the ids
+    it evicted."""
+
+    ids: np.ndarray
+    values: np.ndarray
+    removed: np.ndarray
+
+
+def bucket_of(ids: Iterable[str], buckets: int) -> np.ndarray:
+    """Each id's bucket: crc32 of its UTF-8 bytes mod `buckets` (the same in every process and language)."""
+    return np.fromiter((zlib.crc32(i.encode()) for i in ids), np.int64) % buckets
+
+
+class EmbeddingStore:
+    def __init__(self, client: redis.Redis, model: str, prefix: str = "emb", max_lineage: int = 8) -> None:
+        self.client, self.model, self.prefix, self.max_lineage = client, model, prefix, max_lineage
+
+    def _key(self, version: str, *parts: object) -> str:
+        return ":".join((self.prefix, self.model, version, *map(str, parts)))
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def info(self, version: str) -> VersionInfo | None:
+        meta = self.client.hmget(self._key(version, "meta"), ["parent", "depth", "dim", "buckets"])
+        if meta[0] is None:
+            return None
+        return VersionInfo(version, meta[0].decode(), int(meta[1]), int(meta[2]), json.loads(meta[3]))
+
+    def lineage(self, version: str) -> list[VersionInfo]:
+        """The version and its ancestors up to its full version, newest first."""
+        chain, at = [], version
+        while True:
+            info = self.info(at)
+            if info is None:
+                held = f" (in the lineage of v{version})" if at != version else ""
+                raise MissingVersion(f"v{at}{held} is not in the embedding store")
+            chain.append(info)
+            if not info.parent:
+                return chain
+            at = info.parent
+
+    def model_of(self, version: str) -> tuple[str, bytes]:
+        """The version's spec (JSON) and dense weights (.h5 bytes)."""
+        spec, dense = self.client.hmget(self._key(version, "meta"), ["spec", "dense"])
+        if spec is None or dense is None:
+            raise MissingVersion(f"v{version} is not in the embedding store")
+        return spec.decode(), dense
+
+    def fetch(self, lineage: list[VersionInfo], wanted: dict[str, list[str]]) -> dict[str, list[bytes | None]]:
+        """Each wanted id's row bytes at the lineage's first version (None: no row, the default row; b"":
+        evicted, also the default row), every table in one pipelined round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        plan: list[tuple[str, np.ndarray]] = []
+        for table, ids in wanted.items():
+            count = lineage[-1].buckets.get(table)
+            if not ids or count is None:
+                continue
+            of = bucket_of(ids, count)
+            order = np.argsort(of, kind="stable")
+            cuts = np.flatnonzero(np.diff(of[order])) + 1
+            for group in np.split(order, cuts):
+                fields = [ids[i] for i in group]
+                for info in lineage:
+                    pipe.hmget(self._key(info.version, table, int(of[group[0]])), fields)
+                plan.append((table, group))
+        replies = iter(pipe.execute()) if plan else iter(())
+        out: dict[str, list[bytes | None]] = {table: [None] * len(ids) for table, ids in wanted.items()}
+        depth = len(lineage)
+        for table, group in plan:
+            answers = [next(replies) for _ in range(depth)]
+            rows = out[table]
+            for k, i in enumerate(group):
+                for answer in answers:  # newest first
+                    if answer[k] is not None:
+                        rows[i] = answer[k]
+                        break
+        return out
+
+    # --- writing ---------------------------------------------------------------------------------
+
+    def write(self, version: str, parent: str, dim: int, spec: str, dense: bytes,
+              delta: Callable[[], dict[str, TableRows]], full: Callable[[], dict[str, TableRows]]) -> VersionInfo:
+        """Write a version: only `delta()`'s rows when its parent is in the store and the lineage stays under
+        `max_lineage`, else `full()`'s. Raises StoreFull (the version's keys removed) when Redis refuses
+        the rows, ValueError for rows of another width than `dim`."""
+        above = self.info(parent) if parent else None
+        if above is not None and above.dim != dim:
+            raise ValueError(f"v{version} has {dim}-wide rows, its parent v{parent}'s are {above.dim}-wide")
+        if above is not None and above.depth + 1 < self.max_lineage:
+            info = VersionInfo(version, parent, above.depth + 1, dim, above.buckets)
+            return self._write(info, spec, dense, delta().items())
+        tables = full()
+        return self.write_full(version, dim, spec, dense, {name: len(rows.ids) for name, rows in tables.items()},
+                               tables.items())
+
+    def write_full(self, version: str, dim: int, spec: str, dense: bytes, counts: dict[str, int],
+                   chunks: Iterable[tuple[str, TableRows]]) -> VersionInfo:
+        """A full version from chunks of rows (a table need not fit in memory): `counts`, each table's ids,
+        fixes its buckets."""
+        buckets = {name: max(1, -(-n // ROWS_PER_BUCKET)) for name, n in counts.items()}
+        return self._write(VersionInfo(version, "", 0, dim, buckets), spec, dense, chunks)
+
+    def _write(self, info: VersionInfo, spec: str, dense: bytes, chunks: Iterable[tuple[str, TableRows]]
+               ) -> VersionInfo:
+        try:
+            for name, rows in chunks:
+                if rows.values.ndim != 2 or rows.values.shape[1] != info.dim or len(rows.values) != len(rows.ids):
+                    raise ValueError(f"table {name} of v{info.version}: rows of shape {rows.values.shape} for "
+                                     f"{len(rows.ids)} ids, the model's rows are {info.dim} wide")
+                if name in info.buckets:
+                    self._write_rows(info.version, name, rows, info.buckets[name])
+            self.client.hset(self._key(info.version, "meta"), mapping={
+                "parent": info.parent, "depth": info.depth, "dim": info.dim, "buckets": json.dumps(info.buckets),
+                "spec": spec, "dense": dense})
+        except redis.ResponseError as exc:
+            self.delete(info.version)
+            if isinstance(exc, redis.exceptions.OutOfMemoryError) or "OOM" in str(exc):
+                raise StoreFull(f"the embedding store refused v{info.version}'s rows: {exc}") from None
+            raise
+        except ValueError:
+            self.delete(info.version)
+            raise
+        return info
+
+    def _write_rows(self, version: str, table: str, rows: TableRows, buckets: int) -> None:
+        ids = np.concatenate([rows.ids.astype(object), rows.removed.astype(object)])
+        width = rows.values.shape[1] * 4
+        packed = np.ascontiguousarray(rows.values, "<f4").tobytes()
+        for start in range(0, len(ids), WRITE_CHUNK):
+            part = ids[start:start + WRITE_CHUNK]
+            of = bucket_of(part, buckets)
+            order = np.argsort(of, kind="stable")
+            cuts = np.flatnonzero(np.diff(of[order])) + 1
+            pipe = self.client.pipeline(transaction=False)
+            n = len(rows.ids)
+            for group in np.split(order, cuts):
+                pipe.hset(self._key(version, table, int(of[group[0]])), mapping={
+                    part[i]: packed[(start + i) * width:(start + i + 1) * width] if start + i < n else EVICTED
+                    for i in group.tolist()})
+            pipe.execute()
+
+    # --- compaction ------------------------------------------------------------------------------
+
+    def versions(self) -> list[str]:
+        pattern = self._key("*", "meta")
+        return sorted(key.decode().split(":")[-2] for key in self.client.scan_iter(match=pattern, count=1000))
+
+    def delete(self, version: str) -> None:
+        self.client.delete(self._key(version, "meta"))  # first: readers no longer see it
+        batch = []
+        for key in self.client.scan_iter(match=self._key(version, "*"), count=10_000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                self._unlink(batch)
+                batch = []
+        self._unlink(batch)
+
+    def _unlink(self, keys: list[bytes]) -> None:
+        if keys:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:  # one key per command: on a Redis Cluster the keys are on many nodes
+                pipe.unlink(key)
+            pipe.execute()
+
+    def compact(self, keep: Iterable[str]) -> list[str]:
+        """Delete every version that no kept version's lineage needs; returns them."""
+        needed: set[str] = set()
+        for version in keep:
+            try:
+                needed.update(info.version for info in self.lineage(version))
+            except MissingVersion:
+                continue
+        gone = [v for v in self.versions() if v not in needed]
+        for version in gone:
+            self.delete(version)
+        if gone:
+            log.info("embedding store: deleted v%s (no kept version's lineage needs them)", ", v".join(gone))
+        return gone

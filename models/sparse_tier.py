@@ -1,0 +1,108 @@
+"""Registering a version's sparse tables in the embedding store (`[sparse_tier]`), and announcing its delta.
+
+At registration a full version writes every row, an incremental one only the rows it changed (its delta
+export); the store then drops the versions no alias or recent version needs. The delta's rows are then
+announced on `sparse_tier.deltas_topic` in parts of `delta_part_rows`: every serving worker holding
+the parent updates its cache of hot rows for the new version before any alias names it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import confluent_kafka
+import msgspec
+import numpy as np
+
+from infra.redis_clients import embedding_store
+from infra.settings import Settings
+from models.ctr import TABLES, load_snapshot
+from models.embedding_store import EmbeddingStore, StoreFull, TableRows, VersionInfo
+from streaming.producer import PRODUCER_OPTIONS
+from streaming.topics import ensure_topics
+
+log = logging.getLogger(__name__)
+__all__ = ["DeltaPart", "StoreFull", "announce", "publish", "store"]
+
+
+class DeltaPart(msgspec.Struct, frozen=True):
+    """One message of a version's delta: rows of one table (`rows`: the ids' float32 rows, concatenated)."""
+
+    model: str
+    version: str
+    parent: str
+    table: str
+    part: int
+    parts: int
+    dim: int
+    ids: list[str]
+    rows: bytes
+    removed: list[str]
+    announced_ms: int
+
+
+def store(s: Settings, **options: object) -> EmbeddingStore:
+    client = embedding_store(s, **options)
+    return EmbeddingStore(client, s.models.name, s.sparse_tier.key_prefix, s.sparse_tier.max_lineage)
+
+
+def export_rows(directory: Path) -> dict[str, TableRows]:
+    out = {}
+    for name in TABLES:
+        path = directory / f"sparse-{name}.npz"
+        if path.exists():
+            snap = load_snapshot(path)
+            out[name] = TableRows(snap.ids, snap.values, snap.removed)
+    return out
+
+
+def publish(s: Settings, version: str, parent: str, export_dir: Path, delta_dir: Path | None,
+            keep: set[str]) -> VersionInfo:
+    """Write the version's tables (its delta when it has one and the store holds its parent) and compact the
+    store to the lineages of `keep` and this version; announce the delta. Raises StoreFull when Redis
+    refuses the rows."""
+    from models.ctr import ModelSpec  # the spec's JSON as the export wrote it
+
+    spec = (export_dir / "spec.json").read_text()
+    dim = ModelSpec.from_json(spec).sparse.dim
+    emb = store(s)
+    started = time.perf_counter()
+    info = emb.write(version, parent, dim, spec, (export_dir / "dense.weights.h5").read_bytes(),
+                     delta=lambda: export_rows(delta_dir) if delta_dir else {}, full=lambda: export_rows(export_dir))
+    log.info("embedding store: v%s written as %s in %.1fs", version,
+             f"a delta of v{parent}" if info.parent else "a full version", time.perf_counter() - started)
+    emb.compact(keep | {version})
+    if info.parent and delta_dir is not None:
+        announce(s, info, export_rows(delta_dir))
+    return info
+
+
+def announce(s: Settings, info: VersionInfo, tables: dict[str, TableRows]) -> int:
+    """Send the delta's rows to every serving worker; returns the messages sent. Best effort: a worker that
+    misses it reads the rows from the store (its cache of the version starts empty)."""
+    size = s.sparse_tier.delta_part_rows
+    ensure_topics(s, [s.sparse_tier.deltas_topic])
+    parts = [(name, a) for name, rows in tables.items() for a in range(0, max(len(rows.ids), 1), size)]
+    producer = confluent_kafka.Producer(s.kafka.client_options("librdkafka") | PRODUCER_OPTIONS |
+                                        {"compression.type": "lz4", "linger.ms": 20})
+    now = int(time.time() * 1000)
+    for n, (name, a) in enumerate(parts):
+        rows = tables[name]
+        ids = rows.ids[a:a + size]
+        body = DeltaPart(s.models.name, info.version, info.parent, name, n, len(parts), info.dim,
+                         ids.astype(str).tolist(), np.ascontiguousarray(rows.values[a:a + size], "<f4").tobytes(),
+                         rows.removed.astype(str).tolist() if a == 0 else [], now)
+        while True:
+            try:
+                producer.produce(s.sparse_tier.deltas_topic, msgspec.msgpack.encode(body), key=info.version)
+                break
+            except BufferError:  # the local queue is full: let it drain
+                producer.poll(0.1)
+    left = producer.flush(30)
+    if left:
+        log.warning("embedding store: %d of %d parts of v%s's delta not delivered; workers read those rows "
+                    "from the store", left, len(parts), info.version)
+    return len(parts) - left
+

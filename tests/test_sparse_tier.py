@@ -1,0 +1,194 @@
+"""The sparse tier on a real Redis: a version's rows in the embedding store serve the same scores as the
+in-memory model; an incremental version writes only its delta and a rollback reads the parent's rows
+exactly; compaction keeps what a lineage needs; bad rows and a full Redis are refused; a store that does
+not answer gives default rows, counted, never an error; a delta updates a worker's hot rows."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import tensorflow as tf
+
+from infra.redis_clients import online_store
+from infra.settings import Settings
+from models.ctr import CtrModel
+from models.embedding_store import EmbeddingStore, MissingVersion, StoreFull, TableRows
+from models.sparse_tier import DeltaPart, export_rows
+from serving import metrics
+from serving.dense import DenseRunner
+from serving.sparse_tier import Breaker, DeltaListener, RowCache, TieredTables
+from tests.ctr_data import SPEC, synthetic
+
+pytestmark = pytest.mark.stack
+# Evicting rows not seen for 30 steps: the delta then holds evictions as well as changed and new rows.
+TIER_SPEC = dataclasses.replace(SPEC, sparse=dataclasses.replace(SPEC.sparse, evict_after_steps=30))
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory: pytest.TempPathFactory) -> tuple[CtrModel, CtrModel, Path, Path, Path]:
+    """A trained full version (export) and its continuation (export and delta)."""
+    tmp = tmp_path_factory.mktemp("tier")
+    model = CtrModel(TIER_SPEC)
+    model.fit(synthetic(3000, seed=1, users=300, items=800, long_history=True), progress=False)
+    parent = CtrModel.load(model.save(tmp / "v1"))
+    since = model.versions()
+    model.fit(synthetic(1500, seed=2, long_history=True), progress=False)  # fewer ids: a part changes
+    model.save_delta(tmp / "v2-delta", since)
+    child = CtrModel.load(model.save(tmp / "v2"))
+    return parent, child, tmp / "v1", tmp / "v2", tmp / "v2-delta"
+
+
+def _write(emb: EmbeddingStore, version: str, parent: str, export: Path, delta: Path | None = None) -> object:
+    return emb.write(version, parent, TIER_SPEC.sparse.dim, (export / "spec.json").read_text(),
+                     (export / "dense.weights.h5").read_bytes(), delta=lambda: export_rows(delta) if delta else {},
+                     full=lambda: export_rows(export))
+
+
+def _store(s: Settings, prefix: str, **options: object) -> EmbeddingStore:
+    return EmbeddingStore(online_store(s, **options), "ctr", prefix)
+
+
+def _scores(model: CtrModel, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    runner = DenseRunner(model, (64, 512), (10,))
+    return runner.run([tf.constant(w) for w in model.dense_weights()], inputs)
+
+
+def test_a_version_in_the_store_serves_the_in_memory_models_scores(redis_stack: Settings, versions) -> None:
+    parent, child, v1, v2, delta = versions
+    emb = _store(redis_stack, "t1")
+    full = _write(emb, "1", "", v1)
+    written = _write(emb, "2", "1", v2, delta)
+    assert (full.depth, written.depth, written.parent) == (0, 1, "1")
+    # The incremental version wrote only its changed rows (and evictions), in the parent's buckets.
+    changed = sum(len(r.ids) + len(r.removed) for r in export_rows(delta).values())
+    stored = sum(emb.client.hlen(k) for k in emb.client.scan_iter(match="t1:ctr:2:*") if not k.endswith(b":meta"))
+    assert stored == changed < sum(len(t) for t in child.tables.values())
+    assert any(len(r.removed) for r in export_rows(delta).values()), "the test's delta should evict rows"
+    ex = synthetic(400, seed=9, users=400, items=1000, long_history=True)  # ids known, unknown and evicted
+    for version, model in (("2", child), ("1", parent)):  # v1 after v2: a rollback reads v1's rows exactly
+        tiered = TieredTables(emb, emb.lineage(version), RowCache(10_000), Breaker(1.0))
+        served = model.with_tables(tiered.tables_for(model.table_ids(ex))).scoring_inputs(ex)
+        expected = model.scoring_inputs(ex)
+        for name, value in expected.items():
+            np.testing.assert_array_equal(served[name], value, err_msg=f"v{version} {name}")
+        np.testing.assert_array_equal(_scores(model, served), _scores(model, expected))
+        # Second time from the worker's cache: the same rows, and no read.
+        before = metrics.SPARSE_ROWS.labels("store")._value.get()
+        again = model.with_tables(tiered.tables_for(model.table_ids(ex))).scoring_inputs(ex)
+        np.testing.assert_array_equal(again["item"], expected["item"])
+        assert metrics.SPARSE_ROWS.labels("store")._value.get() == before
+    # The dense weights and spec travel with the version: the tiered model is the in-memory one.
+    rebuilt = CtrModel.from_parts(*emb.model_of("2"))
+    assert rebuilt.spec == child.spec
+    for a, b in zip(rebuilt.dense_weights(), child.dense_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_rows_are_packed_close_to_their_bytes(redis_stack: Settings, versions) -> None:
+    emb = _store(redis_stack, "t2")
+    _write(emb, "1", "", versions[2])
+    keys = [k for k in emb.client.scan_iter(match="t2:ctr:1:item:*")]
+    assert {emb.client.object("encoding", k) for k in keys} == {b"listpack"}
+    rows = sum(emb.client.hlen(k) for k in keys)
+    used = sum(emb.client.memory_usage(k, samples=0) for k in keys)
+    # A row: 8 float32 (32 bytes) and an id of ~4 characters, plus listpack's few bytes and each key's share.
+    assert used / rows < 32 + 4 + 16
+
+
+def test_compaction_keeps_what_a_kept_lineage_needs(redis_stack: Settings, versions) -> None:
+    _, _, v1, v2, delta = versions
+    emb = _store(redis_stack, "t3")
+    _write(emb, "1", "", v1)
+    _write(emb, "2", "1", v2, delta)
+    _write(emb, "3", "", v1)
+    assert emb.compact({"2"}) == ["3"]  # v2 needs v1: both stay
+    assert emb.versions() == ["1", "2"]
+    assert emb.compact({"3"}) == ["1", "2"]
+    assert emb.versions() == [] and not list(emb.client.scan_iter(match="t3:*"))
+    with pytest.raises(MissingVersion):
+        emb.lineage("2")
+
+
+def test_a_lineage_is_written_in_full_past_max_lineage(redis_stack: Settings, versions) -> None:
+    _, _, v1, v2, delta = versions
+    emb = _store(redis_stack, "t4")
+    emb.max_lineage = 2
+    _write(emb, "1", "", v1)
+    assert _write(emb, "2", "1", v2, delta).depth == 1
+    third = _write(emb, "3", "2", v2, delta)
+    assert (third.depth, third.parent) == (0, "")
+
+
+def test_rows_of_a_wrong_width_and_a_full_redis_are_refused(redis_stack: Settings, versions) -> None:
+    _, _, v1, _, _ = versions
+    emb = _store(redis_stack, "t5")
+    narrow = {"item": TableRows(np.array(["i1"], object), np.zeros((1, 4), np.float32), np.array([], object))}
+    with pytest.raises(ValueError, match="8 wide"):
+        emb.write("1", "", 8, "{}", b"", delta=dict, full=lambda: narrow)
+    used = int(emb.client.info("memory")["used_memory"])
+    emb.client.config_set("maxmemory", str(used + 20_000))
+    try:
+        with pytest.raises(StoreFull, match="maxmemory"):
+            _write(emb, "2", "", v1)
+    finally:
+        emb.client.config_set("maxmemory", "0")
+    assert emb.versions() == [] and not list(emb.client.scan_iter(match="t5:*"))
+
+
+def test_a_store_that_does_not_answer_gives_default_rows_counted(redis_stack: Settings, versions) -> None:
+    parent, _, v1, _, _ = versions
+    emb = _store(redis_stack, "t6")
+    _write(emb, "1", "", v1)
+    lineage = emb.lineage("1")
+    dead = EmbeddingStore(redis.Redis(port=1, socket_timeout=0.05, socket_connect_timeout=0.05), "ctr", "t6")
+    breaker = Breaker(60.0)
+    tiered = TieredTables(dead, lineage, RowCache(1000), breaker)
+    ex = synthetic(50, seed=4, long_history=True)
+    before = metrics.SPARSE_ROWS.labels("default")._value.get()
+    tables = tiered.tables_for(parent.table_ids(ex))
+    assert breaker.open and not np.any(tables["item"].values)  # every row the default
+    assert metrics.SPARSE_ROWS.labels("default")._value.get() - before == sum(map(len, parent.table_ids(ex).values()))
+    assert len(tiered.cache) == 0  # defaults taken for a failure are not kept
+    # Back: the same cache gets the real rows once the breaker lets the store be asked again.
+    tiered.store, breaker.open_until = emb, 0.0
+    inputs = parent.with_tables(tiered.tables_for(parent.table_ids(ex))).scoring_inputs(ex)
+    np.testing.assert_array_equal(inputs["item"], parent.scoring_inputs(ex)["item"])
+
+
+def test_a_delta_replaces_the_hot_rows_of_the_parents_cache(versions) -> None:
+    parent, child, _, _, delta = versions
+    s = Settings()
+    caches = {"1": RowCache(100_000)}
+    ids = list(parent.tables["item"].index)
+    caches["1"].put_many("item", ids, [parent.tables["item"].values[parent.tables["item"].index[i]] for i in ids])
+    listener = DeltaListener(s, caches)
+    rows = export_rows(delta)["item"]
+    half = len(rows.ids) // 2
+    for n, (a, b) in enumerate(((0, half), (half, len(rows.ids)))):
+        assert "2" not in listener.prepared  # not before every part is applied
+        listener.apply(DeltaPart(s.models.name, "2", "1", "item", n, 2, 8, rows.ids[a:b].astype(str).tolist(),
+                                 rows.values[a:b].astype("<f4").tobytes(),
+                                 rows.removed.astype(str).tolist() if n == 0 else [], 0))
+    cache = listener.take("2")
+    table = child.tables["item"]
+    for id_ in ids:  # every row the parent's cache held, now the child's (evicted: the default row)
+        row = cache.rows[("item", id_)]
+        if id_ in table.index:
+            np.testing.assert_array_equal(row, table.values[table.index[id_]])
+        else:
+            assert row is None
+    assert caches["1"].rows[("item", ids[0])] is not None  # the parent's own cache unchanged
+    listener.apply(DeltaPart(s.models.name, "9", "8", "item", 0, 1, 8, [], b"", [], 0))  # parent not held
+    assert listener.take("9") is None
+
+
+def test_cache_is_bounded_least_recently_used_first() -> None:
+    cache = RowCache(3)
+    cache.put_many("item", ["a", "b", "c"], [np.ones(2)] * 3)
+    cache.get_many("item", ["a"])
+    cache.put_many("item", ["d"], [None])
+    assert [k[1] for k in cache.rows] == ["c", "a", "d"]
