@@ -36,6 +36,25 @@ WRITE_CHUNK = 200_000  # rows per pipeline when writing
 EVICTED = b""
 
 
+# ARGV: the lineage's length d, its versions' key prefixes (newest first), then (bucket key suffix, id) pairs.
+# Returns each id's row at the newest version that has one (nil: none). The keys are built here, which a
+# Redis Cluster refuses: there the reads are a pipeline (fetch).
+_FETCH = """
+local d = tonumber(ARGV[1])
+local out, n = {}, 0
+for i = d + 2, #ARGV, 2 do
+  local row = false
+  for v = 2, d + 1 do
+    row = redis.call('HGET', ARGV[v] .. ARGV[i], ARGV[i + 1])
+    if row then break end
+  end
+  n = n + 1
+  out[n] = row
+end
+return out
+"""
+
+
 class StoreFull(RuntimeError):
     """Redis refused the version's rows (maxmemory): the version is not in the store."""
 
@@ -71,6 +90,7 @@ def bucket_of(ids: Iterable[str], buckets: int) -> np.ndarray:
 class EmbeddingStore:
     def __init__(self, client: redis.Redis, model: str, prefix: str = "emb", max_lineage: int = 8) -> None:
         self.client, self.model, self.prefix, self.max_lineage = client, model, prefix, max_lineage
+        self._script = None
 
     def _key(self, version: str, *parts: object) -> str:
         return ":".join((self.prefix, self.model, version, *map(str, parts)))
@@ -105,7 +125,15 @@ class EmbeddingStore:
 
     def fetch(self, lineage: list[VersionInfo], wanted: dict[str, list[str]]) -> dict[str, list[bytes | None]]:
         """Each wanted id's row bytes at the lineage's first version (None: no row, the default row; b"":
-        evicted, also the default row), every table in one pipelined round trip."""
+        evicted, also the default row), every table in one round trip: one script call on a Redis server
+        (its lineage walked there), a pipeline of one HMGET per bucket and version on a Redis Cluster
+        (the buckets are on many nodes)."""
+        if isinstance(self.client, redis.Redis):
+            return self._fetch_scripted(lineage, wanted)
+        return self._fetch_pipelined(lineage, wanted)
+
+    def _fetch_pipelined(self, lineage: list[VersionInfo], wanted: dict[str, list[str]]
+                         ) -> dict[str, list[bytes | None]]:
         pipe = self.client.pipeline(transaction=False)
         plan: list[tuple[str, np.ndarray]] = []
         for table, ids in wanted.items():
@@ -131,6 +159,29 @@ class EmbeddingStore:
                     if answer[k] is not None:
                         rows[i] = answer[k]
                         break
+        return out
+
+    def _fetch_scripted(self, lineage: list[VersionInfo], wanted: dict[str, list[str]]
+                        ) -> dict[str, list[bytes | None]]:
+        if self._script is None:
+            self._script = self.client.register_script(_FETCH)
+        args: list[str | int] = [len(lineage), *(self._key(info.version, "") for info in lineage)]
+        asked = []
+        for table, ids in wanted.items():
+            count = lineage[-1].buckets.get(table)
+            if not ids or count is None:
+                continue
+            for id_, bucket in zip(ids, bucket_of(ids, count).tolist()):
+                args += (f"{table}:{bucket}", id_)
+            asked.append((table, len(ids)))
+        out: dict[str, list[bytes | None]] = {table: [None] * len(ids) for table, ids in wanted.items()}
+        if not asked:
+            return out
+        rows = self._script(args=args)
+        at = 0
+        for table, n in asked:
+            out[table] = rows[at:at + n]
+            at += n
         return out
 
     # --- writing ---------------------------------------------------------------------------------
@@ -180,21 +231,28 @@ class EmbeddingStore:
         return info
 
     def _write_rows(self, version: str, table: str, rows: TableRows, buckets: int) -> None:
+        """One HSET per bucket (the rows sorted by bucket first), WRITE_CHUNK rows per pipeline."""
         ids = np.concatenate([rows.ids.astype(object), rows.removed.astype(object)])
-        width = rows.values.shape[1] * 4
+        if not len(ids):
+            return
+        width, n = rows.values.shape[1] * 4, len(rows.ids)
         packed = np.ascontiguousarray(rows.values, "<f4").tobytes()
-        for start in range(0, len(ids), WRITE_CHUNK):
-            part = ids[start:start + WRITE_CHUNK]
-            of = bucket_of(part, buckets)
-            order = np.argsort(of, kind="stable")
-            cuts = np.flatnonzero(np.diff(of[order])) + 1
-            pipe = self.client.pipeline(transaction=False)
-            n = len(rows.ids)
-            for group in np.split(order, cuts):
-                pipe.hset(self._key(version, table, int(of[group[0]])), mapping={
-                    part[i]: packed[(start + i) * width:(start + i + 1) * width] if start + i < n else EVICTED
-                    for i in group.tolist()})
-            pipe.execute()
+        of = bucket_of(ids, buckets)
+        order = np.argsort(of, kind="stable")
+        bucket = of[order].tolist()
+        cuts = [0, *(np.flatnonzero(np.diff(of[order])) + 1).tolist(), len(ids)]
+        # id, row, id, row, ... in bucket order (an evicted id: an empty row)
+        fields: list[object] = [None] * (2 * len(ids))
+        fields[0::2] = ids[order].tolist()
+        fields[1::2] = [packed[i * width:(i + 1) * width] if i < n else EVICTED for i in order.tolist()]
+        pipe, queued = self.client.pipeline(transaction=False), 0
+        for a, b in zip(cuts, cuts[1:]):
+            pipe.execute_command("HSET", self._key(version, table, bucket[a]), *fields[2 * a:2 * b])
+            queued += b - a
+            if queued >= WRITE_CHUNK:
+                pipe.execute()
+                pipe, queued = self.client.pipeline(transaction=False), 0
+        pipe.execute()
 
     # --- compaction ------------------------------------------------------------------------------
 

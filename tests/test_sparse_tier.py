@@ -81,6 +81,9 @@ def test_a_version_in_the_store_serves_the_in_memory_models_scores(redis_stack: 
         again = model.with_tables(tiered.tables_for(model.table_ids(ex))).scoring_inputs(ex)
         np.testing.assert_array_equal(again["item"], expected["item"])
         assert metrics.SPARSE_ROWS.labels("store")._value.get() == before
+    # A Redis Cluster's reads (a pipeline: the buckets are on many nodes) answer as the server's script does.
+    wanted = child.table_ids(ex)
+    assert emb._fetch_pipelined(emb.lineage("2"), wanted) == emb._fetch_scripted(emb.lineage("2"), wanted)
     # The dense weights and spec travel with the version: the tiered model is the in-memory one.
     rebuilt = CtrModel.from_parts(*emb.model_of("2"))
     assert rebuilt.spec == child.spec
@@ -126,6 +129,9 @@ def test_a_lineage_is_written_in_full_past_max_lineage(redis_stack: Settings, ve
 def test_rows_of_a_wrong_width_and_a_full_redis_are_refused(redis_stack: Settings, versions) -> None:
     _, _, v1, _, _ = versions
     emb = _store(redis_stack, "t5")
+    empty = TableRows(np.array([], object), np.zeros((0, 8), np.float32), np.array([], object))
+    assert emb.write_full("0", 8, "{}", b"", {"item": 0}, [("item", empty)]).buckets == {"item": 1}
+    emb.delete("0")
     narrow = {"item": TableRows(np.array(["i1"], object), np.zeros((1, 4), np.float32), np.array([], object))}
     with pytest.raises(ValueError, match="8 wide"):
         emb.write("1", "", 8, "{}", b"", delta=dict, full=lambda: narrow)
