@@ -16,6 +16,7 @@ back. The canary's state is on the version: `canary_started_at`, `canary_status`
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -26,12 +27,15 @@ from typing import TYPE_CHECKING
 import mlflow
 import numpy as np
 import pandas as pd
+import redis
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from contract.examples import Examples, from_frame
 from infra.settings import MLFLOW_CLIENT_ENV, Settings, mlflow_password
 from models.metrics import auc, auc_difference, calibration
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # TensorFlow takes seconds to import: only the calls that score load it
     from models.ctr import CtrModel
@@ -104,6 +108,10 @@ def log_model(s: Settings, export_dir: Path, tags: dict[str, str], delta_dir: Pa
         except sparse_tier.StoreFull as exc:
             client.set_model_version_tag(s.models.name, version, "sparse_tier_refused", str(exc))
             raise
+        except redis.RedisError as exc:  # the store away: servers load this version whole, as without the tier
+            log.warning("v%s not written to the embedding store (%s: %s); servers will load it whole", version,
+                        type(exc).__name__, exc)
+            client.set_model_version_tag(s.models.name, version, "sparse_tier_error", f"{type(exc).__name__}: {exc}")
     return version
 
 

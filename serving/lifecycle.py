@@ -106,7 +106,7 @@ class ModelFollower:
         self.deltas: DeltaListener | None = None
         if s.sparse_tier.enabled:
             timeout = s.sparse_tier.timeout_ms / 1000
-            self.store = sparse_tier.store(s)  # swaps: a version's meta and dense weights
+            self.store = sparse_tier.store(s, socket_timeout=5, socket_connect_timeout=5)  # swaps: meta, dense weights
             self.batch_store = sparse_tier.store(s, socket_timeout=timeout, socket_connect_timeout=timeout)
             self.breaker = Breaker(s.sparse_tier.retry_after_s)
             self.deltas = DeltaListener(s, self.caches)
