@@ -238,6 +238,9 @@ def main() -> None:
         finally:
             server.close()
     finally:
+        alone = override(s, "stack", services=("serving",))  # a server that never became ready is left too
+        for svc in enabled_services(alone):
+            process.stop(stack.pidfile(alone, svc), alone.stack.stop_timeout_s)
         stack.down(s)
         shutil.rmtree(tmp, ignore_errors=True)  # the store's append-only file: GBs
     p99 = {v: float(np.percentile(lat, 99)) for v, lat in latencies.items()}
