@@ -40,7 +40,7 @@ from contract.inputs import NUMERIC_FEATURES
 from feature_repo.store import apply
 from infra import process, stack
 from infra.services import enabled_services
-from infra.settings import ServingSettings, Settings, load_settings, override
+from infra.settings import ServingSettings, Settings, load_settings, mlflow_password, override, redis_password
 from models.ctr import CtrModel, ModelSpec
 from models.registry import CHAMPION, connect, log_model
 from models.sparse import SparseConfig
@@ -166,6 +166,9 @@ class Server:
     """The stack's ranking server alone, with some serving settings changed; ready when built."""
 
     def __init__(self, s: Settings, **serving: object) -> None:
+        # Passwords explicit: with only itself as the stack's service, the server's settings would not find the
+        # generated ones of the stack's Redis and MLflow.
+        s = override(override(s, "redis", password=redis_password(s)), "mlflow", password=mlflow_password(s))
         self.s = override(override(s, "stack", services=("serving",)), "serving", **serving)
         self.url = f"http://127.0.0.1:{self.s.serving.port}"
         stack.up(self.s)

@@ -43,7 +43,7 @@ from benchmarks.serving import CATEGORIES, SPEC, Server, _candidates, _examples,
 from feature_repo.store import apply
 from infra import process, stack
 from infra.services import enabled_services
-from infra.settings import Settings, load_settings, mlflow_password, override, redis_password
+from infra.settings import Settings, load_settings, override
 from models.ctr import CtrModel
 from models.embedding_store import TableRows
 from models.registry import CHAMPION, connect, log_model
@@ -205,8 +205,6 @@ def main() -> None:
     s = load_settings(os.environ | stack.side_by_side_environ(tmp) | {
         "FLYWHEEL_CONFIG": os.devnull, "FLYWHEEL_STACK_SERVICES": "kafka,redis,mlflow",
         "FLYWHEEL_SERVING_POLL_INTERVAL_S": "1", "FLYWHEEL_SPARSE_TIER_ENABLED": "true"})
-    # Passwords explicit: the server's settings list only itself as the stack's service (benchmarks.serving.Server).
-    s = override(override(s, "redis", password=redis_password(s)), "mlflow", password=mlflow_password(s))
     stack.up(s)
     try:
         v1, v2, write_s, used = _world(s, tmp, args.users, args.items, args.zipf)
