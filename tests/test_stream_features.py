@@ -29,7 +29,7 @@ from feature_repo.definitions import TIMESTAMP_FIELD
 from feature_repo.event_log import read_event_log
 from feature_repo.files import view_dir
 from feature_repo.store import feature_store, online_row
-from infra import monitoring, process, stack
+from infra import flink_rest, monitoring, process, stack
 from infra.progress import read_progress
 from infra.settings import Settings, to_environ
 from models.dataset import Window, labelled_impressions, training_set
@@ -532,6 +532,15 @@ def test_after_a_broker_crash_the_job_keeps_its_state_and_reads_the_new_topic(pi
         got = online(s, ["user_total:user_impressions_total"], {"user_id": user})["user_impressions_total"]
         assert got == n, got
     wait_for(lambda: total_is(5))
+    # The job resumes from its last completed checkpoint: one taken (periodically) after the total was 5.
+    seen_ms = time.time() * 1000
+    jid = next(j["jid"] for j in flink_rest.call(s, "/jobs/overview")["jobs"]
+               if j["name"] == s.streaming.job_name and j["state"] == "RUNNING")
+
+    def checkpointed_since_seen() -> None:
+        latest = (flink_rest.call(s, f"/jobs/{jid}/checkpoints").get("latest") or {}).get("completed") or {}
+        assert latest.get("trigger_timestamp", 0) > seen_ms, latest
+    wait_for(checkpointed_since_seen, timeout_s=30)
     # `up` restarts an unhealthy job once it has run for stall_after_s (one starting up is not restarted).
     job = psutil.Process(next(st.pid for st in stack.status(s) if st.name == "stream-job"))
     time.sleep(max(0.0, job.create_time() + s.stack.stall_after_s - time.time()))

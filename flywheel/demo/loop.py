@@ -187,7 +187,7 @@ def live(s: Settings, plan: LoopPlan, server: str, airflow: AirflowClient, summa
         catch_up(s, airflow, summary, say)
         # No version trained on the traffic after it: the demo's traffic ends, and a version promoted then
         # would wait in its canary for traffic to judge it by (two models on every batch meanwhile).
-        airflow.set_paused("incremental_training", True)
+        pause_when_idle(airflow, "incremental_training", say)
         settle_canary(s, summary, say)  # judged on live traffic: it keeps flowing until then
     finally:
         traffic.stop.set()
@@ -226,6 +226,22 @@ def catch_up(s: Settings, airflow: AirflowClient, summary: Summary, say: Say) ->
                         "gate": learned["gate"] if learned else None}
     say(f"  after the rollback: incremental_training from v{champion} {state} (train {train})"
         + (f": v{learned['version']} {learned['gate']}" if learned else ""))
+
+
+def pause_when_idle(airflow: AirflowClient, dag_id: str, say: Say, tries: int = 3) -> None:
+    """Pause the DAG with no run in flight. Airflow schedules no task of a paused DAG's running run: one the
+    scheduler started just before the pause would register its version and never gate it. Such a run is let
+    finish (unpaused meanwhile) and the pause taken again."""
+    for _ in range(tries):
+        airflow.set_paused(dag_id, True)
+        running = airflow.active_runs(dag_id)
+        if not running:
+            return
+        airflow.set_paused(dag_id, False)
+        for run_id in running:
+            say(f"  waiting for {dag_id} run {run_id}, started as it was paused, to finish")
+            airflow.wait(dag_id, run_id, 600)
+    airflow.set_paused(dag_id, True)
 
 
 def settle_canary(s: Settings, summary: Summary, say: Say, timeout_s: float = 240.0) -> None:
