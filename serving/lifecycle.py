@@ -246,7 +246,7 @@ class ModelFollower:
             log.warning("v%s not read from the embedding store (%s: %s): loading it whole", version,
                         type(exc).__name__, exc)
             return None
-        cache = self.deltas.take(version) or RowCache(self.s.sparse_tier.cache_rows)
+        cache = self.deltas.take(version) or RowCache(self.s.sparse_tier.cache_rows, lineage[0].dim)
         tiered = TieredTables(self.batch_store, lineage, cache, self.breaker)
         served = self._warmed(version, CtrModel.from_parts(spec, dense), "store", tiered)
         self.caches[version] = cache

@@ -21,7 +21,6 @@ import os
 import socket
 import threading
 import time
-from collections import OrderedDict
 
 import confluent_kafka
 import msgspec
@@ -38,55 +37,102 @@ log = logging.getLogger(__name__)
 
 
 class RowCache:
-    """One version's hot rows in a worker: (table, id) -> row ([dim] float32, None: the default row),
-    least recently used evicted past `capacity`."""
+    """One version's hot rows in a worker: per table, id -> slot of one [capacity, dim] float32 array; slots
+    reused by CLOCK (second chance: a hit sets its slot's bit, one numpy store per batch). No Python object
+    per row: an OrderedDict LRU of (table, id) -> row cost a move per id on every batch, and its hundreds of
+    thousands of objects lengthened the worker's garbage collections."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.rows: OrderedDict[tuple[str, str], np.ndarray | None] = OrderedDict()
+    def __init__(self, capacity: int, dim: int) -> None:
+        self.capacity, self.dim = capacity, dim
+        self.values = np.zeros((capacity, dim), np.float32)
+        self.real = np.zeros(capacity, bool)  # False: the id has no row (it scores with the default row)
+        self.used = np.zeros(capacity, bool)  # CLOCK's reference bits
+        self.owner = np.empty(capacity, object)  # slot -> its id
+        self.table_of = np.zeros(capacity, np.int16)  # slot -> its table's position in `tables`
+        self.tables: list[str] = []
+        self.index: dict[str, dict[str, int]] = {}  # table -> id -> slot
+        self.filled = self.hand = 0
         self._lock = threading.Lock()  # the batch executors and the delta listener
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self.filled
 
-    def get_many(self, table: str, ids: list[str]) -> tuple[list[np.ndarray | None], list[int]]:
-        """Rows of the cached ids (None where missing or default) and the indices of the missing ones."""
-        found: list[np.ndarray | None] = [None] * len(ids)
-        missing = []
+    def _slots(self, table: str, ids: list[str]) -> np.ndarray:
+        return np.fromiter(map(self.index.get(table, {}).get, ids, itertools.repeat(-1)), np.int64, len(ids))
+
+    def get_many(self, table: str, ids: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The cached rows of `ids`: values [n, dim] (zeros where not cached or default), `cached` [n] and
+        `real` [n] (cached with a row of its own) masks."""
         with self._lock:
-            rows = self.rows
-            for i, id_ in enumerate(ids):
-                key = (table, id_)
-                if key in rows:
-                    rows.move_to_end(key)
-                    found[i] = rows[key]
-                else:
-                    missing.append(i)
-        return found, missing
+            slots = self._slots(table, ids)
+            cached = slots >= 0
+            held = slots[cached]
+            self.used[held] = True
+            values = np.zeros((len(ids), self.dim), np.float32)
+            values[cached] = self.values[held]
+            real = np.zeros(len(ids), bool)
+            real[cached] = self.real[held]
+        return values, cached, real
 
-    def put_many(self, table: str, ids: list[str], values: list[np.ndarray | None]) -> None:
+    def put_many(self, table: str, ids: list[str], values: np.ndarray, real: np.ndarray) -> None:
+        """Cache rows of `ids` (values [n, dim]; `real` False: the id has no row), replacing held ones."""
         with self._lock:
-            rows = self.rows
-            for id_, value in zip(ids, values):
-                rows[(table, id_)] = value
-            while len(rows) > self.capacity:
-                rows.popitem(last=False)
+            if table not in self.index:
+                self.index[table] = {}
+                self.tables.append(table)
+            slots = self._slots(table, ids)
+            held = slots >= 0
+            self._write(slots[held], values[held], real[held])
+            new = np.flatnonzero(~held)[-self.capacity:]  # past capacity: the last ones
+            fresh = self._take(len(new))  # may evict a held one just written: its slot is then a new id's
+            index = self.index[table]
+            for n, slot in zip(new.tolist(), fresh.tolist()):
+                index[ids[n]] = slot
+                self.owner[slot] = ids[n]
+            self.table_of[fresh] = self.tables.index(table)
+            self._write(fresh, values[new], real[new])
 
-    def replace(self, table: str, ids: list[str], values: list[np.ndarray | None]) -> int:
+    def _write(self, slots: np.ndarray, values: np.ndarray, real: np.ndarray) -> None:
+        self.values[slots], self.real[slots], self.used[slots] = values, real, True
+
+    def _take(self, n: int) -> np.ndarray:
+        """`n` free slots: unused ones first, then those CLOCK's hand finds unreferenced since it last
+        passed (their ids evicted)."""
+        fresh = np.arange(self.filled, min(self.capacity, self.filled + n))
+        self.filled += len(fresh)
+        taken, need = [fresh], n - len(fresh)
+        while need > 0:
+            span = (self.hand + np.arange(min(self.capacity, max(4 * need, 4096)))) % self.capacity
+            idle = np.flatnonzero(~self.used[span])
+            if len(idle) >= need:
+                passed = idle[need - 1] + 1
+                chosen = span[idle[:need]]
+            else:
+                passed, chosen = len(span), span[idle]
+            self.used[span[:passed]] = False
+            self.used[chosen] = True  # not taken twice
+            self.hand = int(span[passed - 1] + 1) % self.capacity
+            for slot, code in zip(chosen.tolist(), self.table_of[chosen].tolist()):
+                self.index[self.tables[code]].pop(self.owner[slot], None)
+            taken.append(chosen)
+            need -= len(chosen)
+        return np.concatenate(taken)
+
+    def replace(self, table: str, ids: list[str], values: np.ndarray, real: np.ndarray) -> int:
         """Replace the rows of the ids this cache holds (a delta); returns how many it held."""
-        held = 0
         with self._lock:
-            rows = self.rows
-            for id_, value in zip(ids, values):
-                if (table, id_) in rows:
-                    rows[(table, id_)] = value
-                    held += 1
-        return held
+            slots = self._slots(table, ids)
+            held = slots >= 0
+            self.values[slots[held]], self.real[slots[held]] = values[held], real[held]
+        return int(held.sum())
 
     def copy(self) -> RowCache:
-        twin = RowCache(self.capacity)
+        twin = RowCache.__new__(RowCache)
         with self._lock:
-            twin.rows = self.rows.copy()
+            twin.__dict__.update({k: v.copy() if hasattr(v, "copy") else v for k, v in self.__dict__.items()
+                                  if k not in ("_lock", "index")})
+            twin.index = {table: ids.copy() for table, ids in self.index.items()}
+        twin._lock = threading.Lock()
         return twin
 
 
@@ -126,30 +172,28 @@ class TieredTables:
 
     def tables_for(self, wanted: dict[str, list[str]]) -> dict[str, BatchTable]:
         """Each table's rows of `wanted` ids: the cache's, and the misses of every table in one read."""
-        found, missing = {}, {}
+        got, missing = {}, {}
         for table, ids in wanted.items():
-            found[table], idx = self.cache.get_many(table, ids)
-            if idx:
-                missing[table] = idx
+            got[table] = values, cached, real = self.cache.get_many(table, ids)
+            if not cached.all():
+                missing[table] = np.flatnonzero(~cached)
         hits = sum(len(ids) for ids in wanted.values()) - sum(map(len, missing.values()))
         metrics.SPARSE_ROWS.labels("cache").inc(hits)
         if missing:
-            self._read(wanted, found, missing)
+            self._read(wanted, got, missing)
         out = {}
         for table, ids in wanted.items():
             values = np.zeros((len(ids) + 1, self.dim), np.float32)  # row 0: the default
-            for i, row in enumerate(found[table]):
-                if row is not None:
-                    values[i + 1] = row
+            values[1:] = got[table][0]
             out[table] = BatchTable({id_: i + 1 for i, id_ in enumerate(ids)}, values)
         return out
 
-    def _read(self, wanted: dict[str, list[str]], found: dict, missing: dict[str, list[int]]) -> None:
+    def _read(self, wanted: dict[str, list[str]], got: dict, missing: dict[str, np.ndarray]) -> None:
         count = sum(map(len, missing.values()))
         if self.breaker.open:
             metrics.SPARSE_ROWS.labels("default").inc(count)
             return
-        asked = {table: [wanted[table][i] for i in idx] for table, idx in missing.items()}
+        asked = {table: [wanted[table][i] for i in idx.tolist()] for table, idx in missing.items()}
         started = time.perf_counter()
         try:
             answers = self.store.fetch(self.lineage, asked)
@@ -163,10 +207,13 @@ class TieredTables:
         metrics.SPARSE_READ_SECONDS.observe(time.perf_counter() - started)
         metrics.SPARSE_ROWS.labels("store").inc(count)
         for table, idx in missing.items():
-            rows = [np.frombuffer(raw, "<f4") if raw else None for raw in answers[table]]
-            for i, row in zip(idx, rows):
-                found[table][i] = row
-            self.cache.put_many(table, asked[table], rows)
+            raw = answers[table]
+            real = np.fromiter(map(bool, raw), bool, len(raw))
+            values = np.zeros((len(raw), self.dim), np.float32)
+            if real.any():
+                values[real] = np.frombuffer(b"".join(r for r in raw if r), "<f4").reshape(-1, self.dim)
+            got[table][0][idx] = values
+            self.cache.put_many(table, asked[table], values, real)
 
 
 class DeltaListener:
@@ -234,8 +281,9 @@ class DeltaListener:
             building = self._building[part.version] = (parent.copy(), set())
         cache, seen = building
         values = np.frombuffer(part.rows, "<f4").reshape(-1, part.dim) if part.ids else np.zeros((0, part.dim))
-        cache.replace(part.table, part.ids, list(values))
-        cache.replace(part.table, part.removed, [None] * len(part.removed))
+        cache.replace(part.table, part.ids, values, np.ones(len(part.ids), bool))
+        cache.replace(part.table, part.removed, np.zeros((len(part.removed), part.dim), np.float32),
+                      np.zeros(len(part.removed), bool))
         seen.add(part.part)
         if len(seen) == part.parts:
             del self._building[part.version]

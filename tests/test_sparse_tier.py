@@ -70,7 +70,7 @@ def test_a_version_in_the_store_serves_the_in_memory_models_scores(redis_stack: 
     assert any(len(r.removed) for r in export_rows(delta).values()), "the test's delta should evict rows"
     ex = synthetic(400, seed=9, users=400, items=1000, long_history=True)  # ids known, unknown and evicted
     for version, model in (("2", child), ("1", parent)):  # v1 after v2: a rollback reads v1's rows exactly
-        tiered = TieredTables(emb, emb.lineage(version), RowCache(10_000), Breaker(1.0))
+        tiered = TieredTables(emb, emb.lineage(version), RowCache(10_000, model.spec.sparse.dim), Breaker(1.0))
         served = model.with_tables(tiered.tables_for(model.table_ids(ex))).scoring_inputs(ex)
         expected = model.scoring_inputs(ex)
         for name, value in expected.items():
@@ -152,7 +152,7 @@ def test_a_store_that_does_not_answer_gives_default_rows_counted(redis_stack: Se
     lineage = emb.lineage("1")
     dead = EmbeddingStore(redis.Redis(port=1, socket_timeout=0.05, socket_connect_timeout=0.05), "ctr", "t6")
     breaker = Breaker(60.0)
-    tiered = TieredTables(dead, lineage, RowCache(1000), breaker)
+    tiered = TieredTables(dead, lineage, RowCache(1000, parent.spec.sparse.dim), breaker)
     ex = synthetic(50, seed=4, long_history=True)
     before = metrics.SPARSE_ROWS.labels("default")._value.get()
     tables = tiered.tables_for(parent.table_ids(ex))
@@ -168,9 +168,10 @@ def test_a_store_that_does_not_answer_gives_default_rows_counted(redis_stack: Se
 def test_a_delta_replaces_the_hot_rows_of_the_parents_cache(versions) -> None:
     parent, child, _, _, delta = versions
     s = Settings()
-    caches = {"1": RowCache(100_000)}
+    caches = {"1": RowCache(100_000, parent.spec.sparse.dim)}
     ids = list(parent.tables["item"].index)
-    caches["1"].put_many("item", ids, [parent.tables["item"].values[parent.tables["item"].index[i]] for i in ids])
+    caches["1"].put_many("item", ids, parent.tables["item"].values[parent.tables["item"].lookup(ids)],
+                         np.ones(len(ids), bool))
     listener = DeltaListener(s, caches)
     rows = export_rows(delta)["item"]
     half = len(rows.ids) // 2
@@ -181,20 +182,34 @@ def test_a_delta_replaces_the_hot_rows_of_the_parents_cache(versions) -> None:
                                  rows.removed.astype(str).tolist() if n == 0 else [], 0))
     cache = listener.take("2")
     table = child.tables["item"]
-    for id_ in ids:  # every row the parent's cache held, now the child's (evicted: the default row)
-        row = cache.rows[("item", id_)]
+    values, cached, real = cache.get_many("item", ids)
+    assert cached.all()  # every row the parent's cache held, now the child's (evicted: the default row)
+    for id_, row, has_row in zip(ids, values, real):
         if id_ in table.index:
+            assert has_row
             np.testing.assert_array_equal(row, table.values[table.index[id_]])
         else:
-            assert row is None
-    assert caches["1"].rows[("item", ids[0])] is not None  # the parent's own cache unchanged
+            assert not has_row and not row.any()
+    assert caches["1"].get_many("item", ids[:1])[2].all()  # the parent's own cache unchanged
     listener.apply(DeltaPart(s.models.name, "9", "8", "item", 0, 1, 8, [], b"", [], 0))  # parent not held
     assert listener.take("9") is None
 
 
-def test_cache_is_bounded_least_recently_used_first() -> None:
-    cache = RowCache(3)
-    cache.put_many("item", ["a", "b", "c"], [np.ones(2)] * 3)
-    cache.get_many("item", ["a"])
-    cache.put_many("item", ["d"], [None])
-    assert [k[1] for k in cache.rows] == ["c", "a", "d"]
+def test_cache_is_bounded_and_evicts_rows_not_read_since_the_hand_passed() -> None:
+    """CLOCK: at capacity, a new row takes the slot of one not read since the hand last passed it; a row
+    read meanwhile stays; rows keep their values and tables (the same id in two tables is two rows)."""
+    cache = RowCache(3, 2)
+    cache.put_many("item", ["a", "b", "c"], np.arange(6, dtype=np.float32).reshape(3, 2), np.ones(3, bool))
+    cache.put_many("item", ["d"], np.full((1, 2), 9, np.float32), np.zeros(1, bool))  # every bit set: one sweep
+    held = {t: set(ids) for t, ids in cache.index.items()}
+    assert len(cache) == 3 and held["item"] == {"b", "c", "d"}, held  # the hand's first slot, "a"
+    cache.get_many("item", ["b"])  # read: kept past the next sweep
+    cache.put_many("user", ["a"], np.full((1, 2), 7, np.float32), np.ones(1, bool))
+    assert {t: set(ids) for t, ids in cache.index.items()} == {"item": {"b", "d"}, "user": {"a"}}
+    values, cached, real = cache.get_many("item", ["b", "d", "a"])
+    assert cached.tolist() == [True, True, False] and real.tolist() == [True, False, False]
+    np.testing.assert_array_equal(values, [[2, 3], [9, 9], [0, 0]])  # "d" has no row: the default (zeros)
+    np.testing.assert_array_equal(cache.get_many("user", ["a"])[0], [[7, 7]])
+    many = [f"x{i}" for i in range(10)]  # more than it holds: the last ones
+    cache.put_many("item", many, np.ones((10, 2), np.float32), np.ones(10, bool))
+    assert set(cache.index["item"]) == set(many[-3:]) and not cache.index["user"]
