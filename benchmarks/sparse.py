@@ -12,8 +12,7 @@ on (`sparse_tier.enabled`), its workers as `serving.workers` says.
      users have behavior sequences online) at an open-loop `--rate`, on v1 and v2 in turn (@champion moved),
      `--rounds` times, a fresh stream per round, once Redis' persistence is idle; the p99 of each version's
      requests pooled.
-  3. Worker RSS (the largest of the server's worker processes), the cache's hit rate on v1 (/metrics: rows
-     found cached when first asked for, by a request's read-ahead or its batch),
+  3. Worker RSS (the largest of the server's worker processes), the cache's hit rate on v1 (/metrics),
      the store's bytes (Redis' used_memory before and after v1's rows).
   4. A delta of `--delta-rows` rows of v1 (its hottest ids, new values) written as v3 and announced on the
      deltas topic: seconds from the write's start until every worker reports v3's cache complete.
@@ -221,19 +220,15 @@ def main() -> None:
         server = Server(s)
         try:
             latencies: dict[str, list[float]] = {v1: [], v2: []}  # every request's, pooled over the rounds
-            cache = {"hit": 0.0, "all": 0.0, "ahead": 0.0}
+            cache = {"hit": 0.0, "all": 0.0}
             for load in loads[:-1]:
                 for version in (v1, v2):
                     before = _metric(server.url, "flywheel_sparse_rows_total")
                     latencies[version] += _serve(s, server, version, load, args.rate, args.seconds)
                     if version == v1:
                         after = _metric(server.url, "flywheel_sparse_rows_total")
-                        got = {k: after.get(f'{{outcome="{k}"}}', 0) - before.get(f'{{outcome="{k}"}}', 0)
-                               for k in ("cache", "store", "default", "ahead")}
-                        # A row read ahead is a miss of the cache, then found in it by its batch.
-                        cache["hit"] += got["cache"] - got["ahead"]
-                        cache["ahead"] += got["ahead"]
-                        cache["all"] += got["cache"] + got["store"] + got["default"]
+                        cache["hit"] += after.get('{outcome="cache"}', 0) - before.get('{outcome="cache"}', 0)
+                        cache["all"] += sum(after.values()) - sum(before.values())
             connect(s).set_registered_model_alias(s.models.name, CHAMPION, v1)
             _serve(s, server, v1, loads[-1], args.rate, 3)
             rss = _workers_rss(server.s)
@@ -248,8 +243,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # the store's append-only file: GBs
     p99 = {v: float(np.percentile(lat, 99)) for v, lat in latencies.items()}
     ratio = p99[v1] / p99[v2]
-    print(f"p99 over {len(latencies[v1])} requests each: tier {p99[v1]:.1f} ms, in-worker {p99[v2]:.1f} ms; "
-          f"{cache['ahead'] / cache['all']:.0%} of the tier's rows read ahead (while features were fetched)")
+    print(f"p99 over {len(latencies[v1])} requests each: tier {p99[v1]:.1f} ms, in-worker {p99[v2]:.1f} ms")
     print(f"sparse-scale: ids {ids:,}, store GB {used / 1e9:.2f}, bytes/row {used / ids:.0f}, worker RSS max "
           f"{rss / 1e9:.2f} GB, p99 ratio {ratio:.2f} (tier vs in-worker), "
           f"cache hit {cache['hit'] / cache['all']:.3f}, "

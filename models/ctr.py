@@ -203,14 +203,6 @@ class CtrModel:
             out[table] = [i for i in ids.tolist() if i != PAD]
         return out
 
-    def request_ids(self, user_id: str, item_ids: list[str], categories: list[str]) -> dict[str, list[str]]:
-        """The ids a request names before its features are read (its user's, its candidates'), by table,
-        distinct: what serving reads from the embedding store while the online features are fetched."""
-        named: dict[str, list[str]] = {}
-        for name, ids in (("user", [user_id]), ("item", item_ids), ("category", categories)):
-            named.setdefault(_TABLE_OF[name], []).extend(ids)
-        return {table: list(dict.fromkeys(i for i in ids if i != PAD)) for table, ids in named.items()}
-
     def with_tables(self, tables: dict[str, object]) -> CtrModel:
         """This model scoring with other tables (anything with `lookup` and `gather`: a batch's rows read
         from the embedding store); shares the network."""

@@ -127,7 +127,6 @@ class Inference:
         # Feature reads wait on Redis and decode in Python: a few threads, so the event loop (admission,
         # shedding) and the executors are not starved of the GIL by a crowd of readers.
         self._fetchers = ThreadPoolExecutor(sv.fetch_threads, thread_name_prefix="features")
-        self._readers = ThreadPoolExecutor(sv.fetch_threads, thread_name_prefix="read-ahead")  # the sparse tier's
         self.inflight_rows = 0  # admitted and not answered: fetching features, queued or scoring
         self._admit = threading.Lock()
 
@@ -168,28 +167,23 @@ class Inference:
     async def _rank(self, req: RankRequest, allocation: access.Allocation, sequence_length: int,
                     deadline: float) -> RankResult:
         scored = req.candidates[: allocation.max_candidates]
-        route = access.route(req.user_id, self.s.serving.canary_percent)
-        if route == CHALLENGER and self.follower.current(CHALLENGER) is None:
-            route = CHAMPION
-        if route == CHAMPION and self.follower.current(CONTROL) is not None:  # the new champion's canary
-            route = access.champion_route(req.user_id, self.follower.champion_percent)
-        loop = asyncio.get_running_loop()
-        reading = loop.run_in_executor(self._fetchers, self.features.fetch, req.user_id, scored,
-                                       int(time.time() * 1000), sequence_length, allocation.sequence_length)
-        model = self.follower.current(route) or self.follower.current(CHAMPION)
-        ahead = None if model is None or model.tiered is None else loop.run_in_executor(
-            self._readers, model.read_ahead, req.user_id, [c.item_id for c in scored], [c.category for c in scored])
+        reading = asyncio.get_running_loop().run_in_executor(
+            self._fetchers, self.features.fetch, req.user_id, scored, int(time.time() * 1000), sequence_length,
+            allocation.sequence_length)
         try:  # a stalled online store must not hold the request past its deadline
             fetched = await asyncio.wait_for(reading, max(0.0, deadline - time.monotonic()))
         except (TimeoutError, redis.RedisError) as exc:
             metrics.SHED.labels(req.tier, "features").inc()
             raise Shed("features", f"online features not read within the deadline ({type(exc).__name__})") from None
-        if ahead is not None:  # in flight: its batch would read the same rows again
-            await asyncio.wait([ahead], timeout=max(0.0, deadline - time.monotonic()))
         if fetched.defaulted:
             metrics.DEFAULTED.inc()
         if allocation.degraded:
             metrics.DEGRADED.labels(req.tier).inc()
+        route = access.route(req.user_id, self.s.serving.canary_percent)
+        if route == CHALLENGER and self.follower.current(CHALLENGER) is None:
+            route = CHAMPION
+        if route == CHAMPION and self.follower.current(CONTROL) is not None:  # the new champion's canary
+            route = access.champion_route(req.user_id, self.follower.champion_percent)
         scores, version = await self._score(_Job(route, fetched.examples), req.tier, deadline)
         if route == CHAMPION and access.shadowed(req.request_id, self.s.serving.shadow_percent):
             self._shadow(req, fetched)
@@ -282,7 +276,6 @@ class Inference:
     def close(self) -> None:
         self.follower.stop()
         self._fetchers.shutdown(wait=True)
-        self._readers.shutdown(wait=True)
         self.batcher.close()
         self.predictions.close()
 

@@ -66,15 +66,6 @@ class ServedModel:
             return self.model.scoring_inputs(ex)
         return self.model.with_tables(self.tiered.tables_for(self.model.table_ids(ex))).scoring_inputs(ex)
 
-    def read_ahead(self, user_id: str, item_ids: list[str], categories: list[str]) -> None:
-        """With the sparse tier: read a request's own rows the cache lacks, while its features are fetched."""
-        if self.tiered is None:
-            return
-        try:
-            self.tiered.read_ahead(self.model.request_ids(user_id, item_ids, categories))
-        except Exception:  # noqa: BLE001 - a read ahead only saves time: its batch reads what it still lacks
-            log.exception("read-ahead of v%s's rows failed", self.version)
-
     def score(self, ex: Examples) -> np.ndarray:
         """Click probabilities [N]; unknown ids use the default row."""
         return self.runner.run(self.weights, self.inputs(ex))

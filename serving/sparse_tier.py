@@ -188,19 +188,7 @@ class TieredTables:
             out[table] = BatchTable({id_: i + 1 for i, id_ in enumerate(ids)}, values)
         return out
 
-    def read_ahead(self, wanted: dict[str, list[str]]) -> None:
-        """Read the rows of `wanted` ids the cache lacks into it (a request's own ids, while its features are
-        fetched): the batch that scores it then finds them cached instead of waiting on the store."""
-        missing = {}
-        for table, ids in wanted.items():
-            cached = self.cache.get_many(table, ids)[1]
-            if not cached.all():
-                missing[table] = np.flatnonzero(~cached)
-        if missing and not self.breaker.open:  # a store that is down: the batch counts its defaults
-            self._read(wanted, None, missing, "ahead")
-
-    def _read(self, wanted: dict[str, list[str]], got: dict | None, missing: dict[str, np.ndarray],
-              outcome: str = "store") -> None:
+    def _read(self, wanted: dict[str, list[str]], got: dict, missing: dict[str, np.ndarray]) -> None:
         count = sum(map(len, missing.values()))
         if self.breaker.open:
             metrics.SPARSE_ROWS.labels("default").inc(count)
@@ -211,23 +199,20 @@ class TieredTables:
             answers = self.store.fetch(self.lineage, asked)
         except (redis.RedisError, OSError) as exc:
             self.breaker.trip()
+            metrics.SPARSE_ROWS.labels("default").inc(count)
             metrics.SPARSE_READ_ERRORS.inc()
-            if got is not None:  # read ahead: the batch counts its defaults
-                metrics.SPARSE_ROWS.labels("default").inc(count)
-            log.warning("embedding store read failed (%s: %s): %d rows %s; asking again in %.1fs",
-                        type(exc).__name__, exc, count, "scored with the default row" if got is not None
-                        else "not read ahead", self.breaker.retry_after_s)
+            log.warning("embedding store read failed (%s: %s): %d rows scored with the default row; asking "
+                        "again in %.1fs", type(exc).__name__, exc, count, self.breaker.retry_after_s)
             return
         metrics.SPARSE_READ_SECONDS.observe(time.perf_counter() - started)
-        metrics.SPARSE_ROWS.labels(outcome).inc(count)
+        metrics.SPARSE_ROWS.labels("store").inc(count)
         for table, idx in missing.items():
             raw = answers[table]
             real = np.fromiter(map(bool, raw), bool, len(raw))
             values = np.zeros((len(raw), self.dim), np.float32)
             if real.any():
                 values[real] = np.frombuffer(b"".join(r for r in raw if r), "<f4").reshape(-1, self.dim)
-            if got is not None:
-                got[table][0][idx] = values
+            got[table][0][idx] = values
             self.cache.put_many(table, asked[table], values, real)
 
 

@@ -165,31 +165,6 @@ def test_a_store_that_does_not_answer_gives_default_rows_counted(redis_stack: Se
     np.testing.assert_array_equal(inputs["item"], parent.scoring_inputs(ex)["item"])
 
 
-def test_a_requests_own_rows_read_ahead_are_its_batchs_without_a_second_read(redis_stack: Settings,
-                                                                             versions) -> None:
-    """The rows a request names before its features are read (its user's, its candidates' items and
-    categories) are read into the cache ahead; its batch then finds them there, the same rows."""
-    parent, _, v1, _, _ = versions
-    emb = _store(redis_stack, "t4")
-    _write(emb, "1", "", v1)
-    tiered = TieredTables(emb, emb.lineage("1"), RowCache(10_000, parent.spec.sparse.dim), Breaker(1.0))
-    ex = synthetic(50, seed=4, users=400, items=1000)
-    wanted = parent.request_ids(ex.user_ids[0], ex.item_ids.tolist(), ex.categories.tolist())
-    assert set(wanted) == {"user", "item", "category"} and wanted["user"] == [ex.user_ids[0]]
-    counts = {k: metrics.SPARSE_ROWS.labels(k)._value.get for k in ("ahead", "store", "cache")}
-    before = {k: get() for k, get in counts.items()}
-    tiered.read_ahead(wanted)
-    read = counts["ahead"]() - before["ahead"]
-    assert read == sum(map(len, wanted.values()))  # a cold cache: every row read, in one go
-    tables = tiered.tables_for(wanted)
-    assert counts["store"]() == before["store"] and counts["cache"]() - before["cache"] == read
-    for table, ids in wanted.items():
-        np.testing.assert_array_equal(tables[table].gather(tables[table].lookup(ids)),
-                                      parent.tables[table].gather(parent.tables[table].lookup(ids)))
-    tiered.read_ahead(wanted)  # all cached: nothing read
-    assert counts["ahead"]() - before["ahead"] == read
-
-
 def test_a_delta_replaces_the_hot_rows_of_the_parents_cache(versions) -> None:
     parent, child, _, _, delta = versions
     s = Settings()
