@@ -64,7 +64,8 @@ def live_regression(s: Settings, champion: str, summary: Summary, known: set[str
     say(f"  drill: v{bad} = v{champion} with its output inverted, gated on labels swapped upstream: promoted "
         f"({decision.reason}); in its canary against v{champion}")
     deadline = time.monotonic() + timeout_s
-    while (tags := version_tags(s, bad)).get("rolled_back_by") != "canary-analysis":
+    # The rollback's tags are set one by one, `rolled_back_at` last (models/registry.py: rollback).
+    while (tags := version_tags(s, bad)).get("rolled_back_by") != "canary-analysis" or "rolled_back_at" not in tags:
         if time.monotonic() > deadline:
             raise LoopError(f"the canary analysis did not roll back v{bad} within {timeout_s:.0f}s: "
                             f"{tags.get('canary_status', 'no status')}; see `flywheel logs canary-analyst`")
