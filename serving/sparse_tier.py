@@ -39,8 +39,8 @@ log = logging.getLogger(__name__)
 class RowCache:
     """One version's hot rows in a worker: per table, id -> slot of one [capacity, dim] float32 array; slots
     reused by CLOCK (second chance: a hit sets its slot's bit, one numpy store per batch). No Python object
-    per row: an OrderedDict LRU of (table, id) -> row cost a move per id on every batch, and its hundreds of
-    thousands of objects lengthened the worker's garbage collections."""
+    per row and no per-id move, as an OrderedDict LRU of (table, id) -> row had (the same time per batch,
+    measured: docs/benchmarks.md; a 16-dim row costs its 64 bytes and an index entry)."""
 
     def __init__(self, capacity: int, dim: int) -> None:
         self.capacity, self.dim = capacity, dim
@@ -172,9 +172,9 @@ class TieredTables:
 
     def tables_for(self, wanted: dict[str, list[str]]) -> dict[str, BatchTable]:
         """Each table's rows of `wanted` ids: the cache's, and the misses of every table in one read."""
-        got, missing = {}, {}
+        got, missing = {}, {}  # table -> its rows [n, dim]; table -> indices of the ids not cached
         for table, ids in wanted.items():
-            got[table] = values, cached, real = self.cache.get_many(table, ids)
+            got[table], cached, _ = self.cache.get_many(table, ids)
             if not cached.all():
                 missing[table] = np.flatnonzero(~cached)
         hits = sum(len(ids) for ids in wanted.values()) - sum(map(len, missing.values()))
@@ -184,11 +184,11 @@ class TieredTables:
         out = {}
         for table, ids in wanted.items():
             values = np.zeros((len(ids) + 1, self.dim), np.float32)  # row 0: the default
-            values[1:] = got[table][0]
+            values[1:] = got[table]
             out[table] = BatchTable({id_: i + 1 for i, id_ in enumerate(ids)}, values)
         return out
 
-    def _read(self, wanted: dict[str, list[str]], got: dict, missing: dict[str, np.ndarray]) -> None:
+    def _read(self, wanted: dict[str, list[str]], got: dict[str, np.ndarray], missing: dict[str, np.ndarray]) -> None:
         count = sum(map(len, missing.values()))
         if self.breaker.open:
             metrics.SPARSE_ROWS.labels("default").inc(count)
@@ -212,7 +212,7 @@ class TieredTables:
             values = np.zeros((len(raw), self.dim), np.float32)
             if real.any():
                 values[real] = np.frombuffer(b"".join(r for r in raw if r), "<f4").reshape(-1, self.dim)
-            got[table][0][idx] = values
+            got[table][idx] = values
             self.cache.put_many(table, asked[table], values, real)
 
 
