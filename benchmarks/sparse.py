@@ -11,7 +11,8 @@ on (`sparse_tier.enabled`), its workers as `serving.workers` says.
   2. Zipf requests (users and items by rank, exponent `--zipf`; median 100 candidates, 10-500; the hottest
      users have behavior sequences online) at an open-loop `--rate`, on v1 and v2 in turn (@champion moved),
      `--rounds` times, a fresh stream per round, once Redis' persistence is idle; the p99 of each version's
-     requests pooled.
+     requests pooled. Each run says what could have stalled it: this process's full collections (its
+     objects are frozen before each run) and Redis' forks; and, on v1, the store's reads.
   3. Worker RSS (the largest of the server's worker processes), the cache's hit rate on v1 (/metrics),
      the store's bytes (Redis' used_memory before and after v1's rows).
   4. A delta of `--delta-rows` rows of v1 (its hottest ids, new values) written as v3 and announced on the
@@ -23,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import re
 import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -123,6 +126,15 @@ def _metric(url: str, name: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}(\{{.*?\}})? (\S+)$", text, re.M)}
 
 
+def _tier(url: str) -> dict[str, float]:
+    """The sparse tier's counters, summed over the server's workers: rows from the cache, all rows, store
+    reads (one per batch with misses) and their seconds."""
+    rows = _metric(url, "flywheel_sparse_rows_total")
+    return {"cache": rows.get('{outcome="cache"}', 0.0), "rows": sum(rows.values()),
+            "reads": sum(_metric(url, "flywheel_sparse_read_seconds_count").values()),
+            "read_s": sum(_metric(url, "flywheel_sparse_read_seconds_sum").values())}
+
+
 def _quiet(s: Settings) -> None:
     """Wait until Redis has no snapshot or log rewrite running (a fork of a 4 GB process stalls the host),
     10 s in a row: the runs compare serving, not Redis' persistence."""
@@ -147,8 +159,31 @@ def _serve(s: Settings, server: Server, version: str, load: list[dict], rate: fl
         time.sleep(0.5)
     warm = int(rate * 3)
     asyncio.run(open_loop(server.url, iter(load[:warm]), rate))  # warm-up, not measured
-    results = asyncio.run(open_loop(server.url, iter(load[warm:warm + int(rate * seconds)]), rate))
-    print(f"  v{version}: {_summary(results, seconds)}", flush=True)
+    # This process holds ~560,000 tracked objects (TensorFlow, pandas, MLflow): one full collection of them
+    # paused its event loop 668 ms in a measured run, counted as the server's latency by the requests in
+    # flight. Set aside before each run, they are not walked again; what a run allocates still is.
+    gc.collect()
+    gc.freeze()
+    pauses: list[float] = []  # this process's full collections while it measures, in seconds
+    started: list[float] = []
+
+    def timed(phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            started.append(time.perf_counter())
+        else:
+            pauses.append(time.perf_counter() - started[-1])
+    forks = store(s).client.info("stats")["total_forks"]
+    gc.callbacks.append(timed)
+    try:
+        results = asyncio.run(open_loop(server.url, iter(load[warm:warm + int(rate * seconds)]), rate))
+    finally:
+        gc.callbacks.remove(timed)
+    forks = store(s).client.info("stats")["total_forks"] - forks
+    refused = Counter(r.status for r in results if r.status != 200)
+    print(f"  v{version}: {_summary(results, seconds)}, non-200 {dict(refused)}; client full collections "
+          f"{len(pauses)} (max {max(pauses, default=0) * 1000:.0f} ms), Redis forks {forks}", flush=True)
     return [r.seconds * 1000 if r.status == 200 else float("inf") for r in results]
 
 
@@ -223,12 +258,14 @@ def main() -> None:
             cache = {"hit": 0.0, "all": 0.0}
             for load in loads[:-1]:
                 for version in (v1, v2):
-                    before = _metric(server.url, "flywheel_sparse_rows_total")
+                    before = _tier(server.url)
                     latencies[version] += _serve(s, server, version, load, args.rate, args.seconds)
                     if version == v1:
-                        after = _metric(server.url, "flywheel_sparse_rows_total")
-                        cache["hit"] += after.get('{outcome="cache"}', 0) - before.get('{outcome="cache"}', 0)
-                        cache["all"] += sum(after.values()) - sum(before.values())
+                        moved = {k: v - before[k] for k, v in _tier(server.url).items()}
+                        cache["hit"] += moved["cache"]
+                        cache["all"] += moved["rows"]
+                        each = 1000 * moved["read_s"] / max(moved["reads"], 1)
+                        print(f"    store reads {moved['reads']:.0f}, {each:.2f} ms each", flush=True)
             connect(s).set_registered_model_alias(s.models.name, CHAMPION, v1)
             _serve(s, server, v1, loads[-1], args.rate, 3)
             rss = _workers_rss(server.s)
