@@ -417,7 +417,7 @@ class SparseTierSettings:
     key_prefix: str = "emb"
     max_lineage: int = 8  # a version whose parent chain would pass this is written in full (reads ask each)
     keep_versions: int = 4  # besides the aliased versions (and their lineages), the newest kept in the store
-    cache_rows: int = 200_000  # per served version and worker: the hot rows, least recently used evicted
+    cache_rows: int = 200_000  # per served version and worker: the hot rows (CLOCK eviction)
     timeout_ms: float = 30.0  # a batch's read of its missing rows; past it they score with the default row
     retry_after_s: float = 1.0  # after a failed read, the default rows at once for this long (no waiting)
     deltas_topic: str = "embedding-deltas"
