@@ -16,7 +16,8 @@ on (`sparse_tier.enabled`), its workers as `serving.workers` says.
   3. Worker RSS (the largest of the server's worker processes), the cache's hit rate on v1 (/metrics),
      the store's bytes (Redis' used_memory before and after v1's rows).
   4. A delta of `--delta-rows` rows of v1 (its hottest ids, new values) written as v3 and announced on the
-     deltas topic: seconds from the write's start until every worker reports v3's cache complete.
+     deltas topic while it is written, as registration does: seconds from the write's start until every
+     worker reports v3's cache complete.
 Prints the issue's one line, `sparse-scale: ...`.
 """
 
@@ -50,7 +51,7 @@ from infra.settings import Settings, load_settings, override
 from models.ctr import CtrModel
 from models.embedding_store import TableRows
 from models.registry import CHAMPION, connect, log_model
-from models.sparse_tier import announce, store
+from models.sparse_tier import store, write
 from serving.client import open_loop
 from streaming.topics import ensure_topics
 
@@ -207,9 +208,8 @@ def _delta(s: Settings, server: Server, parent: str, rows: int) -> float:
         np.float32), np.array([], object))}
     spec, dense = emb.model_of(parent)
     started = time.perf_counter()
-    info = emb.write(version, parent, 16, spec, dense, delta=lambda: delta, full=dict)
+    write(s, emb, version, parent, 16, spec, dense, delta=lambda: delta, full=dict)  # as registration does
     written = time.perf_counter() - started
-    announce(s, info, delta)
     workers = s.serving.workers
     while True:
         applied = _metric(server.url, "flywheel_sparse_delta_applied")
@@ -219,7 +219,7 @@ def _delta(s: Settings, server: Server, parent: str, rows: int) -> float:
             raise RuntimeError(f"the delta reached {applied}, not {workers} workers, in 120 s")
         time.sleep(0.05)
     total = time.perf_counter() - started
-    print(f"  delta of {rows:,} rows: written in {written:.1f}s, applied by {workers} workers at {total:.1f}s",
+    print(f"  delta of {rows:,} rows: written and sent in {written:.1f}s, applied by {workers} workers at {total:.1f}s",
           flush=True)
     return total
 

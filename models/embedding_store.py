@@ -187,16 +187,21 @@ class EmbeddingStore:
     # --- writing ---------------------------------------------------------------------------------
 
     def write(self, version: str, parent: str, dim: int, spec: str, dense: bytes,
-              delta: Callable[[], dict[str, TableRows]], full: Callable[[], dict[str, TableRows]]) -> VersionInfo:
+              delta: Callable[[], dict[str, TableRows]], full: Callable[[], dict[str, TableRows]],
+              on_delta: Callable[[VersionInfo, dict[str, TableRows]], object] | None = None) -> VersionInfo:
         """Write a version: only `delta()`'s rows when its parent is in the store and the lineage stays under
-        `max_lineage`, else `full()`'s. Raises StoreFull (the version's keys removed) when Redis refuses
-        the rows, ValueError for rows of another width than `dim`."""
+        `max_lineage` (`on_delta` is called with them first), else `full()`'s. Raises StoreFull (the
+        version's keys removed) when Redis refuses the rows, ValueError for rows of another width than
+        `dim`."""
         above = self.info(parent) if parent else None
         if above is not None and above.dim != dim:
             raise ValueError(f"v{version} has {dim}-wide rows, its parent v{parent}'s are {above.dim}-wide")
         if above is not None and above.depth + 1 < self.max_lineage:
             info = VersionInfo(version, parent, above.depth + 1, dim, above.buckets)
-            return self._write(info, spec, dense, delta().items())
+            rows = delta()
+            if on_delta is not None:
+                on_delta(info, rows)
+            return self._write(info, spec, dense, rows.items())
         tables = full()
         return self.write_full(version, dim, spec, dense, {name: len(rows.ids) for name, rows in tables.items()},
                                tables.items())
@@ -235,16 +240,21 @@ class EmbeddingStore:
         ids = np.concatenate([rows.ids.astype(object), rows.removed.astype(object)])
         if not len(ids):
             return
-        width, n = rows.values.shape[1] * 4, len(rows.ids)
-        packed = np.ascontiguousarray(rows.values, "<f4").tobytes()
+        n = len(rows.ids)
         of = bucket_of(ids, buckets)
         order = np.argsort(of, kind="stable")
         bucket = of[order].tolist()
         cuts = [0, *(np.flatnonzero(np.diff(of[order])) + 1).tolist(), len(ids)]
-        # id, row, id, row, ... in bucket order (an evicted id: an empty row)
+        # id, row, id, row, ... in bucket order (an evicted id: an empty row); a row's bytes by a void view
+        # (one bytes object per row, trailing zero bytes kept), not a slice per row
+        rowed = order < n
+        row_bytes = np.ascontiguousarray(rows.values[order[rowed]], "<f4").view(
+            np.dtype((np.void, rows.values.shape[1] * 4))).ravel()
+        packed = np.full(len(ids), EVICTED, object)
+        packed[rowed] = row_bytes.tolist()
         fields: list[object] = [None] * (2 * len(ids))
         fields[0::2] = ids[order].tolist()
-        fields[1::2] = [packed[i * width:(i + 1) * width] if i < n else EVICTED for i in order.tolist()]
+        fields[1::2] = packed.tolist()
         pipe, queued = self.client.pipeline(transaction=False), 0
         for a, b in zip(cuts, cuts[1:]):
             pipe.execute_command("HSET", self._key(version, table, bucket[a]), *fields[2 * a:2 * b])

@@ -1,15 +1,18 @@
 """Registering a version's sparse tables in the embedding store (`[sparse_tier]`), and announcing its delta.
 
 At registration a full version writes every row, an incremental one only the rows it changed (its delta
-export); the store then drops the versions no alias or recent version needs. The delta's rows are then
-announced on `sparse_tier.deltas_topic` in parts of `delta_part_rows`: every serving worker holding
-the parent updates its cache of hot rows for the new version before any alias names it.
+export); the store then drops the versions no alias or recent version needs. The delta's rows are
+announced on `sparse_tier.deltas_topic` in parts of `delta_part_rows` while Redis takes them: every
+serving worker holding the parent builds its cache of hot rows for the new version before any alias
+names it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import confluent_kafka
@@ -24,7 +27,7 @@ from streaming.producer import PRODUCER_OPTIONS
 from streaming.topics import ensure_topics
 
 log = logging.getLogger(__name__)
-__all__ = ["DeltaPart", "StoreFull", "announce", "publish", "store"]
+__all__ = ["DeltaPart", "StoreFull", "announce", "publish", "store", "write"]
 
 
 class DeltaPart(msgspec.Struct, frozen=True):
@@ -66,16 +69,32 @@ def publish(s: Settings, version: str, parent: str, export_dir: Path, delta_dir:
     from models.ctr import ModelSpec  # the spec's JSON as the export wrote it
 
     spec = (export_dir / "spec.json").read_text()
-    dim = ModelSpec.from_json(spec).sparse.dim
     emb = store(s)
     started = time.perf_counter()
-    info = emb.write(version, parent, dim, spec, (export_dir / "dense.weights.h5").read_bytes(),
-                     delta=lambda: export_rows(delta_dir) if delta_dir else {}, full=lambda: export_rows(export_dir))
+    info = write(s, emb, version, parent, ModelSpec.from_json(spec).sparse.dim, spec,
+                 (export_dir / "dense.weights.h5").read_bytes(),
+                 delta=lambda: export_rows(delta_dir) if delta_dir else {}, full=lambda: export_rows(export_dir))
     log.info("embedding store: v%s written as %s in %.1fs", version,
              f"a delta of v{parent}" if info.parent else "a full version", time.perf_counter() - started)
     emb.compact(keep | {version})
-    if info.parent and delta_dir is not None:
-        announce(s, info, export_rows(delta_dir))
+    return info
+
+
+def write(s: Settings, emb: EmbeddingStore, version: str, parent: str, dim: int, spec: str, dense: bytes,
+          delta: Callable[[], dict[str, TableRows]], full: Callable[[], dict[str, TableRows]]) -> VersionInfo:
+    """`EmbeddingStore.write`, a delta announced while Redis takes its rows: the workers build the version's
+    cache meanwhile, which no alias names before the write ends. A version the store then refuses is never
+    swapped in: its cache, built for nothing, is dropped with the versions never served."""
+    with ThreadPoolExecutor(1, thread_name_prefix="announce") as pool:
+        sent: list[Future[int]] = []
+
+        def send(planned: VersionInfo, rows: dict[str, TableRows]) -> None:
+            if rows:
+                sent.append(pool.submit(announce, s, planned, rows))
+
+        info = emb.write(version, parent, dim, spec, dense, delta=delta, full=full, on_delta=send)
+        for future in sent:
+            future.result()
     return info
 
 
