@@ -214,7 +214,9 @@ def catch_up(s: Settings, airflow: AirflowClient, summary: Summary, say: Say) ->
     after it has only what came later."""
     champion = alias_version(connect(s), s.models.name, CHAMPION)
     run_id = airflow.trigger("incremental_training")
-    state = airflow.wait("incremental_training", run_id, 600)
+    # Runs never overlap: a scheduled run the scheduler created as this one was triggered goes first (on a
+    # slow 2-core machine 7.5 min of the 10 this wait allowed, which CI's loop test once ran out of).
+    state = airflow.wait("incremental_training", run_id, 1200)
     train = airflow.task_states("incremental_training", run_id).get("train")
     if state != "success":
         raise LoopError(f"incremental_training run {run_id} after the rollback {state} (train {train}); see its "
