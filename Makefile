@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 FLYWHEEL := .venv/bin/flywheel
 
-.PHONY: setup demo test test-fast chaos up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-sparse bench-retrieval bench-report lock clean
+.PHONY: setup demo test test-fast test-cluster chaos up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-sparse bench-retrieval bench-report lock clean
 
 setup:  ## install both environments and the Flink connector jars from the lock files
 	@bash infra/setup.sh
@@ -10,11 +10,14 @@ setup:  ## install both environments and the Flink connector jars from the lock 
 demo: setup  ## start the local stack and run the platform's main job on it
 	$(FLYWHEEL) demo
 
-test: setup  ## the whole test suite (starts the real services it needs), in two lanes
+test: setup  ## the whole test suite but the cluster profile's (starts the real services it needs), in two lanes
 	@bash tests/lanes.sh
 
 test-fast: setup  ## tests that start no service
 	.venv/bin/python -m pytest -ra -m "not stack"
+
+test-cluster: setup  ## the cluster profile's suite (not in `make test`): its stack, a shortened loop on it, `down` (~14 min)
+	.venv/bin/python -m pytest -ra -p no:cacheprovider -m cluster $(ARGS)
 
 chaos: setup  ## the fault suite (also in `make test`): crashes, outages and stalls on stacks of their own; ends with the fault table
 	.venv/bin/python -m pytest -ra -p no:cacheprovider -m chaos $(ARGS)

@@ -41,7 +41,7 @@ class AirflowClient:
             time.sleep(2 ** attempt)
         if answer.status_code >= 400:
             raise AirflowApiError(f"{method} {path}: HTTP {answer.status_code} {answer.text[:500]}")
-        return answer.json()
+        return answer.json() if answer.content else {}  # a DELETE answers 204, no body
 
     def wait_for_dag(self, dag_id: str, timeout_s: float = 120.0) -> dict:
         """The DAG once the dag-processor has parsed it (new files take up to its refresh interval)."""
@@ -91,8 +91,26 @@ class AirflowClient:
 
     def active_runs(self, dag_id: str) -> list[str]:
         """Run ids of the DAG's queued and running runs."""
-        runs = self._call("GET", f"/dags/{dag_id}/dagRuns", params={"state": ["queued", "running"]})["dag_runs"]
-        return [r["dag_run_id"] for r in runs]
+        return [r["dag_run_id"] for r in self.runs(dag_id, ["queued", "running"])]
+
+    def runs(self, dag_id: str, states: list[str] | None = None, limit: int = 20) -> list[dict]:
+        """The DAG's newest `limit` runs (in `states`), as the API describes them (dag_run_id, state,
+        queued_at, start_date, ...), newest first."""
+        params: dict[str, Any] = {"order_by": "-id", "limit": limit} | ({"state": states} if states else {})
+        return self._call("GET", f"/dags/{dag_id}/dagRuns", params=params)["dag_runs"]
+
+    def drop_unstarted(self, dag_id: str, run_id: str, note: str) -> bool:
+        """Remove a run no task of which has started (the DAG paused, none will): a queued run is deleted,
+        a running one marked failed with `note`. False, and nothing changed, when a task has started."""
+        run = self.run(dag_id, run_id)
+        if run["state"] == "queued":
+            self._call("DELETE", f"/dags/{dag_id}/dagRuns/{run_id}")
+            return True
+        if run["state"] != "running" or any(state not in (None, "scheduled")
+                                            for state in self.task_states(dag_id, run_id).values()):
+            return False
+        self._call("PATCH", f"/dags/{dag_id}/dagRuns/{run_id}", json={"state": "failed", "note": note})
+        return True
 
     def last_finished_runs(self, limit: int = 200) -> dict[str, dict]:
         """Each DAG's last finished run among the `limit` that ended last: {dag_id: {"state", "end"}}

@@ -358,6 +358,21 @@ def test_offline_training_through_the_rest_api(platform: Platform, first_window)
     assert alias_version(connect(s), "flywheel-ctr-api", CHAMPION) is None
 
 
+@pytest.mark.stack
+def test_a_run_of_a_paused_dag_that_never_began_is_dropped(platform: Platform) -> None:
+    """What the demo does as its traffic ends: the DAG paused, a run made meanwhile will never start a task,
+    and is dropped rather than left queued or waited for."""
+    client, dag = AirflowClient(platform.s), "graph_update"
+    was = client.set_paused(dag, True)
+    try:
+        queued = client._call("POST", f"/dags/{dag}/dagRuns", json={"logical_date": None})["dag_run_id"]
+        assert client.run_state(dag, queued) == "queued" and client.active_runs(dag) == [queued]
+        assert client.drop_unstarted(dag, queued, "dropped by the test")
+        assert queued not in [r["dag_run_id"] for r in client.runs(dag)] and client.active_runs(dag) == []
+    finally:
+        client.set_paused(dag, was)
+
+
 def test_a_failed_run_says_why(platform: Platform) -> None:
     """`flywheel trigger` of a run whose task fails prints the task's exception, not only "failed"."""
     empty = {"data_start": "2001-01-01T00:00:00+00:00", "data_end": "2001-02-01T00:00:00+00:00",

@@ -153,6 +153,7 @@ def live(s: Settings, plan: LoopPlan, server: str, airflow: AirflowClient, summa
     traffic.thread.start()
     known = {r["version"] for r in list_versions(s)}
     deadline, tail_until, last_note = time.monotonic() + plan.live_timeout_s, None, time.monotonic()
+    drilled = datetime.now(UTC)  # when the drills ended
     try:
         while tail_until is None or time.monotonic() < tail_until:
             if traffic.error is not None:
@@ -174,17 +175,14 @@ def live(s: Settings, plan: LoopPlan, server: str, airflow: AirflowClient, summa
                     serving(server).get("champion") == champion and champion in traffic.served_versions():
                 say(f"  ranking server follows: serving v{champion} (trained incrementally from served traffic)")
                 drills(s, server, airflow, champion, summary, known, say)
-                tail_until = time.monotonic() + plan.tail_s
+                drilled, tail_until = datetime.now(UTC), time.monotonic() + plan.tail_s
             if time.monotonic() - last_note > 30:
                 last_note = time.monotonic()
                 ok = sum(r.status == 200 for r in traffic.results)
                 say(f"  live: {len(traffic.results):,} requests answered ({ok:,} ok), serving "
                     f"{sorted(traffic.served_versions())}, {sum(traffic.events.values()):,} events sent")
             time.sleep(2)
-        for run_id in airflow.active_runs("incremental_training"):  # it trains on this traffic: let it finish
-            say(f"  waiting for incremental_training run {run_id} to finish")
-            airflow.wait("incremental_training", run_id, 600)
-        catch_up(s, airflow, summary, say)
+        catch_up(s, airflow, drilled, summary, say)
         # No version trained on the traffic after it: the demo's traffic ends, and a version promoted then
         # would wait in its canary for traffic to judge it by (two models on every batch meanwhile).
         pause_when_idle(airflow, "incremental_training", say)
@@ -208,16 +206,32 @@ def live(s: Settings, plan: LoopPlan, server: str, airflow: AirflowClient, summa
                                                 and endpoint(r.request) == "/recommend"])
 
 
-def catch_up(s: Settings, airflow: AirflowClient, summary: Summary, say: Say) -> None:
+def catch_up(s: Settings, airflow: AirflowClient, since: datetime, summary: Summary, say: Say,
+             timeout_s: float = 1200.0) -> None:
     """The rollback drill left @champion behind the live traffic, which the next scheduled run would learn
-    minutes after the demo ends. One run learns it now: the stack the demo leaves is caught up, and a run
-    after it has only what came later."""
+    minutes after the demo ends. An incremental_training run learns it now: the first to start after the
+    drills (`since`), the scheduler's when it made one (one triggered beside a queued run would wait behind
+    it: runs never overlap), else one triggered once the runs before are done. The stack the demo leaves
+    is caught up, and a run after it has only what came later."""
+    dag, deadline = "incremental_training", time.monotonic() + timeout_s
+    run_id = None
+    while run_id is None or airflow.run_state(dag, run_id) == "queued":  # its champion: the one it will find
+        if time.monotonic() > deadline:
+            raise LoopError(f"no {dag} run started within {timeout_s:.0f}s of the drills; see its runs in the "
+                            "Airflow UI")
+        runs = airflow.runs(dag)  # newest first
+        after = [r for r in runs if r["state"] == "queued"
+                 or r.get("start_date") and datetime.fromisoformat(r["start_date"]) >= since]
+        if after:
+            run_id = after[-1]["dag_run_id"]
+        elif not any(r["state"] in ("queued", "running") for r in runs):
+            airflow.trigger(dag)  # picked on the next pass, or a scheduled run queued before it is
+            continue
+        time.sleep(2)
     champion = alias_version(connect(s), s.models.name, CHAMPION)
-    run_id = airflow.trigger("incremental_training")
-    # Runs never overlap: a scheduled run the scheduler created as this one was triggered goes first (on a
-    # slow 2-core machine 7.5 min of the 10 this wait allowed, which CI's loop test once ran out of).
-    state = airflow.wait("incremental_training", run_id, 1200)
-    train = airflow.task_states("incremental_training", run_id).get("train")
+    say(f"  catching up after the rollback: incremental_training run {run_id} from v{champion}")
+    state = airflow.wait(dag, run_id, max(60.0, deadline - time.monotonic()))
+    train = airflow.task_states(dag, run_id).get("train")
     if state != "success":
         raise LoopError(f"incremental_training run {run_id} after the rollback {state} (train {train}); see its "
                         f"task logs in the Airflow UI")
@@ -232,11 +246,18 @@ def catch_up(s: Settings, airflow: AirflowClient, summary: Summary, say: Say) ->
 
 def pause_when_idle(airflow: AirflowClient, dag_id: str, say: Say, tries: int = 3) -> None:
     """Pause the DAG with no run in flight. Airflow schedules no task of a paused DAG's running run: one the
-    scheduler started just before the pause would register its version and never gate it. Such a run is let
-    finish (unpaused meanwhile) and the pause taken again."""
+    scheduler started just before the pause would register its version and never gate it. Such a run is
+    dropped when none of its tasks has started, else let finish (unpaused meanwhile) and the pause taken
+    again."""
     for _ in range(tries):
         airflow.set_paused(dag_id, True)
-        running = airflow.active_runs(dag_id)
+        running = []
+        for run_id in airflow.active_runs(dag_id):
+            if airflow.drop_unstarted(dag_id, run_id, "stopped before any task began: the demo paused the DAG "
+                                                      "as its traffic ended"):
+                say(f"  {dag_id} run {run_id}, made as the DAG was paused, dropped before it began")
+            else:
+                running.append(run_id)
         if not running:
             return
         airflow.set_paused(dag_id, False)
