@@ -182,7 +182,8 @@ def live(s: Settings, plan: LoopPlan, server: str, airflow: AirflowClient, summa
                 say(f"  live: {len(traffic.results):,} requests answered ({ok:,} ok), serving "
                     f"{sorted(traffic.served_versions())}, {sum(traffic.events.values()):,} events sent")
             time.sleep(2)
-        catch_up(s, airflow, drilled, summary, say)
+        if plan.catch_up:
+            catch_up(s, airflow, drilled, summary, say)
         # No version trained on the traffic after it: the demo's traffic ends, and a version promoted then
         # would wait in its canary for traffic to judge it by (two models on every batch meanwhile).
         pause_when_idle(airflow, "incremental_training", say)

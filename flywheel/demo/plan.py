@@ -28,6 +28,9 @@ class LoopPlan:
     rate: float = 2.0  # live requests per second
     recommend_every: int = 4  # every Nth live request asks /recommend for the session's user (0: none)
     tail_s: float = 30.0  # live traffic kept up after the rollback is served
+    # After the drills, one incremental run learns the traffic from the rolled-back-to champion (loop.catch_up):
+    # on a loaded 2-core machine 5-15 min more. The shortened loop of the tests leaves it out.
+    catch_up: bool = True
     feature_timeout_s: float = 900.0
     training_timeout_s: float = 1800.0
     live_timeout_s: float = 1800.0

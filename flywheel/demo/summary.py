@@ -104,10 +104,10 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
                      f"rolled back to v{r['control']} by the canary analysis at {r['rolled_back_at'][11:19]} "
                      f"({r['seconds']:.0f}s); honest versions the canary analysis rolled back: {len(honest)}"
                      + (f" ({', '.join(honest)})" if honest else ""))
-    if summary.catch_up:
-        c = summary.catch_up
-        lines.append(f"after the rollback: incremental_training from v{c['from']} {c['state']} (train {c['train']})"
-                     + (f", v{c['version']} {c['gate']} by the gate" if c["version"] else "")
+    if c := summary.catch_up:
+        lines.append((f"after the rollback: incremental_training from v{c['from']} {c['state']} (train {c['train']})"
+                      + (f", v{c['version']} {c['gate']} by the gate" if c["version"] else "")
+                      if "from" in c else "after the rollback: no catch-up run (the plan leaves it out)")
                      + (f"; @champion's canary: {c['canary']}" if c.get("canary") else ""))
     lines += [f"whole loop: {summary.seconds / 60:.1f} min",
               f"Airflow UI: {s.airflow.api_url} (user {s.airflow.username}; "
