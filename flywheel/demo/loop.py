@@ -231,7 +231,7 @@ def catch_up(s: Settings, airflow: AirflowClient, since: datetime, summary: Summ
         time.sleep(2)
     champion = alias_version(connect(s), s.models.name, CHAMPION)
     say(f"  catching up after the rollback: incremental_training run {run_id} from v{champion}")
-    state = airflow.wait(dag, run_id, max(60.0, deadline - time.monotonic()))
+    state = airflow.wait(dag, run_id, timeout_s)  # its own time: the runs before it may have taken much
     train = airflow.task_states(dag, run_id).get("train")
     if state != "success":
         raise LoopError(f"incremental_training run {run_id} after the rollback {state} (train {train}); see its "
