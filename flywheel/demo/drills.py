@@ -50,7 +50,7 @@ def drills(s: Settings, server: str, airflow: AirflowClient, champion: str, summ
 
 
 def live_regression(s: Settings, champion: str, summary: Summary, known: set[str], say: Say,
-                    timeout_s: float = 180.0) -> None:
+                    timeout_s: float = 600.0) -> None:
     """A version the offline gate promotes and that serves worse: the champion with its output inverted,
     judged on its evaluation window with the labels swapped (a join upstream of the gate that marked the
     clicks as passes and the passes as clicks). The canary analysis (serving/canary.py) must roll it back
@@ -66,6 +66,8 @@ def live_regression(s: Settings, champion: str, summary: Summary, known: set[str
     deadline = time.monotonic() + timeout_s
     # The rollback's tags are set one by one, `rolled_back_at` last (models/registry.py: rollback).
     while (tags := version_tags(s, bad)).get("rolled_back_by") != "canary-analysis" or "rolled_back_at" not in tags:
+        if tags.get("canary_decision", "").startswith("ramped"):  # final: it serves everyone now
+            raise LoopError(f"the canary analysis ramped v{bad} instead of rolling it back: {tags['canary_decision']}")
         if time.monotonic() > deadline:
             raise LoopError(f"the canary analysis did not roll back v{bad} within {timeout_s:.0f}s: "
                             f"{tags.get('canary_status', 'no status')}; see `flywheel logs canary-analyst`")
