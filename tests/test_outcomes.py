@@ -15,8 +15,8 @@ import pytest
 from confluent_kafka import Producer
 
 from infra import stack
-from infra.progress import wait_caught_up
-from infra.settings import load_settings
+from infra.progress import read_progress, wait_caught_up
+from infra.settings import Settings, load_settings
 from serving.outcomes import auc_by_version, auc_over_time, ctr_by_source, percentiles, served_outcomes
 from serving.prediction_archive import read_predictions
 from serving.prediction_log import PredictionLog
@@ -24,7 +24,7 @@ from streaming.consumer import read_dead_letter
 from streaming.events import Event
 from streaming.producer import EventProducer
 from streaming.topics import end_offsets, ensure_topics, read_range
-from tests.conftest import REPO, run_cli, stack_environ
+from tests.conftest import REPO, run_cli, stack_environ, wait_for
 
 
 def _outcomes() -> pd.DataFrame:
@@ -118,6 +118,8 @@ def test_the_served_auc_per_version_outlives_a_broker_restart(tmp_path: Path) ->
                 producer.send(Event(event_id=f"c{n}", user_id=f"u{n % 5}", item_id="clicked",
                                     event_type="click", request_id=f"r{n}", event_time=now + n + 500))
         for archive in ("event-log", "prediction-archive"):
+            # Started, first: on a loaded machine its imports outlast the producing (no report yet: None).
+            wait_for(lambda: _started(s, archive), timeout_s=180)
             assert wait_caught_up(s, archive, wait_s=60) == 0, archive
         time.sleep(1.0)  # the embedded broker lists a topic's end up to a batch early (infra/progress.py)
         before = auc_by_version(served_outcomes(s)).set_index("model_version")
@@ -149,3 +151,7 @@ def test_the_served_auc_per_version_outlives_a_broker_restart(tmp_path: Path) ->
         assert {v: (r["requests"], r["auc"]) for v, r in after.items()} == {"1": (20, 1.0), "2": (19, 0.0)}
     finally:
         stack.down(s)
+
+
+def _started(s: Settings, service: str) -> None:
+    assert read_progress(s, service) is not None, f"{service} has not reported yet"
