@@ -18,12 +18,12 @@ from pathlib import Path
 import pyarrow as pa
 
 from feature_repo.files import day, last_day_write, offline_dir, part_name, read_days, write_atomic
-from infra.progress import ProgressReport
+from infra.progress import ProgressReport, ledger_path
 from infra.settings import Settings, get_settings
 from streaming.consumer import Consumed, EventConsumer
 
 log = logging.getLogger("flywheel.event-log")
-GROUP = "flywheel-event-log"
+GROUP, SERVICE = "flywheel-event-log", "event-log"
 SCHEMA = pa.schema([
     ("event_id", pa.string()), ("user_id", pa.string()), ("item_id", pa.string()), ("event_type", pa.string()),
     ("request_id", pa.string()), ("event_time", pa.int64()), ("context", pa.string()),
@@ -79,15 +79,15 @@ def archive(s: Settings, service: str, consumer: EventConsumer, write: Callable[
         if batch:
             write(s, batch)
         consumer.commit()
-        progress.beat(wrote=bool(batch), lost=consumer.lost)
+        progress.beat(wrote=bool(batch), lost=consumer.lost, lost_at=consumer.lost_at)
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     s = get_settings()
-    with EventConsumer(s, GROUP, dead_letter=False, count_lost=True) as consumer:
+    with EventConsumer(s, GROUP, dead_letter=False, count_lost=True, ledger=ledger_path(s, SERVICE)) as consumer:
         log.info("logging %s to %s", consumer.topic, event_log_dir(s))
-        archive(s, "event-log", consumer, write_batch, max_records=20_000)
+        archive(s, SERVICE, consumer, write_batch, max_records=20_000)
 
 
 if __name__ == "__main__":

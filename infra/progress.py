@@ -24,6 +24,19 @@ def progress_path(s: Settings, service: str) -> Path:
     return s.paths.run_dir / f"{service}.progress.json"
 
 
+def ledger_path(s: Settings, service: str) -> Path:
+    """Where a consumer that counts lost records keeps what it counts from across its restarts (`up` keeps it,
+    unlike the progress report: streaming/consumer.py)."""
+    return s.paths.run_dir / f"{service}.offsets.json"
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write `path` whole: a reader never sees half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def state_path(s: Settings, service: str) -> Path:
     """Where a stack process that is not a consumer says what it found (the canary analyst)."""
     return s.paths.run_dir / f"{service}.state.json"
@@ -56,14 +69,15 @@ class ProgressReport:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._save(now)
 
-    def beat(self, wrote: bool, lost: int = 0) -> None:
-        """`lost`: the consumer's count so far of records a broker restart took before it read them."""
+    def beat(self, wrote: bool, lost: int = 0, lost_at: float | None = None) -> None:
+        """`lost`: the consumer's count so far of records a broker restart took before it read them, the last
+        of them counted at `lost_at` (epoch seconds; now when not given)."""
         now = time.time()
         self.progress.polled_at = now
         if wrote:
             self.progress.written_at = now
         if lost != self.progress.lost:
-            self.progress.lost, self.progress.lost_at = lost, now
+            self.progress.lost, self.progress.lost_at = lost, lost_at or now
             self._save(now)  # at once: `flywheel status` reports it
         elif now - self._saved >= self.every_s:
             self._save(now)
@@ -82,9 +96,7 @@ class ProgressReport:
         h["sum"] += float(values.sum())
 
     def _save(self, now: float) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self.progress)))
-        os.replace(tmp, self.path)  # a reader never sees half a file
+        replace_text(self.path, json.dumps(asdict(self.progress)))
         self._saved = now
 
 

@@ -94,7 +94,11 @@ def write(s: Settings, emb: EmbeddingStore, version: str, parent: str, dim: int,
 
         info = emb.write(version, parent, dim, spec, dense, delta=delta, full=full, on_delta=send)
         for future in sent:
-            future.result()
+            try:
+                future.result()
+            except Exception as exc:  # noqa: BLE001 - Kafka away: the version stands, its rows in the store
+                log.warning("embedding store: v%s's delta not announced (%s); workers read its rows from the store",
+                            version, exc)
     return info
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -46,7 +45,7 @@ from datetime import UTC, datetime
 import numpy as np
 import pandas as pd
 
-from infra.progress import state_path
+from infra.progress import replace_text, state_path
 from infra.settings import Settings, get_settings
 from models.registry import (
     CANARY_TAG, CHAMPION, CONTROL, canary_tag, connect, end_canary, rollback, routing)
@@ -272,9 +271,7 @@ class Analyst:
         self.state.updated_at = time.time()
         path = state_path(self.s, SERVICE)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self.state), default=str))
-        os.replace(tmp, path)  # a reader never sees half a file
+        replace_text(path, json.dumps(asdict(self.state), default=str))
 
 
 def _ms(iso: str | None) -> int | None:

@@ -21,13 +21,14 @@ import pyarrow.compute as pc
 
 from feature_repo.event_log import archive
 from feature_repo.files import day, offline_dir, part_name, read_days, write_atomic
+from infra.progress import ledger_path
 from infra.settings import Settings, get_settings
 from streaming.consumer import Consumed, EventConsumer
 from streaming.events import InvalidEvent
 from streaming.topics import ensure_topics
 
 log = logging.getLogger("flywheel.prediction-archive")
-GROUP = "flywheel-prediction-archive"
+GROUP, SERVICE = "flywheel-prediction-archive", "prediction-archive"
 SCHEMA = pa.schema([
     ("request_id", pa.string()), ("user_id", pa.string()), ("model_name", pa.string()),
     ("model_version", pa.string()), ("route", pa.string()), ("shadow", pa.bool_()), ("tier", pa.string()),
@@ -110,9 +111,10 @@ def main() -> None:
     s = get_settings()
     topic = s.serving.predictions_topic
     ensure_topics(s, [topic])
-    with EventConsumer(s, GROUP, topic, decoder=decode_prediction, count_lost=True) as consumer:
+    with EventConsumer(s, GROUP, topic, decoder=decode_prediction, count_lost=True,
+                       ledger=ledger_path(s, SERVICE)) as consumer:
         log.info("archiving %s to %s", topic, archive_dir(s))
-        archive(s, "prediction-archive", consumer, write_batch, max_records=1_000)
+        archive(s, SERVICE, consumer, write_batch, max_records=1_000)
 
 
 if __name__ == "__main__":

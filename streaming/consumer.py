@@ -8,15 +8,19 @@ so nothing is lost on a crash (at-least-once delivery).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 from kafka.consumer.fetcher import ConsumerRecord
 
+from infra.progress import replace_text
 from infra.settings import Settings
 from streaming.events import (
     DLQ_OFFSET, DLQ_ORIGINAL_SIZE, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC, Event, InvalidEvent, decode)
@@ -54,10 +58,12 @@ class EventConsumer:
 
     def __init__(self, s: Settings, group_id: str, topic: str | None = None, *, dead_letter: bool = True,
                  decoder: Callable[[bytes | None], Any] | None = None, count_lost: bool = False,
-                 **client_overrides: object):
+                 ledger: Path | None = None, **client_overrides: object):
         """`dead_letter=False` skips invalid records (counted in `invalid`) for a reader that is not
         their owner: the stream job dead-letters the events topic, so the event log only skips.
-        `decoder` reads another topic's records (raising InvalidEvent); events by default."""
+        `decoder` reads another topic's records (raising InvalidEvent); events by default.
+        `ledger` (with `count_lost`): a file that keeps `lost` and what it is counted from (the committed
+        positions, the log ends seen) across this consumer's restarts, rewritten at each commit."""
         self.topic, self.group = topic or s.kafka.events_topic, group_id
         self.dead_letter = dead_letter
         self.invalid = 0
@@ -70,11 +76,17 @@ class EventConsumer:
         # past what this consumer had read is gone. With `count_lost`, `lost` counts it up to the log ends
         # last seen (a lower bound: what was acknowledged after the last fetch is not seen), looked at by
         # a thread of its own: a consumer busy writing, or niced on a busy host, still knows them.
-        self.lost = 0
+        # A consumer restarted with the broker (by `up`, unhealthy after the crash) counts from its ledger:
+        # committed positions only, so one restarted beside a live broker resumes where it counts from.
+        self.lost, self.lost_at = 0, None  # lost_at: epoch seconds of the last count
         self._next: dict[int, int] = {}  # partition -> the offset after the last record read
         self._end: dict[int, int] = {}  # partition -> the largest log end seen in this incarnation
         self._floor: dict[int, int] = {}  # partition -> the largest position seen (where reading starts)
+        self._committed: dict[int, int] = {}  # partition -> the offset after the last record committed
         self._ends_lock, self._closed = threading.Lock(), threading.Event()
+        self._ledger = ledger if count_lost else None
+        if self._ledger is not None:
+            self._resume(self._ledger)
         # Not on a freshness path (the archives): librdkafka's default fetch wait, the broker's CPU spared.
         options = s.kafka.stream_consumer(group_id) | {"fetch.wait.max.ms": 500} | client_overrides
         self._consumer = Consumer(options)
@@ -121,6 +133,24 @@ class EventConsumer:
                         if offset >= 0:  # librdkafka's "not known yet" is negative
                             seen[partition] = max(seen.get(partition, 0), offset)
 
+    def _resume(self, ledger: Path) -> None:
+        try:
+            saved = json.loads(ledger.read_text())
+        except (FileNotFoundError, ValueError):  # the first start, or a file cut short: nothing to go on
+            return
+        if (saved.get("topic"), saved.get("group")) != (self.topic, self.group):
+            return
+        self.lost, self.lost_at = saved["lost"], saved["lost_at"]
+        self._committed = {int(p): offset for p, offset in saved["committed"].items()}
+        self._next = dict(self._committed)
+        self._end = {int(p): offset for p, offset in saved["ends"].items()}
+
+    def _save_ledger(self, ledger: Path) -> None:
+        with self._ends_lock:
+            ends = dict(self._end)
+        replace_text(ledger, json.dumps({"topic": self.topic, "group": self.group, "lost": self.lost,
+                                         "lost_at": self.lost_at, "committed": self._committed, "ends": ends}))
+
     def _track(self, partition: int, offset: int) -> None:
         read = self._next.get(partition, 0)
         if offset < read:  # the partition starts again below what was read: the topic was recreated, and
@@ -131,6 +161,7 @@ class EventConsumer:
                 self._floor.clear()
             self._next.clear()
             self.lost += gone
+            self.lost_at = time.time() if gone else self.lost_at
             log.warning("%s[%d] starts again at offset %d below the %d read: the topic was recreated; %d "
                         "records the broker held were not read (%d in all)", self.topic, partition, offset, read,
                         gone, self.lost)
@@ -157,7 +188,10 @@ class EventConsumer:
         if self._dlq_errors:
             error, self._dlq_errors = self._dlq_errors[0], []
             raise KafkaException(error)  # the offsets stay uncommitted
-        commit_written(self._consumer)
+        if commit_written(self._consumer):
+            self._committed = dict(self._next)
+        if self._ledger is not None:
+            self._save_ledger(self._ledger)
 
     def __iter__(self) -> Iterator[Consumed]:
         """Events forever; commits after each polled batch has been handed out."""
@@ -169,6 +203,8 @@ class EventConsumer:
         self._closed.set()
         if self._prober.is_alive():
             self._prober.join(10)  # not inside a call on the consumer as it is destroyed
+        if self._ledger is not None:
+            self._save_ledger(self._ledger)  # with the log ends seen since the last commit
         self._dlq.flush(30)
         self._consumer.close()
 
@@ -186,16 +222,19 @@ _NOT_TAKEN = (KafkaError._ASSIGNMENT_LOST, KafkaError.UNKNOWN_MEMBER_ID, KafkaEr
               KafkaError.REBALANCE_IN_PROGRESS)
 
 
-def commit_written(consumer: Consumer) -> None:
-    """Commit, synchronously, the offsets of what `consumer` read and its owner has written."""
+def commit_written(consumer: Consumer) -> bool:
+    """Commit, synchronously, the offsets of what `consumer` read and its owner has written. False: the
+    group did not take them."""
     try:
         consumer.commit(asynchronous=False)
     except KafkaException as exc:
         code = exc.args[0].code()
         if code in _NOT_TAKEN:
             log.warning("commit not taken (%s): what was read is written, and read again", exc.args[0].str())
-        elif code != KafkaError._NO_OFFSET:
+            return False
+        if code != KafkaError._NO_OFFSET:
             raise
+    return True
 
 
 def read_dead_letter(record: ConsumerRecord) -> DeadLetter:

@@ -176,3 +176,46 @@ def test_a_consumer_counts_what_a_restarted_broker_took_before_it_was_read(tmp_p
                     producer.send(e)
             after = drain(consumer, 4)
         assert consumer.lost == 2000 and len(after) == 4, (consumer.lost, len(after))
+
+
+@pytest.mark.chaos
+def test_a_consumer_restarted_with_the_broker_counts_what_it_took_from_its_ledger(tmp_path) -> None:
+    """`up` restarts an archive the crash left unhealthy along with the broker: the new process counts, from the
+    ledger its predecessor kept (committed positions, log ends seen), what the broker took before it was read.
+    One restarted beside a live broker resumes where it committed and counts nothing."""
+    for s in running_stack(tmp_path / "stack", "kafka"):
+        name, ledger = f"events-{uuid.uuid4().hex[:8]}", tmp_path / "consumer.offsets.json"
+        ensure_topics(s, [name])
+
+        def consumer() -> EventConsumer:
+            return EventConsumer(s, "g-ledger", name, count_lost=True, ledger=ledger)
+
+        def produce(n: int, start: int) -> None:
+            with EventProducer(s, name) as producer:
+                for e in make_events(n, start=start):
+                    producer.send(e)
+        with consumer() as first:
+            produce(40, 0)
+            assert len(drain(first, 40)) == 40
+            first.commit()
+        with consumer() as second:  # the broker alive: it resumes at the 40 committed
+            produce(10, 40)
+            resumed = drain(second, 10, polls=20)
+            second.commit()
+            assert sorted(c.event.event_id for c in resumed) == sorted(f"e{i}" for i in range(40, 50)), resumed
+            assert second.lost == 0, second.lost
+            produce(2000, 50)
+            deadline = time.monotonic() + 30  # fetched ahead, never polled: gone with the broker
+            while sum(second._end.values()) < 2050 and time.monotonic() < deadline:
+                time.sleep(0.2)
+        kafka = next(svc for svc in enabled_services(s) if svc.name == "kafka")
+        broker = psutil.Process(process.read_pidfile(stack.pidfile(s, kafka)).pid)
+        broker.send_signal(signal.SIGKILL)
+        broker.wait(10)
+        stack.up(s)
+        ensure_topics(s, [name])
+        produce(4, 5000)
+        with consumer() as third:
+            after = drain(third, 4)
+        assert third.lost == 2000 and third.lost_at is not None and len(after) == 4, (third.lost, len(after))
+        assert json.loads(ledger.read_text())["lost"] == 2000  # and the next restart carries it on

@@ -14,10 +14,10 @@ import redis
 import tensorflow as tf
 
 from infra.redis_clients import online_store
-from infra.settings import Settings
+from infra.settings import Settings, override
 from models.ctr import CtrModel
 from models.embedding_store import EmbeddingStore, MissingVersion, StoreFull, TableRows
-from models.sparse_tier import DeltaPart, export_rows
+from models.sparse_tier import DeltaPart, export_rows, publish, store
 from serving import metrics
 from serving.dense import DenseRunner
 from serving.sparse_tier import Breaker, DeltaListener, RowCache, TieredTables
@@ -114,6 +114,19 @@ def test_compaction_keeps_what_a_kept_lineage_needs(redis_stack: Settings, versi
     assert emb.versions() == [] and not list(emb.client.scan_iter(match="t3:*"))
     with pytest.raises(MissingVersion):
         emb.lineage("2")
+
+
+def test_a_delta_that_kafka_does_not_take_is_written_and_compacted_all_the_same(redis_stack: Settings,
+                                                                                versions) -> None:
+    """Kafka away as training publishes (no broker runs in this stack): the delta is not announced, and workers
+    read its rows from the store; the version is written and the store compacted to what is kept."""
+    _, _, v1, v2, delta = versions
+    s = override(redis_stack, "sparse_tier", key_prefix="t-unannounced")
+    publish(s, "1", "", v1, None, keep=set())
+    assert publish(s, "2", "1", v2, delta, keep=set()).parent == "1"  # a delta: the one announced
+    assert store(s).versions() == ["1", "2"]  # v2 needs v1
+    publish(s, "3", "", v1, None, keep=set())
+    assert store(s).versions() == ["3"]
 
 
 def test_a_lineage_is_written_in_full_past_max_lineage(redis_stack: Settings, versions) -> None:
