@@ -160,6 +160,7 @@ class EventConsumer:
                 self._end.clear()
                 self._floor.clear()
             self._next.clear()
+            self._committed.clear()  # the old incarnation's: a ledger saved from now on counts `gone` once
             self.lost += gone
             self.lost_at = time.time() if gone else self.lost_at
             log.warning("%s[%d] starts again at offset %d below the %d read: the topic was recreated; %d "
