@@ -49,7 +49,7 @@ bench-dags: setup  ## edges/s into the graph store; with ARGS=--training (after 
 bench-serving: setup  ## model limit vs server throughput at p99 <= 50 ms; batching, buckets, executors on/off; swap time
 	.venv/bin/python -m benchmarks.serving $(ARGS)
 
-bench-sparse: setup  ## the sparse tier: 50M ids in Redis served by the real server vs tables in each worker, a 1M-row delta (~15 min, ~8 GB)
+bench-sparse: setup  ## the sparse tier: 50M ids in a Redis of their own served by the real server vs tables in each worker, a 1M-row delta (~10 min, ~8 GB)
 	.venv/bin/python -m benchmarks.sparse $(ARGS)
 
 bench-retrieval: setup  ## recall@20 / NDCG@20 of two-tower, graph, merged and popular candidates beside baselines, on the dataset's split (no stack)

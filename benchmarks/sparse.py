@@ -1,7 +1,8 @@
 """The sparse tier at scale, in one run on one machine (`make bench-sparse`).
 
-Self-contained: Kafka, Redis and MLflow of its own on free ports, the ranking server with the sparse tier
-on (`sparse_tier.enabled`), its workers as `serving.workers` says.
+Self-contained: Kafka, Redis and MLflow of its own on free ports, the embedding store on a throwaway Redis
+of its own (`sparse_tier.redis_url`; `--shared-redis`: on the online store's, as the default profile has it),
+the ranking server with the sparse tier on (`sparse_tier.enabled`), its workers as `serving.workers` says.
 
   1. A ranker of the serving benchmark's spec (22 numeric features, behavior sequences of 50, 16-dim rows),
      trained briefly on synthetic clicks (its quality is not what is measured). v1: its dense network with
@@ -10,9 +11,9 @@ on (`sparse_tier.enabled`), its workers as `serving.workers` says.
      ids), registered with the tier off: each worker holds it whole (the in-worker baseline).
   2. Zipf requests (users and items by rank, exponent `--zipf`; median 100 candidates, 10-500; the hottest
      users have behavior sequences online) at an open-loop `--rate`, on v1 and v2 in turn (@champion moved),
-     `--rounds` times, a fresh stream per round, once Redis' persistence is idle; the p99 of each version's
-     requests pooled. Each run says what could have stalled it: this process's full collections (its
-     objects are frozen before each run) and Redis' forks; and, on v1, the store's reads.
+     `--rounds` times, a fresh stream per round, once the store's snapshot and log rewrite are taken; the
+     p99 of each version's requests pooled. Each run says what could have stalled it: this process's full
+     collections (its objects are frozen before each run) and the store's forks; and, on v1, its reads.
   3. Worker RSS (the largest of the server's worker processes), the cache's hit rate on v1 (/metrics),
      the store's bytes (Redis' used_memory before and after v1's rows).
   4. A delta of `--delta-rows` rows of v1 (its hottest ids, new values) written as v3 and announced on the
@@ -28,6 +29,7 @@ import asyncio
 import gc
 import os
 import re
+import secrets
 import shutil
 import sys
 import tempfile
@@ -41,6 +43,7 @@ import mlflow
 import numpy as np
 import pandas as pd
 import psutil
+import redis
 import tensorflow as tf
 
 from benchmarks.serving import CATEGORIES, SPEC, Server, _candidates, _examples, _summary
@@ -137,12 +140,26 @@ def _tier(url: str) -> dict[str, float]:
 
 
 def _quiet(s: Settings) -> None:
-    """Wait until Redis has no snapshot or log rewrite running (a fork of a 4 GB process stalls the host),
-    10 s in a row: the runs compare serving, not Redis' persistence."""
+    """Redis' snapshot and log rewrite taken before the runs, not during one (a fork of the 4 GB process
+    stalls the host: a round that had one read a p99 of 52 ms against 29-33 ms): wait for a running one,
+    start one the writes so far make due (`save`'s least change count, `auto-aof-rewrite-percentage`),
+    until none runs nor is due 10 s in a row. The runs compare serving, not Redis' persistence."""
     client, calm = store(s).client, 0
+    config = client.config_get("save") | client.config_get("auto-aof-rewrite-*")
+    least = min(map(int, config["save"].split()[1::2]), default=0)  # "60 1000 ..." -> 1000; none: no snapshots
+    growth, floor = int(config["auto-aof-rewrite-percentage"]), int(config["auto-aof-rewrite-min-size"])
     while calm < 10:
         info = client.info("persistence")
         busy = info["rdb_bgsave_in_progress"] or info["aof_rewrite_in_progress"] or info["aof_rewrite_scheduled"]
+        due = {"bgsave": least and info["rdb_changes_since_last_save"] >= least,
+               "bgrewriteaof": growth and info["aof_enabled"] and info["aof_current_size"] > floor
+               and info["aof_current_size"] >= info["aof_base_size"] * (1 + growth / 100)}
+        if not busy and (command := next((c for c, now in due.items() if now), None)):
+            try:
+                client.execute_command(command.upper())
+            except redis.ResponseError:  # Redis' own cron started one first
+                pass
+            busy = True
         calm = 0 if busy else calm + 1
         time.sleep(1)
 
@@ -233,15 +250,27 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="Length of each measured run.")
     parser.add_argument("--rounds", type=int, default=3, help="Runs of each version, alternated.")
     parser.add_argument("--delta-rows", type=int, default=1_000_000)
+    parser.add_argument("--shared-redis", action="store_true",
+                        help="The store on the online store's Redis, as the default profile has it.")
     args = parser.parse_args()
     print(f"machine: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, Python "
           f"{sys.version.split()[0]}, TensorFlow {tf.__version__}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-sparse-"))
-    s = load_settings(os.environ | stack.side_by_side_environ(tmp) | {
-        "FLYWHEEL_CONFIG": os.devnull, "FLYWHEEL_STACK_SERVICES": "kafka,redis,mlflow",
-        "FLYWHEEL_SERVING_POLL_INTERVAL_S": "1", "FLYWHEEL_SPARSE_TIER_ENABLED": "true"})
-    stack.up(s)
+    common = {"FLYWHEEL_CONFIG": os.devnull, "FLYWHEEL_REDIS_PASSWORD": secrets.token_hex(12)}
+    # The store on a Redis of its own (`sparse_tier.redis_url`), a stack of its own in `tmp/store`: the
+    # tier HugeCTR's parameter server reads, apart from the online features; `--shared-redis`: the
+    # default profile's one server for both.
+    own = load_settings(os.environ | stack.side_by_side_environ(tmp / "store") | common | {
+        "FLYWHEEL_STACK_SERVICES": "redis"})
+    s = load_settings(os.environ | stack.side_by_side_environ(tmp) | common | {
+        "FLYWHEEL_STACK_SERVICES": "kafka,redis,mlflow", "FLYWHEEL_SERVING_POLL_INTERVAL_S": "1",
+        "FLYWHEEL_SPARSE_TIER_ENABLED": "true", "FLYWHEEL_SPARSE_TIER_REDIS_URL": "" if args.shared_redis
+        else own.redis.url})
+    print(f"store: {'the online store' if args.shared_redis else 'its own'} Redis", flush=True)
+    if not args.shared_redis:
+        stack.up(own)
     try:
+        stack.up(s)
         v1, v2, write_s, used = _world(s, tmp, args.users, args.items, args.zipf)
         ids = args.users + args.items
         print(f"store: {ids:,} ids written in {write_s:.0f}s, {used / 1e9:.2f} GB", flush=True)
@@ -277,6 +306,8 @@ def main() -> None:
         for svc in enabled_services(alone):
             process.stop(stack.pidfile(alone, svc), alone.stack.stop_timeout_s)
         stack.down(s)
+        if not args.shared_redis:
+            stack.down(own)
         shutil.rmtree(tmp, ignore_errors=True)  # the store's append-only file: GBs
     p99 = {v: float(np.percentile(lat, 99)) for v, lat in latencies.items()}
     ratio = p99[v1] / p99[v2]
