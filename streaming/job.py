@@ -20,6 +20,7 @@ event log for training.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -312,11 +313,20 @@ def main() -> None:
     flink_rest.start_front(s)  # the web UI, read-only, also while the job starts
     if s.flink.target == "remote":
         _cancel_running(s)
-    env = build(s)
-    statements = env.create_statement_set()
-    for query in feature_queries(s):
-        statements.add_insert_sql(query)
-    result = statements.execute()
+    # No cyclic collection while the job is planned. Calcite finds its metadata provider in a thread-local
+    # that the planner sets on the JVM thread that builds it (FLINK-23020), and py4j serves each of its
+    # connections on a JVM thread of its own. A collection run by the front's thread (a health probe's
+    # request) frees py4j proxies over a connection of its own; the next call of this thread can then
+    # take that connection, and planning there failed with "NullPointerException: metadataHandlerProvider".
+    gc.disable()
+    try:
+        env = build(s)
+        statements = env.create_statement_set()
+        for query in feature_queries(s):
+            statements.add_insert_sql(query)
+        result = statements.execute()
+    finally:
+        gc.enable()
     log.info("job %s submitted to %s; topics: %s", s.streaming.job_name,
              s.flink.api_url if s.flink.target == "remote" else "a local MiniCluster", ", ".join(topics()))
     # This process follows the job. The stack stops it with SIGINT, which the JVM PyFlink started ignores

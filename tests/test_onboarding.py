@@ -221,7 +221,11 @@ def test_the_ranker_is_trained_through_the_dag_on_the_shops_vocabulary_and_serve
     scores = dict(zip(brand, body["scores"]))
     liked = [p for i, p in scores.items() if brand[i] == "acme"]  # c000 is of the north: acme
     others = [p for i, p in scores.items() if brand[i] != "acme"]
-    assert sum(liked) / len(liked) > 2 * sum(others) / len(others), scores
+    # the ranking c000 gets, not the scores' scale (a small model's calibration varies run to run): the
+    # share of the 432 (acme, other) pairs it orders acme first. A ranking blind to the brand gives 0.5
+    # (sd 0.1); trained runs gave 0.86-0.98 (their mean scores 1.8-2.7 times the others')
+    ordered = sum((a > o) + 0.5 * (a == o) for a in liked for o in others) / (len(liked) * len(others))
+    assert ordered > 0.75, (ordered, scores)
 
 
 def test_recommend_answers_with_the_shops_products_and_follows_a_new_customers_orders(onboarded) -> None:
