@@ -128,9 +128,49 @@ class EmbeddingStore:
         evicted, also the default row), every table in one round trip: one script call on a Redis server
         (its lineage walked there), a pipeline of one HMGET per bucket and version on a Redis Cluster
         (the buckets are on many nodes)."""
-        if isinstance(self.client, redis.Redis):
-            return self._fetch_scripted(lineage, wanted)
-        return self._fetch_pipelined(lineage, wanted)
+        return self.fetch_later(lineage, wanted)()
+
+    def fetch_later(self, lineage: list[VersionInfo], wanted: dict[str, list[str]]
+                    ) -> Callable[[], dict[str, list[bytes | None]]]:
+        """`fetch` in two halves: on a Redis server the request is sent now and the function returned
+        reads its reply (call it once; it raises what `fetch` would), so the caller works while Redis
+        does. On a Redis Cluster the pipeline is read whole now."""
+        if not isinstance(self.client, redis.Redis):
+            out = self._fetch_pipelined(lineage, wanted)
+            return lambda: out
+        args, asked = self._script_args(lineage, wanted)
+        out: dict[str, list[bytes | None]] = {table: [None] * len(ids) for table, ids in wanted.items()}
+        if not asked:
+            return lambda: out
+        if self._script is None:
+            self._script = self.client.register_script(_FETCH)
+        pool = self.client.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_command("EVALSHA", self._script.sha, 0, *args)
+        except BaseException:
+            connection.disconnect()
+            pool.release(connection)
+            raise
+
+        def reply() -> dict[str, list[bytes | None]]:
+            try:
+                rows = connection.read_response()
+            except redis.exceptions.NoScriptError:  # a restarted server: the script loaded again
+                pool.release(connection)
+                rows = self._script(args=args)
+            except BaseException:
+                connection.disconnect()  # a reply may still come: never hand this connection out again
+                pool.release(connection)
+                raise
+            else:
+                pool.release(connection)
+            at = 0
+            for table, n in asked:
+                out[table] = rows[at:at + n]
+                at += n
+            return out
+        return reply
 
     def _fetch_pipelined(self, lineage: list[VersionInfo], wanted: dict[str, list[str]]
                          ) -> dict[str, list[bytes | None]]:
@@ -161,10 +201,9 @@ class EmbeddingStore:
                         break
         return out
 
-    def _fetch_scripted(self, lineage: list[VersionInfo], wanted: dict[str, list[str]]
-                        ) -> dict[str, list[bytes | None]]:
-        if self._script is None:
-            self._script = self.client.register_script(_FETCH)
+    def _script_args(self, lineage: list[VersionInfo], wanted: dict[str, list[str]]
+                     ) -> tuple[list[str | int], list[tuple[str, int]]]:
+        """The fetch script's arguments and the (table, id count) of each table asked, in their order."""
         args: list[str | int] = [len(lineage), *(self._key(info.version, "") for info in lineage)]
         asked = []
         for table, ids in wanted.items():
@@ -174,15 +213,7 @@ class EmbeddingStore:
             for id_, bucket in zip(ids, bucket_of(ids, count).tolist()):
                 args += (f"{table}:{bucket}", id_)
             asked.append((table, len(ids)))
-        out: dict[str, list[bytes | None]] = {table: [None] * len(ids) for table, ids in wanted.items()}
-        if not asked:
-            return out
-        rows = self._script(args=args)
-        at = 0
-        for table, n in asked:
-            out[table] = rows[at:at + n]
-            at += n
-        return out
+        return args, asked
 
     # --- writing ---------------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from models.embedding_store import MissingVersion
 from models.registry import CHALLENGER, CHAMPION, CONTROL, RegistryError, Routing, connect, load_version, routing
 from serving import metrics
 from serving.dense import DenseRunner
-from serving.sparse_tier import Breaker, DeltaListener, RowCache, TieredTables
+from serving.sparse_tier import Breaker, DeltaListener, RowCache, TieredTables, settle
 
 log = logging.getLogger(__name__)
 ROUTES = (CHAMPION, CHALLENGER, CONTROL)  # @control: the champion before, during the new one's canary
@@ -64,7 +64,12 @@ class ServedModel:
     def inputs(self, ex: Examples) -> dict[str, np.ndarray]:
         if self.tiered is None:
             return self.model.scoring_inputs(ex)
-        return self.model.with_tables(self.tiered.tables_for(self.model.table_ids(ex))).scoring_inputs(ex)
+        groups = self.model.groups(ex)
+        tables = self.tiered.tables_for(self.model.table_ids(ex, groups))
+        try:
+            return self.model.with_tables(tables).scoring_inputs(ex, groups)
+        finally:
+            settle(tables)  # the store's reply taken even when scoring failed: its connection back in the pool
 
     def score(self, ex: Examples) -> np.ndarray:
         """Click probabilities [N]; unknown ids use the default row."""

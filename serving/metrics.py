@@ -40,7 +40,8 @@ WORKER_LISTENING = Gauge("flywheel_worker_listening", "1 once the worker takes c
 SPARSE_ROWS = Counter("flywheel_sparse_rows", "Embedding rows a batch looked up, by where they came from: cache "
                       "(the worker's hot rows), store (read from the embedding store), default (the store failed "
                       "or timed out: scored with the default row).", ["outcome"])
-SPARSE_READ_SECONDS = Histogram("flywheel_sparse_read_seconds", "A batch's one round trip to the embedding store.",
+SPARSE_READ_SECONDS = Histogram("flywheel_sparse_read_seconds", "What a batch spent on its one round trip to the "
+                                "embedding store: sending, and the wait its own lookups did not cover.",
                                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1))
 SPARSE_READ_ERRORS = Counter("flywheel_sparse_read_errors", "Embedding store reads that failed or timed out.")
 SPARSE_DELTA_APPLIED = Gauge("flywheel_sparse_delta_applied", "The newest version whose announced delta the worker "

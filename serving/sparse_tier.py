@@ -2,10 +2,11 @@
 
 Per batch, the ids of every table (`CtrModel.table_ids`) are looked up in the version's cache; the misses
 of all tables are read in one pipelined round trip (models/embedding_store.py), bounded by
-`sparse_tier.timeout_ms`. A read that fails or times out scores its ids with the default row, counts
-them (`flywheel_sparse_rows{outcome="default"}`) and, for `retry_after_s`, sends the next batches
-straight to the defaults instead of waiting on a store that is down: never a 500. Default rows taken for a
-failure are not cached, so the next read once the store answers gets the real ones.
+`sparse_tier.timeout_ms`: sent before the batch's own lookups, its reply taken by the first gather. A read
+that fails or times out scores its ids with the default row, counts them
+(`flywheel_sparse_rows{outcome="default"}`) and, for `retry_after_s`, sends the next batches straight to
+the defaults instead of waiting on a store that is down: never a 500. Default rows taken for a failure are
+not cached, so the next read once the store answers gets the real ones.
 
 Deltas: `DeltaListener` reads `sparse_tier.deltas_topic` (each worker on its own, from the newest
 message); a delta whose parent's cache this worker holds becomes the new version's cache (the parent's
@@ -21,6 +22,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import confluent_kafka
 import msgspec
@@ -137,16 +139,28 @@ class RowCache:
 
 
 class BatchTable:
-    """A batch's rows of one table, answering `SparseTable.lookup`/`gather` for `CtrModel.scoring_inputs`."""
+    """A batch's rows of one table, answering `SparseTable.lookup`/`gather` for `CtrModel.scoring_inputs`.
+    Rows read from the store land by the first `gather` (`settle`): the lookups run while Redis works."""
 
-    def __init__(self, index: dict[str, int], values: np.ndarray) -> None:
-        self.index, self.values = index, values
+    def __init__(self, index: dict[str, int], values: np.ndarray, settle: Callable[[], None]) -> None:
+        self.index, self.values, self.settle = index, values, settle
 
     def lookup(self, ids: list[str], train: bool = False) -> np.ndarray:
         return np.fromiter(map(self.index.get, ids, itertools.repeat(DEFAULT_ROW)), np.int64, len(ids))
 
     def gather(self, rows: np.ndarray) -> np.ndarray:
+        self.settle()
         return self.values[rows]
+
+
+def settle(tables: dict[str, BatchTable]) -> None:
+    """Take the store's reply for `tables` if no `gather` did (its connection back to the pool)."""
+    for table in tables.values():
+        table.settle()
+
+
+def _settled() -> None:
+    pass
 
 
 class Breaker:
@@ -171,49 +185,66 @@ class TieredTables:
         self.dim = lineage[0].dim
 
     def tables_for(self, wanted: dict[str, list[str]]) -> dict[str, BatchTable]:
-        """Each table's rows of `wanted` ids: the cache's, and the misses of every table in one read."""
-        got, missing = {}, {}  # table -> its rows [n, dim]; table -> indices of the ids not cached
+        """Each table's rows of `wanted` ids: the cache's now, the misses of every table in one read whose
+        reply the first `gather` takes (`settle` takes it when none did)."""
+        values, missing = {}, {}  # table -> its rows [1 + n, dim] (row 0: the default); indices not cached
         for table, ids in wanted.items():
-            got[table], cached, _ = self.cache.get_many(table, ids)
+            cached_rows, cached, _ = self.cache.get_many(table, ids)
+            values[table] = np.zeros((len(ids) + 1, self.dim), np.float32)
+            values[table][1:] = cached_rows
             if not cached.all():
                 missing[table] = np.flatnonzero(~cached)
         hits = sum(len(ids) for ids in wanted.values()) - sum(map(len, missing.values()))
         metrics.SPARSE_ROWS.labels("cache").inc(hits)
-        if missing:
-            self._read(wanted, got, missing)
-        out = {}
-        for table, ids in wanted.items():
-            values = np.zeros((len(ids) + 1, self.dim), np.float32)  # row 0: the default
-            values[1:] = got[table]
-            out[table] = BatchTable({id_: i + 1 for i, id_ in enumerate(ids)}, values)
-        return out
+        done = self._read(wanted, values, missing) if missing else _settled
+        return {table: BatchTable({id_: i + 1 for i, id_ in enumerate(ids)}, values[table], done)
+                for table, ids in wanted.items()}
 
-    def _read(self, wanted: dict[str, list[str]], got: dict[str, np.ndarray], missing: dict[str, np.ndarray]) -> None:
+    def _read(self, wanted: dict[str, list[str]], values: dict[str, np.ndarray], missing: dict[str, np.ndarray]
+              ) -> Callable[[], None]:
+        """Send the read of the `missing` rows; the function returned takes its reply into `values` (once)."""
         count = sum(map(len, missing.values()))
         if self.breaker.open:
             metrics.SPARSE_ROWS.labels("default").inc(count)
-            return
+            return _settled
         asked = {table: [wanted[table][i] for i in idx.tolist()] for table, idx in missing.items()}
         started = time.perf_counter()
         try:
-            answers = self.store.fetch(self.lineage, asked)
+            reply = self.store.fetch_later(self.lineage, asked)
         except (redis.RedisError, OSError) as exc:
-            self.breaker.trip()
-            metrics.SPARSE_ROWS.labels("default").inc(count)
-            metrics.SPARSE_READ_ERRORS.inc()
-            log.warning("embedding store read failed (%s: %s): %d rows scored with the default row; asking "
-                        "again in %.1fs", type(exc).__name__, exc, count, self.breaker.retry_after_s)
-            return
-        metrics.SPARSE_READ_SECONDS.observe(time.perf_counter() - started)
-        metrics.SPARSE_ROWS.labels("store").inc(count)
-        for table, idx in missing.items():
-            raw = answers[table]
-            real = np.fromiter(map(bool, raw), bool, len(raw))
-            values = np.zeros((len(raw), self.dim), np.float32)
-            if real.any():
-                values[real] = np.frombuffer(b"".join(r for r in raw if r), "<f4").reshape(-1, self.dim)
-            got[table][idx] = values
-            self.cache.put_many(table, asked[table], values, real)
+            self._failed(exc, count)
+            return _settled
+        sent = time.perf_counter() - started
+        pending = [reply]
+
+        def take() -> None:
+            if not pending:
+                return
+            started = time.perf_counter()
+            try:
+                answers = pending.pop()()
+            except (redis.RedisError, OSError) as exc:
+                self._failed(exc, count)
+                return
+            # what the batch spent on the store: sending, and the wait its lookups did not cover
+            metrics.SPARSE_READ_SECONDS.observe(sent + time.perf_counter() - started)
+            metrics.SPARSE_ROWS.labels("store").inc(count)
+            for table, idx in missing.items():
+                raw = answers[table]
+                real = np.fromiter(map(bool, raw), bool, len(raw))
+                rows = np.zeros((len(raw), self.dim), np.float32)
+                if real.any():
+                    rows[real] = np.frombuffer(b"".join(r for r in raw if r), "<f4").reshape(-1, self.dim)
+                values[table][1 + idx] = rows
+                self.cache.put_many(table, asked[table], rows, real)
+        return take
+
+    def _failed(self, exc: Exception, count: int) -> None:
+        self.breaker.trip()
+        metrics.SPARSE_ROWS.labels("default").inc(count)
+        metrics.SPARSE_READ_ERRORS.inc()
+        log.warning("embedding store read failed (%s: %s): %d rows scored with the default row; asking "
+                    "again in %.1fs", type(exc).__name__, exc, count, self.breaker.retry_after_s)
 
 
 class DeltaListener:
