@@ -305,9 +305,11 @@ def main() -> None:
         alone = override(s, "stack", services=("serving",))  # a server that never became ready is left too
         for svc in enabled_services(alone):
             process.stop(stack.pidfile(alone, svc), alone.stack.stop_timeout_s)
-        stack.down(s)
-        if not args.shared_redis:
-            stack.down(own)
+        try:
+            stack.down(s)
+        finally:  # the store's Redis goes too when the stack's `down` fails
+            if not args.shared_redis:
+                stack.down(own)
         shutil.rmtree(tmp, ignore_errors=True)  # the store's append-only file: GBs
     p99 = {v: float(np.percentile(lat, 99)) for v, lat in latencies.items()}
     ratio = p99[v1] / p99[v2]
