@@ -224,8 +224,8 @@ class CtrModel:
         return out
 
     def with_tables(self, tables: dict[str, object]) -> CtrModel:
-        """This model scoring with other tables (anything with `lookup` and `gather`: a batch's rows read
-        from the embedding store); shares the network."""
+        """This model with other tables: anything with `lookup` and `gather` to score (a batch's rows read from
+        the embedding store), `SparseTable`s to train (the rows an incremental run pulled); shares the network."""
         twin = copy.copy(self)
         twin.tables = tables
         return twin

@@ -5,6 +5,14 @@ Keys (prefix `sparse_tier.key_prefix`, model: the registered model's name):
     {prefix}:{model}:{version}:meta             hash: parent ("" for a full version), depth, dim, buckets
                                                 (JSON {table: count}), spec (JSON), dense (the weights' .h5)
     {prefix}:{model}:{version}:{table}:{bucket} hash: id -> the row's float32 bytes (b"": evicted, the default row)
+    {prefix}:{model}:{version}:{table}~state:{bucket}    id -> its Adagrad accumulator (float32) and last step
+                                                         seen (int64): what training continues from
+    {prefix}:{model}:{version}:{table}~pending:{bucket}  id -> an id's admission counter (int64), not admitted yet
+
+The training state is written when the version's rows carry it (a registered model's do; `make
+bench-sparse`'s synthetic ones do not), and its tables then have buckets of their own in the meta (the
+table's count) and the meta its tables' steps (`steps`). Serving never reads it; an incremental run pulls
+the rows its window touches with it (`pull`) instead of loading its parent whole.
 
 An id's bucket is crc32(id) mod its table's bucket count, fixed by the full version at the root of the
 lineage. A hash of at most `hash-max-listpack-entries` (128 by default) fields of at most 64 bytes is
@@ -25,15 +33,19 @@ import json
 import logging
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import redis
+
+from models.sparse import TableSnapshot
 
 log = logging.getLogger(__name__)
 ROWS_PER_BUCKET = 64  # rows per bucket on average: a bucket past 128 fields (Redis' listpack bound) is rare
 WRITE_CHUNK = 200_000  # rows per pipeline when writing
 EVICTED = b""
+STATE, PENDING = "~state", "~pending"  # a table's training state: its rows', and its admission counters
+PULL_CHUNK = 20_000  # ids per script call of `pull`: Redis serves the other readers between calls
 
 
 # ARGV: the lineage's length d, its versions' key prefixes (newest first), then (bucket key suffix, id) pairs.
@@ -70,21 +82,63 @@ class VersionInfo:
     depth: int  # 0 for a full version, the parent's + 1 for a delta
     dim: int
     buckets: dict[str, int]  # table -> bucket count (the lineage's full version's)
+    steps: dict[str, int] = field(default_factory=dict)  # table -> its step (versions with training state)
+
+
+@dataclass(frozen=True)
+class TableState:
+    """A table's training state beside the rows a version writes: each row's Adagrad accumulator ([n, dim]
+    float32) and last step seen ([n] int64), the admission counters of ids not admitted yet, the table's step."""
+
+    accumulators: np.ndarray
+    last_seen: np.ndarray
+    pending_ids: np.ndarray
+    pending_counts: np.ndarray
+    step: int
 
 
 @dataclass(frozen=True)
 class TableRows:
-    """What a version writes of one table: rows of `ids` ([n] str, `values` [n, dim] float32) and the ids
-    it evicted."""
+    """What a version writes of one table: rows of `ids` ([n] str, `values` [n, dim] float32), the ids it
+    evicted and, to be continued from the store, the training state of those rows."""
 
     ids: np.ndarray
     values: np.ndarray
     removed: np.ndarray
+    state: TableState | None = None
+
+
+def _state_dtype(dim: int) -> np.dtype:
+    return np.dtype([("accumulators", "<f4", (dim,)), ("last_seen", "<i8")])
+
+
+def _void(rows: np.ndarray) -> np.ndarray:
+    """[n] bytes-like rows of a contiguous array of n rows (one void item per row, trailing zero bytes kept)."""
+    rows = np.ascontiguousarray(rows)
+    return rows.view(np.dtype((np.void, rows.itemsize * int(np.prod(rows.shape[1:]))))).ravel()
 
 
 def bucket_of(ids: Iterable[str], buckets: int) -> np.ndarray:
     """Each id's bucket: crc32 of its UTF-8 bytes mod `buckets` (the same in every process and language)."""
     return np.fromiter((zlib.crc32(i.encode()) for i in ids), np.int64) % buckets
+
+
+def _snapshot(ids: list[str], values: list[bytes | None], state: list[bytes | None], pending: list[bytes | None],
+              dim: int, step: int) -> TableSnapshot:
+    """A table's pulled ids as a snapshot (ids sorted): rows where the store has one, counters for the rest."""
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    rowed = [i for i in order if values[i]]  # None: never admitted; EVICTED: evicted (the default row)
+    if any(not state[i] for i in rowed):
+        raise MissingVersion("rows in the embedding store without their training state")
+    rows = np.frombuffer(b"".join(state[i] for i in rowed), _state_dtype(dim))
+    counted = [i for i in order if not values[i] and pending[i]]
+    return TableSnapshot(
+        ids=np.array([ids[i] for i in rowed], dtype=object),
+        values=np.frombuffer(b"".join(values[i] for i in rowed), "<f4").reshape(-1, dim).copy(),
+        accumulators=rows["accumulators"].copy(), last_seen=rows["last_seen"].astype(np.int64),
+        pending_ids=np.array([ids[i] for i in counted], dtype=object),
+        pending_counts=np.frombuffer(b"".join(pending[i] for i in counted), "<i8").astype(np.int64),
+        version=step)
 
 
 class EmbeddingStore:
@@ -98,10 +152,11 @@ class EmbeddingStore:
     # --- reading ---------------------------------------------------------------------------------
 
     def info(self, version: str) -> VersionInfo | None:
-        meta = self.client.hmget(self._key(version, "meta"), ["parent", "depth", "dim", "buckets"])
+        meta = self.client.hmget(self._key(version, "meta"), ["parent", "depth", "dim", "buckets", "steps"])
         if meta[0] is None:
             return None
-        return VersionInfo(version, meta[0].decode(), int(meta[1]), int(meta[2]), json.loads(meta[3]))
+        return VersionInfo(version, meta[0].decode(), int(meta[1]), int(meta[2]), json.loads(meta[3]),
+                           json.loads(meta[4]) if meta[4] else {})
 
     def lineage(self, version: str) -> list[VersionInfo]:
         """The version and its ancestors up to its full version, newest first."""
@@ -215,6 +270,27 @@ class EmbeddingStore:
             asked.append((table, len(ids)))
         return args, asked
 
+    def pull(self, lineage: list[VersionInfo], wanted: dict[str, list[str]]) -> dict[str, TableSnapshot]:
+        """What training continues from, of each wanted id at the lineage's first version, per table: the rows
+        of the ids that have one (values, accumulators, last steps seen) and the admission counters of those
+        that do not, at the table's step (`SparseTable.restore` takes it). PULL_CHUNK ids per round trip.
+        Raises MissingVersion when the lineage was written without its training state."""
+        head, root = lineage[0], lineage[-1]
+        out = {}
+        for table, ids in wanted.items():
+            if table not in head.steps or table + STATE not in root.buckets:
+                raise MissingVersion(f"v{head.version}'s {table} table is in the embedding store without its "
+                                     "training state")
+            values, state, pending = [], [], []
+            for at in range(0, len(ids), PULL_CHUNK):
+                part = ids[at:at + PULL_CHUNK]
+                got = self.fetch(lineage, {table: part, table + STATE: part, table + PENDING: part})
+                values += got[table]
+                state += got[table + STATE]
+                pending += got[table + PENDING]
+            out[table] = _snapshot(ids, values, state, pending, head.dim, head.steps[table])
+        return out
+
     # --- writing ---------------------------------------------------------------------------------
 
     def write(self, version: str, parent: str, dim: int, spec: str, dense: bytes,
@@ -235,27 +311,37 @@ class EmbeddingStore:
             return self._write(info, spec, dense, rows.items())
         tables = full()
         return self.write_full(version, dim, spec, dense, {name: len(rows.ids) for name, rows in tables.items()},
-                               tables.items())
+                               tables.items(), stateful=bool(tables) and all(r.state is not None for r in tables.values()))
 
     def write_full(self, version: str, dim: int, spec: str, dense: bytes, counts: dict[str, int],
-                   chunks: Iterable[tuple[str, TableRows]]) -> VersionInfo:
+                   chunks: Iterable[tuple[str, TableRows]], stateful: bool = False) -> VersionInfo:
         """A full version from chunks of rows (a table need not fit in memory): `counts`, each table's ids,
-        fixes its buckets."""
+        fixes its buckets. `stateful`: the chunks carry their training state (`TableRows.state`), which is
+        written too."""
         buckets = {name: max(1, -(-n // ROWS_PER_BUCKET)) for name, n in counts.items()}
+        if stateful:
+            buckets |= {name + part: n for name, n in buckets.items() for part in (STATE, PENDING)}
         return self._write(VersionInfo(version, "", 0, dim, buckets), spec, dense, chunks)
 
     def _write(self, info: VersionInfo, spec: str, dense: bytes, chunks: Iterable[tuple[str, TableRows]]
                ) -> VersionInfo:
+        """The chunks' rows, and their training state where the lineage holds it, then the meta."""
+        steps: dict[str, int] = {}
         try:
             for name, rows in chunks:
                 if rows.values.ndim != 2 or rows.values.shape[1] != info.dim or len(rows.values) != len(rows.ids):
                     raise ValueError(f"table {name} of v{info.version}: rows of shape {rows.values.shape} for "
                                      f"{len(rows.ids)} ids, the model's rows are {info.dim} wide")
-                if name in info.buckets:
-                    self._write_rows(info.version, name, rows, info.buckets[name])
+                if name not in info.buckets:
+                    continue
+                count = info.buckets[name]
+                self._write_rows(info.version, name, rows.ids, _void(rows.values.astype("<f4")), rows.removed, count)
+                if rows.state is not None and name + STATE in info.buckets:
+                    self._write_state(info.version, name, rows, count)
+                    steps[name] = rows.state.step
             self.client.hset(self._key(info.version, "meta"), mapping={
                 "parent": info.parent, "depth": info.depth, "dim": info.dim, "buckets": json.dumps(info.buckets),
-                "spec": spec, "dense": dense})
+                "steps": json.dumps(steps), "spec": spec, "dense": dense})
         except redis.ResponseError as exc:
             self.delete(info.version)
             if isinstance(exc, redis.exceptions.OutOfMemoryError) or "OOM" in str(exc):
@@ -264,28 +350,39 @@ class EmbeddingStore:
         except ValueError:
             self.delete(info.version)
             raise
-        return info
+        return VersionInfo(info.version, info.parent, info.depth, info.dim, info.buckets, steps)
 
-    def _write_rows(self, version: str, table: str, rows: TableRows, buckets: int) -> None:
-        """One HSET per bucket (the rows sorted by bucket first), WRITE_CHUNK rows per pipeline."""
-        ids = np.concatenate([rows.ids.astype(object), rows.removed.astype(object)])
+    def _write_state(self, version: str, table: str, rows: TableRows, buckets: int) -> None:
+        st = rows.state
+        if st.accumulators.shape != rows.values.shape or st.last_seen.shape != rows.ids.shape:
+            raise ValueError(f"table {table} of v{version}: training state of shapes {st.accumulators.shape} and "
+                             f"{st.last_seen.shape} for rows of shape {rows.values.shape}")
+        state = np.empty(len(rows.ids), _state_dtype(rows.values.shape[1]))
+        state["accumulators"], state["last_seen"] = st.accumulators, st.last_seen
+        self._write_rows(version, table + STATE, rows.ids, _void(state), rows.removed, buckets)
+        self._write_rows(version, table + PENDING, st.pending_ids, _void(st.pending_counts.astype("<i8")),
+                         np.array([], object), buckets)
+
+    def _write_rows(self, version: str, table: str, ids: np.ndarray, packed: np.ndarray, removed: np.ndarray,
+                    buckets: int) -> None:
+        """`packed` ([n] void: each id's row bytes) and the removed ids as EVICTED: one HSET per bucket (the
+        rows sorted by bucket first), WRITE_CHUNK rows per pipeline."""
+        n = len(ids)
+        ids = np.concatenate([ids.astype(object), removed.astype(object)])
         if not len(ids):
             return
-        n = len(rows.ids)
         of = bucket_of(ids, buckets)
         order = np.argsort(of, kind="stable")
         bucket = of[order].tolist()
         cuts = [0, *(np.flatnonzero(np.diff(of[order])) + 1).tolist(), len(ids)]
-        # id, row, id, row, ... in bucket order (an evicted id: an empty row); a row's bytes by a void view
-        # (one bytes object per row, trailing zero bytes kept), not a slice per row
+        # id, row, id, row, ... in bucket order (an evicted id: an empty row); a row's bytes from its void item
+        # (one bytes object per row), not a slice per row
         rowed = order < n
-        row_bytes = np.ascontiguousarray(rows.values[order[rowed]], "<f4").view(
-            np.dtype((np.void, rows.values.shape[1] * 4))).ravel()
-        packed = np.full(len(ids), EVICTED, object)
-        packed[rowed] = row_bytes.tolist()
+        rows = np.full(len(ids), EVICTED, object)
+        rows[rowed] = packed[order[rowed]].tolist()
         fields: list[object] = [None] * (2 * len(ids))
         fields[0::2] = ids[order].tolist()
-        fields[1::2] = packed.tolist()
+        fields[1::2] = rows.tolist()
         commands, queued = [], 0
         for a, b in zip(cuts, cuts[1:]):
             commands.append(("HSET", self._key(version, table, bucket[a]), *fields[2 * a:2 * b]))

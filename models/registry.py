@@ -3,7 +3,8 @@ through the promotion gate or a recorded rollback.
 
 Lineage lives in version tags: `data_start`/`data_end` (the training window; `data_end` is the
 watermark incremental training continues from), `eval_start`/`eval_end` (the window the gate
-compares on), `parent_version` (incremental runs), `kind`. Gate decisions and rollbacks are tags too
+compares on), `parent_version` (incremental runs), `sparse_base` (an incremental run continued from the
+embedding store: its export holds only its delta, which loading applies to the parent's), `kind`. Gate decisions and rollbacks are tags too
 (`gate_decision`, `gate_reason`, `gate_guardrail` of a refusal, `previous_champion`, `rolled_back_*`).
 
 A promoted ranker starts a canary (settings.canary, serving/canary.py): @control names the champion before
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # TensorFlow takes seconds to import: only the calls that sco
     from models.ctr import CtrModel
 
 CHAMPION, CHALLENGER, CONTROL = "champion", "challenger", "control"
+BASE_FILE = "base-model.txt"  # in a delta's export: the parent's model URI
 CANARY_TAG = "champion_canary"  # registered-model tag "<version>:<percent>": a new champion's share in its canary
 
 
@@ -76,18 +78,30 @@ class CtrPyfunc(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         from models.ctr import CtrModel
 
-        self.model = CtrModel.load(Path(context.artifacts["model"]))
+        export = Path(context.artifacts["model"])
+        base = export / BASE_FILE
+        if base.exists():  # a delta: the parent's model (resolved the same way) patched by it
+            parent = mlflow.pyfunc.load_model(base.read_text().strip()).unwrap_python_model().model
+            self.model = parent.with_delta(export)
+        else:
+            self.model = CtrModel.load(export)
 
     def predict(self, context, model_input: pd.DataFrame, params=None):
         spec = self.model.spec
         return self.model.predict(from_frame(model_input, spec.numeric_features, spec.sequence_length))
 
 
-def log_model(s: Settings, export_dir: Path, tags: dict[str, str], delta_dir: Path | None = None) -> str:
-    """Log the export as the active run's pyfunc model and register it; returns the new version. With the
+def log_model(s: Settings, export_dir: Path, tags: dict[str, str], delta_dir: Path | None = None,
+              base: str | None = None) -> str:
+    """Log the export as the active run's pyfunc model and register it; returns the new version. `base`: the
+    export is a delta (`CtrModel.save_delta`) of that version, which loading resolves first. With the
     sparse tier on, its tables (only `delta_dir`'s rows where the store holds its parent) are written to
     the embedding store too; a version the store refuses is tagged `sparse_tier_refused` and raises."""
     import tensorflow as tf
+
+    if base is not None:
+        (export_dir / BASE_FILE).write_text(f"models:/{s.models.name}/{base}\n")
+        tags = tags | {"sparse_base": base}
 
     info = mlflow.pyfunc.log_model(
         name="model", python_model=CtrPyfunc(), artifacts={"model": str(export_dir)},
@@ -108,7 +122,8 @@ def log_model(s: Settings, export_dir: Path, tags: dict[str, str], delta_dir: Pa
         except sparse_tier.StoreFull as exc:
             client.set_model_version_tag(s.models.name, version, "sparse_tier_refused", str(exc))
             raise
-        except redis.RedisError as exc:  # the store away: servers load this version whole, as without the tier
+        except (redis.RedisError, sparse_tier.MissingVersion) as exc:  # the store away, or its parent gone from it:
+            # servers load this version whole, as without the tier
             log.warning("v%s not written to the embedding store (%s: %s); servers will load it whole", version,
                         type(exc).__name__, exc)
             client.set_model_version_tag(s.models.name, version, "sparse_tier_error", f"{type(exc).__name__}: {exc}")
@@ -237,13 +252,15 @@ def _guardrail(s: Settings, evaluation: Examples, probabilities: np.ndarray) -> 
     return None
 
 
-def gate(s: Settings, version: str, candidate: CtrModel, evaluation: Examples, window: str) -> Decision:
+def gate(s: Settings, version: str, candidate: CtrModel, evaluation: Examples, window: str,
+         scored: dict[str, np.ndarray] | None = None) -> Decision:
     """Promote `version` to @champion unless a guardrail refuses it, otherwise make it @challenger and
     record why. In order: lineage (a version continuing a parent that is no longer the champion), evidence
     (too few examples or clicks in `evaluation` to judge anything), calibration (mean predicted CTR out
     of bounds), auc (worse than the champion's on the same window by more than the tolerance, with
     one-sided significance `gate_alpha` by DeLong's test). A difference the window cannot tell from
-    noise does not hold back a fresher model."""
+    noise does not hold back a fresher model. `scored`: versions' scores of `evaluation` the caller has
+    (an incremental run's parent's), not loaded again."""
     client, name, m = connect(s), s.models.name, s.models
     probabilities = candidate.predict(evaluation)
     candidate_auc = auc(evaluation.labels, probabilities)  # fails before any alias moves
@@ -260,7 +277,8 @@ def gate(s: Settings, version: str, candidate: CtrModel, evaluation: Examples, w
     elif champion is None:
         reason = f"first champion (AUC {candidate_auc:.4f} on {window})"
     else:
-        champion_scores = load_version(s, champion).predict(evaluation)
+        known = (scored or {}).get(champion)
+        champion_scores = known if known is not None else load_version(s, champion).predict(evaluation)
         champion_auc = auc(evaluation.labels, champion_scores)
         difference, se = auc_difference(evaluation.labels, probabilities, champion_scores)
         # One-sided p-value of "the candidate is worse than the champion minus the tolerance".

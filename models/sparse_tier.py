@@ -1,7 +1,9 @@
 """Registering a version's sparse tables in the embedding store (`[sparse_tier]`), and announcing its delta.
 
 At registration a full version writes every row, an incremental one only the rows it changed (its delta
-export); the store then drops the versions no alias or recent version needs. The delta's rows are
+export), each with its training state; the store then drops the versions no alias or recent version needs.
+An incremental run continues a version from the store (`pull`): its dense weights and only the rows its
+window touches. The delta's rows are
 announced on `sparse_tier.deltas_topic` in parts of `delta_part_rows` while Redis takes them: every
 serving worker holding the parent builds its cache of hot rows for the new version before any alias
 names it.
@@ -19,15 +21,17 @@ import confluent_kafka
 import msgspec
 import numpy as np
 
+from contract.examples import PAD, Examples
 from infra.redis_clients import embedding_store
 from infra.settings import Settings
-from models.ctr import TABLES, load_snapshot
-from models.embedding_store import EmbeddingStore, StoreFull, TableRows, VersionInfo
+from models.ctr import TABLES, CtrModel, ModelSpec, load_snapshot
+from models.embedding_store import EmbeddingStore, MissingVersion, StoreFull, TableRows, TableState, VersionInfo
+from models.sparse import SparseTable
 from streaming.producer import PRODUCER_OPTIONS
 from streaming.topics import ensure_topics
 
 log = logging.getLogger(__name__)
-__all__ = ["DeltaPart", "StoreFull", "announce", "publish", "store", "write"]
+__all__ = ["DeltaPart", "MissingVersion", "StoreFull", "announce", "publish", "pull", "store", "write"]
 
 
 class DeltaPart(msgspec.Struct, frozen=True):
@@ -57,8 +61,38 @@ def export_rows(directory: Path) -> dict[str, TableRows]:
         path = directory / f"sparse-{name}.npz"
         if path.exists():
             snap = load_snapshot(path)
-            out[name] = TableRows(snap.ids, snap.values, snap.removed)
+            out[name] = TableRows(snap.ids, snap.values, snap.removed, TableState(
+                snap.accumulators, snap.last_seen, snap.pending_ids, snap.pending_counts, snap.version))
     return out
+
+
+def pull(s: Settings, version: str, ex: Examples) -> CtrModel | None:
+    """`version` continued from the embedding store: its dense weights and the rows `ex` touches, with their
+    training state; nothing else is read. Training on `ex` then changes what training the whole version on it
+    would. None (with the reason logged) where the store cannot give it: the version or its training state is
+    not there, its lineage is at `max_lineage` (the next version is written whole, which needs every row), or
+    its spec evicts rows (eviction sweeps every row)."""
+    emb = store(s)
+    try:
+        lineage = emb.lineage(version)
+        if lineage[0].depth + 1 >= emb.max_lineage:
+            raise MissingVersion(f"v{version}'s lineage is at max_lineage ({emb.max_lineage}): the next version "
+                                 "is written whole")
+        spec, dense = emb.model_of(version)
+        if ModelSpec.from_json(spec).sparse.evict_after_steps:
+            raise MissingVersion("its spec evicts rows, which sweeps every row")
+        model = CtrModel.from_parts(spec, dense)
+        wanted = model.table_ids(ex)
+        for table, ids in (("user", ex.user_ids), ("item", ex.item_ids), ("category", ex.categories)):
+            if (ids == PAD).any():  # training counts an empty id as any other; scoring's ids leave it out
+                wanted[table].append(PAD)
+        snaps = emb.pull(lineage, wanted)
+    except MissingVersion as exc:
+        log.info("embedding store: v%s not continued from the store (%s)", version, exc)
+        return None
+    log.info("embedding store: v%s continued from the store with %s rows", version,
+             ", ".join(f"{len(snap.ids)} {name}" for name, snap in snaps.items()))
+    return model.with_tables({name: SparseTable.restore(name, model.spec.sparse, snap) for name, snap in snaps.items()})
 
 
 def publish(s: Settings, version: str, parent: str, export_dir: Path, delta_dir: Path | None,
@@ -66,14 +100,18 @@ def publish(s: Settings, version: str, parent: str, export_dir: Path, delta_dir:
     """Write the version's tables (its delta when it has one and the store holds its parent) and compact the
     store to the lineages of `keep` and this version; announce the delta. Raises StoreFull when Redis
     refuses the rows."""
-    from models.ctr import ModelSpec  # the spec's JSON as the export wrote it
-
     spec = (export_dir / "spec.json").read_text()
     emb = store(s)
     started = time.perf_counter()
+
+    def full() -> dict[str, TableRows]:
+        if (export_dir / "delta-of.json").exists():  # trained from the store: the registry has its parent's rows
+            raise MissingVersion(f"v{version} is a delta of v{parent}, which the store no longer continues")
+        return export_rows(export_dir)
+
     info = write(s, emb, version, parent, ModelSpec.from_json(spec).sparse.dim, spec,
                  (export_dir / "dense.weights.h5").read_bytes(),
-                 delta=lambda: export_rows(delta_dir) if delta_dir else {}, full=lambda: export_rows(export_dir))
+                 delta=lambda: export_rows(delta_dir) if delta_dir else {}, full=full)
     log.info("embedding store: v%s written as %s in %.1fs", version,
              f"a delta of v{parent}" if info.parent else "a full version", time.perf_counter() - started)
     emb.compact(keep | {version})

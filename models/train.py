@@ -5,7 +5,8 @@ Full training: a chronological split of the window (train / validation / test = 
 until the validation AUC stops improving (at most `models.max_epochs`), the gate on the test window.
 Incremental training: warm start from `@champion`, train one pass over the events since its data
 watermark (the oldest 80%), gate on the newest 20%; the version also carries the sparse delta
-against its parent. Nothing moves `@champion` unless the gate passes.
+against its parent. With the sparse tier on, the warm start reads only the rows the window touches from
+the embedding store (`sparse_tier.pull`), and the version's export is its delta. Nothing moves `@champion` unless the gate passes.
 """
 
 from __future__ import annotations
@@ -160,29 +161,53 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
         return None
     check_labels(train, f"new events {window}")
     check_labels(evaluation, f"evaluation part of {window}")
-    model = load_version(s, parent)
+    model, pulled = _continue(s, parent, ex)
+    parent_scores = model.predict(evaluation)  # the champion's scores for the gate, before any step
     base_versions = model.versions()
     mlflow.set_experiment(s.models.experiment)
     with mlflow.start_run(run_name=f"incremental-{model.spec.kind}"), tempfile.TemporaryDirectory() as tmp:
         mlflow.log_params({"kind": model.spec.kind, "parent_version": parent, "data_start": _iso(window.start),
-                           "data_end": _iso(window.end), **_spec_params(model.spec)})
+                           "data_end": _iso(window.end), "warm_start": "store" if pulled else "registry",
+                           **_spec_params(model.spec)})
         started = time.perf_counter()
         losses = model.fit(train, progress=progress)
         samples_per_s = len(train) / (time.perf_counter() - started)
         mlflow.log_metric("train_logloss", losses[-1])
         metrics = _log_evaluation(model, evaluation, "eval") | {"train_samples_per_s": samples_per_s}
-        changed = model.save_delta(Path(tmp) / "delta", since=base_versions)
-        mlflow.log_artifacts(str(Path(tmp) / "delta"), "delta")
+        delta = Path(tmp) / "delta"
+        changed = model.save_delta(delta, since=base_versions)
+        mlflow.log_artifacts(str(delta), "delta")
         mlflow.log_metric("delta_rows", float(sum(changed.values())))
         eval_span = [datetime.fromtimestamp(t / 1000, UTC).isoformat() for t in (times[cut], times[-1])]
-        # The delta is published with the version: serving holding the parent applies it in place.
-        version = log_model(s, model.save(Path(tmp) / "model"), {
+        # The delta is published with the version: serving holding the parent applies it in place. A model
+        # continued from the store holds only the rows its window touched: its export is that delta.
+        version = log_model(s, delta if pulled else model.save(Path(tmp) / "model"), {
             "kind": model.spec.kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
             "eval_start": eval_span[0], "eval_end": eval_span[1], "parent_version": parent,
             "sparse_delta": f"runs:/{mlflow.active_run().info.run_id}/delta", **_terms_tags(model.spec)},
-            delta_dir=Path(tmp) / "delta")
-    decision = gate(s, version, model, evaluation, f"newest 20% of {window}") if promote else None
+            delta_dir=delta, base=parent if pulled else None)
+    decision = (gate(s, version, model, evaluation, f"newest 20% of {window}", {parent: parent_scores})
+                if promote else None)
     return TrainOutcome(version, decision, metrics, window, samples_per_s)
+
+
+def _continue(s: Settings, parent: str, ex: Examples) -> tuple[CtrModel, bool]:
+    """The model an incremental run on `ex` starts from, and whether it came from the embedding store (only
+    the rows `ex` touches, with their training state) rather than the registry (the parent whole)."""
+    if s.sparse_tier.enabled:
+        import redis
+
+        from models import sparse_tier  # Redis and Kafka clients: only where the tier is on
+
+        try:
+            model = sparse_tier.pull(s, parent, ex)
+        except redis.RedisError as exc:
+            log.warning("v%s not continued from the embedding store (%s: %s): loading it whole", parent,
+                        type(exc).__name__, exc)
+            model = None
+        if model is not None:
+            return model, True
+    return load_version(s, parent), False
 
 
 def gate_version(s: Settings, version: str) -> Decision:

@@ -1,7 +1,9 @@
 """The sparse tier on a real Redis: a version's rows in the embedding store serve the same scores as the
 in-memory model; an incremental version writes only its delta and a rollback reads the parent's rows
-exactly; compaction keeps what a lineage needs; bad rows and a full Redis are refused; a store that does
-not answer gives default rows, counted, never an error; a delta updates a worker's hot rows."""
+exactly; an incremental run continued from the store pulls only its window's rows and changes exactly
+what the whole parent's would; compaction keeps what a lineage needs; bad rows and a full Redis are
+refused; a store that does not answer gives default rows, counted, never an error; a delta updates a
+worker's hot rows."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ import tensorflow as tf
 
 from infra.redis_clients import online_store
 from infra.settings import Settings, override
-from models.ctr import CtrModel
+from models.ctr import TABLES, CtrModel, load_snapshot
 from models.embedding_store import EmbeddingStore, MissingVersion, StoreFull, TableRows
-from models.sparse_tier import DeltaPart, export_rows, publish, store
+from models.sparse_tier import DeltaPart, export_rows, publish, pull, store
 from serving import metrics
 from serving.dense import DenseRunner
 from serving.sparse_tier import Breaker, DeltaListener, RowCache, TieredTables, settle
@@ -65,7 +67,8 @@ def test_a_version_in_the_store_serves_the_in_memory_models_scores(redis_stack: 
     assert (full.depth, written.depth, written.parent) == (0, 1, "1")
     # The incremental version wrote only its changed rows (and evictions), in the parent's buckets.
     changed = sum(len(r.ids) + len(r.removed) for r in export_rows(delta).values())
-    stored = sum(emb.client.hlen(k) for k in emb.client.scan_iter(match="t1:ctr:2:*") if not k.endswith(b":meta"))
+    stored = sum(emb.client.hlen(k) for k in emb.client.scan_iter(match="t1:ctr:2:*")
+                 if not k.endswith(b":meta") and b"~" not in k)  # the rows, not their training state
     assert stored == changed < sum(len(t) for t in child.tables.values())
     assert any(len(r.removed) for r in export_rows(delta).values()), "the test's delta should evict rows"
     ex = synthetic(400, seed=9, users=400, items=1000, long_history=True)  # ids known, unknown and evicted
@@ -96,6 +99,50 @@ def test_a_version_in_the_store_serves_the_in_memory_models_scores(redis_stack: 
     assert rebuilt.spec == child.spec
     for a, b in zip(rebuilt.dense_weights(), child.dense_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_an_incremental_run_from_the_store_changes_what_one_from_the_whole_parent_does(redis_stack: Settings,
+                                                                                       tmp_path: Path) -> None:
+    """Continued from the store, a run reads only the rows its window touches, with their accumulators, steps and
+    admission counters; trained on the window, it changes exactly the rows, state and dense weights the whole
+    parent trained on it does. Its delta is the next version in the store, which a later run continues."""
+    s = override(redis_stack, "sparse_tier", key_prefix="t-pull")
+    model = CtrModel(SPEC)  # no eviction: a run continued from the store never sweeps every row
+    model.fit(synthetic(3000, seed=1, users=300, items=800, long_history=True), progress=False)
+    publish(s, "1", "", model.save(tmp_path / "v1"), None, keep=set())
+    window = synthetic(400, seed=5, users=300, items=800, long_history=True)
+    whole, pulled = CtrModel.load(tmp_path / "v1"), pull(s, "1", window)
+    assert pulled is not None and pulled.versions() == whole.versions()
+    for name in TABLES:
+        assert len(pulled.tables[name]) <= len(whole.tables[name])
+    assert 0 < len(pulled.tables["item"]) < len(whole.tables["item"]) / 2
+    assert pulled.tables["item"].pending, "ids seen once in v1 come with their admission counters"
+    np.testing.assert_array_equal(pulled.predict(window), whole.predict(window))
+    since = whole.versions()
+    for continued, out in ((whole, "whole"), (pulled, "pulled")):
+        continued.fit(window, progress=False)
+        continued.save_delta(tmp_path / out, since)
+    for name in TABLES:
+        a, b = (load_snapshot(tmp_path / out / f"sparse-{name}.npz") for out in ("whole", "pulled"))
+        assert len(a.ids) and a.equals(b), name
+    for a, b in zip(whole.dense_weights(), pulled.dense_weights()):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(pulled.predict(window), whole.predict(window))  # the gate's scores: the window's
+    later = synthetic(400, seed=6, users=300, items=800, long_history=True)
+    # The pulled run's delta as v2 (its export is the delta): a run continued from v2 reads v2's rows.
+    assert publish(s, "2", "1", tmp_path / "pulled", tmp_path / "pulled", keep=set()).parent == "1"
+    again = pull(s, "2", later)
+    assert again is not None and again.versions() == whole.versions()
+    for name in TABLES:
+        got, full = again.tables[name].snapshot(), whole.tables[name].snapshot()
+        at = {id_: n for n, id_ in enumerate(full.ids)}
+        rows = [at[id_] for id_ in got.ids]
+        for part in ("values", "accumulators", "last_seen"):
+            np.testing.assert_array_equal(getattr(got, part), getattr(full, part)[rows], err_msg=f"{name} {part}")
+        counts = dict(zip(full.pending_ids, full.pending_counts))
+        assert all(counts[i] == c for i, c in zip(got.pending_ids, got.pending_counts)), name
+    # Past max_lineage the next version is written whole, which needs every row: no pull.
+    assert pull(override(s, "sparse_tier", max_lineage=2), "2", later) is None
 
 
 def test_rows_are_packed_close_to_their_bytes(redis_stack: Settings, versions) -> None:
