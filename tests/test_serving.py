@@ -78,7 +78,7 @@ def _register(s: Settings, label: str, export: Path, tags: dict[str, str] | None
         if delta is not None:
             mlflow.log_artifacts(str(delta), "delta")
             extra["sparse_delta"] = f"runs:/{mlflow.active_run().info.run_id}/delta"
-        return log_model(s, export, {"kind": "ranker", "data_start": "", "data_end": ""} | extra)
+        return log_model(s, export, {"kind": "ranker", "data_start": "", "data_end": ""} | extra, delta_dir=delta)
 
 
 def _write_features(s: Settings) -> None:

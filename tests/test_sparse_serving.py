@@ -1,8 +1,8 @@
 """The ranking server with the sparse tier on (`sparse_tier.enabled`), its embedding store a Redis of its own:
 registration writes a full version and an incremental one's delta, the server reads them from the store
 with the scores of the same version held whole, a delta reaches every worker before the swap, a rollback
-is sub-second, and a kill -9 of the store under concurrent load answers no 500 (default rows, counted)
-and recovers when it is back."""
+is sub-second, a run continued from the store registers only its delta and loads whole, and a kill -9 of
+the store under concurrent load answers no 500 (default rows, counted) and recovers when it is back."""
 
 from __future__ import annotations
 
@@ -18,13 +18,15 @@ from pathlib import Path
 
 import httpx
 import keras
+import mlflow
+import numpy as np
 import pytest
 
 from infra import process, stack
 from infra.settings import Settings, override
 from models.ctr import CtrModel
-from models.registry import CHAMPION, connect
-from models.sparse_tier import announce, export_rows, store
+from models.registry import CHAMPION, connect, load_version, log_model, version_tags
+from models.sparse_tier import announce, export_rows, pull, store
 from tests.conftest import running_stack
 from tests.test_serving import SPEC, USERS, _examples, _register, _request, _write_features
 
@@ -135,6 +137,27 @@ def test_a_delta_reaches_every_worker_and_a_rollback_is_sub_second(tier: Tier) -
     _serving(t, "v1")  # the rollback: both warm, v1's rows read from the store as they were
     assert time.monotonic() - started < 1.5
     assert _scores(t, [_request(u, 30) for u in range(USERS)]) != v2_scores
+
+
+def test_a_run_continued_from_the_store_registers_its_delta_and_loads_whole(tier: Tier, tmp_path: Path) -> None:
+    """An incremental run continued from the store (only the rows its window touches) registers its delta as
+    its export: the store holds it as v2's delta, and MLflow loads it whole through v2, with the scores of the
+    same run continued from v2 held whole, on ids outside its window too."""
+    t, v2 = tier, tier.versions["v2"]
+    window = _examples(60, seed=3)
+    whole, pulled = load_version(t.s, v2), pull(t.s, v2, window)
+    assert pulled is not None and 0 < len(pulled.tables["item"]) < len(whole.tables["item"])
+    since = whole.versions()
+    for model in (whole, pulled):
+        model.fit(window, progress=False)
+    pulled.save_delta(tmp_path / "delta", since)
+    mlflow.set_experiment(t.s.models.experiment)
+    with mlflow.start_run(run_name="v3-from-store"):
+        v3 = log_model(t.s, tmp_path / "delta", {"kind": "ranker", "data_start": "", "data_end": "",
+                                                 "parent_version": v2}, delta_dir=tmp_path / "delta", base=v2)
+    assert store(t.s).info(v3).parent == v2 and version_tags(t.s, v3)["sparse_base"] == v2
+    later = _examples(600, seed=4)
+    np.testing.assert_allclose(load_version(t.s, v3).predict(later), whole.predict(later), rtol=0, atol=1e-6)
 
 
 def test_a_killed_store_under_load_gives_default_rows_never_a_500(tier: Tier) -> None:
