@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 FLYWHEEL := .venv/bin/flywheel
 
-.PHONY: setup demo test test-fast test-cluster chaos up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-sparse bench-retrieval bench-report lock clean
+.PHONY: setup demo test test-fast test-cluster chaos up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-sparse bench-sparse-pull bench-retrieval bench-report lock clean
 
 setup:  ## install both environments and the Flink connector jars from the lock files
 	@bash infra/setup.sh
@@ -51,6 +51,9 @@ bench-serving: setup  ## model limit vs server throughput at p99 <= 50 ms; batch
 
 bench-sparse: setup  ## the sparse tier: 50M ids in a Redis of their own served by the real server vs tables in each worker, a 1M-row delta (~10 min, ~8 GB)
 	.venv/bin/python -m benchmarks.sparse $(ARGS)
+
+bench-sparse-pull: setup  ## an incremental run's warm start: its window's rows pulled from the store vs its parent whole (~2 min)
+	.venv/bin/python -m benchmarks.sparse_pull $(ARGS)
 
 bench-retrieval: setup  ## recall@20 / NDCG@20 of two-tower, graph, merged and popular candidates beside baselines, on the dataset's split (no stack)
 	.venv/bin/python -m benchmarks.retrieval $(ARGS)
