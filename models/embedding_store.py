@@ -310,8 +310,9 @@ class EmbeddingStore:
                 on_delta(info, rows)
             return self._write(info, spec, dense, rows.items())
         tables = full()
+        stateful = bool(tables) and all(rows.state is not None for rows in tables.values())
         return self.write_full(version, dim, spec, dense, {name: len(rows.ids) for name, rows in tables.items()},
-                               tables.items(), stateful=bool(tables) and all(r.state is not None for r in tables.values()))
+                               tables.items(), stateful)
 
     def write_full(self, version: str, dim: int, spec: str, dense: bytes, counts: dict[str, int],
                    chunks: Iterable[tuple[str, TableRows]], stateful: bool = False) -> VersionInfo:

@@ -4,8 +4,9 @@ through the promotion gate or a recorded rollback.
 Lineage lives in version tags: `data_start`/`data_end` (the training window; `data_end` is the
 watermark incremental training continues from), `eval_start`/`eval_end` (the window the gate
 compares on), `parent_version` (incremental runs), `sparse_base` (an incremental run continued from the
-embedding store: its export holds only its delta, which loading applies to the parent's), `kind`. Gate decisions and rollbacks are tags too
-(`gate_decision`, `gate_reason`, `gate_guardrail` of a refusal, `previous_champion`, `rolled_back_*`).
+embedding store: its export holds only its delta, which loading applies to the parent's), `kind`. Gate
+decisions and rollbacks are tags too (`gate_decision`, `gate_reason`, `gate_guardrail` of a refusal,
+`previous_champion`, `rolled_back_*`).
 
 A promoted ranker starts a canary (settings.canary, serving/canary.py): @control names the champion before
 it, which keeps serving the users outside the new champion's share (the registered model's tag

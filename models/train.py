@@ -6,7 +6,8 @@ until the validation AUC stops improving (at most `models.max_epochs`), the gate
 Incremental training: warm start from `@champion`, train one pass over the events since its data
 watermark (the oldest 80%), gate on the newest 20%; the version also carries the sparse delta
 against its parent. With the sparse tier on, the warm start reads only the rows the window touches from
-the embedding store (`sparse_tier.pull`), and the version's export is its delta. Nothing moves `@champion` unless the gate passes.
+the embedding store (`sparse_tier.pull`), and the version's export is its delta. Nothing moves
+`@champion` unless the gate passes.
 """
 
 from __future__ import annotations
@@ -161,8 +162,8 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
         return None
     check_labels(train, f"new events {window}")
     check_labels(evaluation, f"evaluation part of {window}")
-    model, pulled = _continue(s, parent, ex)
-    parent_scores = model.predict(evaluation)  # the champion's scores for the gate, before any step
+    model, pulled = _warm_start(s, parent, ex)
+    scored = {parent: model.predict(evaluation)} if promote else {}  # the gate's champion, before any step
     base_versions = model.versions()
     mlflow.set_experiment(s.models.experiment)
     with mlflow.start_run(run_name=f"incremental-{model.spec.kind}"), tempfile.TemporaryDirectory() as tmp:
@@ -186,12 +187,12 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
             "eval_start": eval_span[0], "eval_end": eval_span[1], "parent_version": parent,
             "sparse_delta": f"runs:/{mlflow.active_run().info.run_id}/delta", **_terms_tags(model.spec)},
             delta_dir=delta, base=parent if pulled else None)
-    decision = (gate(s, version, model, evaluation, f"newest 20% of {window}", {parent: parent_scores})
+    decision = (gate(s, version, model, evaluation, f"newest 20% of {window}", scored)
                 if promote else None)
     return TrainOutcome(version, decision, metrics, window, samples_per_s)
 
 
-def _continue(s: Settings, parent: str, ex: Examples) -> tuple[CtrModel, bool]:
+def _warm_start(s: Settings, parent: str, ex: Examples) -> tuple[CtrModel, bool]:
     """The model an incremental run on `ex` starts from, and whether it came from the embedding store (only
     the rows `ex` touches, with their training state) rather than the registry (the parent whole)."""
     if s.sparse_tier.enabled:
