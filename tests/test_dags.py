@@ -213,18 +213,38 @@ def test_incremental_training_skips_when_there_is_no_new_data(platform: Platform
 
 
 @pytest.mark.stack
-def test_incremental_training_continues_the_champion_and_publishes_its_delta(platform: Platform,
-                                                                             later_traffic: int) -> None:
+def test_incremental_training_continues_the_champion_and_publishes_its_delta(platform: Platform, later_traffic: int,
+                                                                             tmp_path: Path) -> None:
+    """With the sparse tier on for this run and v1 in the embedding store as registration writes it, the run
+    continues v1 from the store (only its window's rows) and registers its delta, which MLflow resolves
+    through v1: the version is v1 continued whole on the same window."""
+    import numpy as np
+
+    from models.dataset import Window, training_set
+    from models.registry import load_version
+    from models.sparse_tier import publish, store
+
     s = platform.s
+    tier = override(s, "sparse_tier", enabled=True)
+    publish(tier, "1", "", load_version(s, "1").save(tmp_path / "v1"), None, keep={"1"})
     # A tolerance that admits any candidate, so this run is promoted and the rollback below has a
     # previous champion to return to.
-    run = run_dag(platform.environ, "incremental_training", FLYWHEEL_MODELS_MAX_AUC_DROP="1.0")
+    run = run_dag(platform.environ, "incremental_training", FLYWHEEL_MODELS_MAX_AUC_DROP="1.0",
+                  FLYWHEEL_SPARSE_TIER_ENABLED="true")
     assert run["tasks"] == {"train": "success", "promotion_asked": "success", "gate": "success"}, run
     tags = version_tags(s, "2")
     assert tags["parent_version"] == "1" and tags["data_start"] == version_tags(s, "1")["data_end"]
     assert datetime.fromisoformat(tags["eval_start"]).timestamp() * 1000 >= later_traffic
     assert tags["sparse_delta"].startswith("runs:/") and tags["sparse_delta"].endswith("/delta")
     assert tags["previous_champion"] == "1" and alias_version(connect(s), s.models.name, CHAMPION) == "2"
+    client = connect(s)
+    params = client.get_run(client.get_model_version(s.models.name, "2").run_id).data.params
+    assert params["warm_start"] == "store" and tags["sparse_base"] == "1" and store(tier).info("2").parent == "1"
+    window = Window(datetime.fromisoformat(tags["data_start"]), datetime.fromisoformat(tags["data_end"]))
+    ex, _ = training_set(s, window, s.streaming.sequence_length)
+    whole = load_version(s, "1")
+    whole.fit(ex.take(slice(0, int(len(ex) * 0.8))), progress=False)  # train_incremental's training part
+    np.testing.assert_allclose(load_version(s, "2").predict(ex), whole.predict(ex), rtol=0, atol=1e-6)
 
 
 @pytest.mark.stack
