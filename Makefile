@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 FLYWHEEL := .venv/bin/flywheel
 
-.PHONY: setup demo test test-fast test-cluster chaos up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-sparse bench-sparse-pull bench-retrieval bench-report lock clean
+.PHONY: setup demo test test-fast test-cluster chaos up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-sparse bench-sparse-pull bench-retrieval bench-report lock lock-jars clean
 
 setup:  ## install both environments and the Flink connector jars from the lock files
 	@bash infra/setup.sh
@@ -64,6 +64,9 @@ bench-report: setup  ## every suite and the demo, one run: docs/benchmarks.md an
 lock:  ## re-resolve both lock files after editing a pyproject.toml
 	.tools/bin/uv lock
 	.tools/bin/uv lock --project infra/envs/flink
+
+lock-jars: setup  ## re-resolve infra/jars.toml (the broker's and the connector's jars, with Maven) after editing its roots
+	.venv/bin/python -m infra.maven lock
 
 clean: down
 	rm -rf .flywheel

@@ -118,13 +118,9 @@ def up() -> None:
 @_DATASET
 def down() -> None:
     """Stop the services `up` started for this data directory."""
-    from infra.stack import down as stack_down, unarchived
+    from infra.stack import down as stack_down
 
     s = _settings()
-    for archive, lost in unarchived(s).items():
-        click.echo(f"warning: {lost} records in Kafka are not in the {archive} yet; the local broker keeps topics "
-                   f"in memory, so they are lost when it stops (a Kafka cluster, kafka.bootstrap_servers, keeps "
-                   f"them)", err=True)
     stopped = stack_down(s)
     click.echo(f"stopped {', '.join(stopped)}" if stopped else "nothing was running")
 

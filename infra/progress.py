@@ -108,11 +108,11 @@ def read_progress(s: Settings, service: str) -> Progress | None:
 
 
 def consumer_lag(s: Settings, group: str, topics: Sequence[str], timeout_s: float = 5.0) -> int:
-    """Records in `topics` past `group`'s committed offsets. On the embedded broker the log's end is
-    read by ListOffsets, which it answers with the last batch's first offset + 1: up to a batch less."""
+    """Records in `topics` past `group`'s committed offsets."""
     from confluent_kafka import Consumer, TopicPartition  # librdkafka: only when a health check asks
 
-    consumer = Consumer(s.kafka.client_options("librdkafka") | {"group.id": group, "enable.auto.commit": False})
+    consumer = Consumer(s.kafka.client_options("librdkafka", "admin") | {"group.id": group,
+                                                                         "enable.auto.commit": False})
     try:
         partitions = [TopicPartition(topic, p) for topic in topics
                       for p in consumer.list_topics(topic, timeout=timeout_s).topics[topic].partitions]
@@ -125,14 +125,14 @@ def consumer_lag(s: Settings, group: str, topics: Sequence[str], timeout_s: floa
         consumer.close()
 
 
-def topic_id(s: Settings, topic: str) -> str | None:
+def topic_id(s: Settings, topic: str, role: str = "admin") -> str | None:
     """The topic's id on the broker: a topic deleted and created again (every topic of a restarted embedded
     broker) has a new one. None when the broker does not say (kafka-python: both environments have it)."""
     from kafka import KafkaAdminClient
     from kafka.errors import KafkaError
 
     try:
-        admin = KafkaAdminClient(**s.kafka.client_options("kafka-python"), request_timeout_ms=5000)
+        admin = KafkaAdminClient(**s.kafka.client_options("kafka-python", role), request_timeout_ms=5000)
     except KafkaError:
         return None
     try:

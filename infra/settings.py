@@ -90,53 +90,70 @@ class KafkaSettings:
     partitions: int = 4
     replication_factor: int = 1
     max_event_bytes: int = 64 * 1024  # larger events are refused (producer) or dead-lettered (consumer)
+    # Each platform client connects as its role's principal (infra/kafka_auth.py). The local stack's broker
+    # asks for SCRAM-SHA-512: unset here, each role logs in as a user of its name with the password in
+    # `credentials_dir`/<role> (generated, mode 600). For a cluster of your own, set the mechanism and
+    # either one user for every role (sasl_username/sasl_password) or `credentials_dir` with a file per role.
     security_protocol: str = "PLAINTEXT"
     sasl_mechanism: str = ""
     sasl_username: str = ""
     sasl_password: str = ""  # from config/env only
-    # Tansu's JoinGroup waits about half the session timeout: keep it short.
+    credentials_dir: str = ""
     session_timeout_ms: int = 6000
     heartbeat_interval_ms: int = 2000
-    # How long the embedded broker holds a fetch of the stream's own consumers (the feature ingestor, the
-    # near-line embedder) when there is nothing new: Tansu answers a fetch on a quiet topic only after
-    # the whole wait, so a quiet stream's freshness grows by up to this, and each fetch costs it ~1.7 ms
-    # of CPU (20 ms: 16 % of a core with nothing flowing, 100 ms: 7 %; a quiet stream's event online
-    # in a median 187 vs 194 ms, at most 311 vs 365 ms; docs/benchmarks.md).
+    # How long the broker holds a fetch of the stream's own consumers (the feature ingestor, the near-line
+    # embedder) when there is nothing new: a quiet stream's freshness grows by up to this.
     fetch_wait_ms: int = 100
+    # The local broker (Apache Kafka in KRaft mode, infra/kafka_broker.py): its JVM heap, and how often its
+    # log is fsynced (records acknowledged but not yet synced are lost to a power cut, not to a crash of
+    # the process: the OS holds them).
+    broker_heap: str = "512m"
+    flush_interval_ms: int = 1000
 
     def dlq_topic(self, topic: str) -> str:
         return topic + self.dlq_suffix
 
-    def stream_consumer(self, group: str) -> dict[str, Any]:
+    def stream_consumer(self, group: str, role: str = "pipeline") -> dict[str, Any]:
         """librdkafka options of a consumer of the platform's topics that commits its own offsets after
         writing (the ingestor, the embedder, the archives): from the earliest record, fetches held
         `fetch_wait_ms`."""
-        return self.client_options("librdkafka") | {
+        return self.client_options("librdkafka", role) | {
             "group.id": group, "enable.auto.commit": False, "auto.offset.reset": "earliest",
             "fetch.wait.max.ms": self.fetch_wait_ms, "session.timeout.ms": self.session_timeout_ms,
             "heartbeat.interval.ms": self.heartbeat_interval_ms}
 
-    def client_options(self, client: KafkaClient) -> dict[str, Any]:
-        """Connection and security options, in the spelling of `client`: "kafka-python" (consumers,
-        admin tools), "librdkafka" (confluent-kafka producers, where throughput matters) or "java"
-        (Apache Kafka client properties: the Flink connector prefixes them with `properties.`)."""
+    def credentials(self, role: str) -> tuple[str, str]:
+        """(user, password) of `role` (infra/kafka_auth.py), or of the one configured user."""
+        from infra.kafka_auth import ROLES
+
+        if role not in ROLES:
+            raise ValueError(f"unknown Kafka role {role!r}; known: {list(ROLES)}")
+        if not self.credentials_dir:
+            return self.sasl_username, self.sasl_password
+        return role, local_secret(Path(self.credentials_dir) / role)
+
+    def client_options(self, client: KafkaClient, role: str = "producer") -> dict[str, Any]:
+        """Connection and security options of `role`'s principal (by default an outside producer of
+        events), in the spelling of `client`: "kafka-python" (consumers, admin tools), "librdkafka"
+        (confluent-kafka producers, where throughput matters) or "java" (Apache Kafka client properties:
+        the Flink connector prefixes them with `properties.`)."""
         if client not in ("kafka-python", "librdkafka", "java"):
             raise ValueError(f"unknown Kafka client {client!r}")
+        user, password = self.credentials(role)
         if client == "kafka-python":
             config: dict[str, Any] = {"bootstrap_servers": self.bootstrap_servers.split(","),
                                       "security_protocol": self.security_protocol}
             if self.sasl_mechanism:  # kafka-python names the SCRAM credentials "plain" too
-                config |= {"sasl_mechanism": self.sasl_mechanism, "sasl_plain_username": self.sasl_username,
-                           "sasl_plain_password": self.sasl_password}
+                config |= {"sasl_mechanism": self.sasl_mechanism, "sasl_plain_username": user,
+                           "sasl_plain_password": password}
             return config
         config = {"bootstrap.servers": self.bootstrap_servers, "security.protocol": self.security_protocol}
         if not self.sasl_mechanism:
             return config
         if client == "librdkafka":
-            return config | {"sasl.mechanism": self.sasl_mechanism, "sasl.username": self.sasl_username,
-                             "sasl.password": self.sasl_password}
+            return config | {"sasl.mechanism": self.sasl_mechanism, "sasl.username": user, "sasl.password": password}
         module = "plain.PlainLoginModule" if self.sasl_mechanism == "PLAIN" else "scram.ScramLoginModule"
-        user, password = (v.replace("\\", "\\\\").replace('"', '\\"') for v in (self.sasl_username, self.sasl_password))
+        user, password = (v.replace("\\", "\\\\").replace('"', '\\"') for v in (user, password))
         return config | {"sasl.mechanism": self.sasl_mechanism, "sasl.jaas.config":
                          f'org.apache.kafka.common.security.{module} required username="{user}" password="{password}";'}
 
@@ -285,13 +302,6 @@ class FlinkSettings:
     @property
     def api_host_port(self) -> tuple[str, int]:
         return _host_port(self.api_url, default_port=8082)
-
-    connector_wheel: str = "shigawire-apache-flink-libraries==2.0.0.post1"
-    # jar name inside the wheel's pyflink/lib/ -> sha256 it must have
-    connector_jars: tuple[tuple[str, str], ...] = (
-        ("flink-connector-kafka.jar", "842885a51c768b2f31c946a2071656c166ee8cc6d3c02fe6c557e134e03bf228"),
-        ("kafka-clients.jar", "7568b998572d256f0b7bc0afdc1b7a2588b8b08415c62ce314c864a6851ae9d9"),
-    )
 
 
 @dataclass(frozen=True)
@@ -635,7 +645,7 @@ def load_settings(environ: dict[str, str] | None = None, config_file: Path | Non
         f.name: _section(type(getattr(Settings(), f.name)), f.name, file_values.get(f.name, {}), environ)
         for f in dataclasses.fields(Settings)
     }
-    settings = Settings(**built)
+    settings = _with_local_kafka_credentials(Settings(**built))
     if settings.redis.cluster_nodes and not settings.graph.redis_url:
         raise SettingsError("redis.cluster_nodes: the graph store cannot shard; give it a Redis of its own "
                             "(graph.redis_url, a server with the FalkorDB module)")
@@ -647,6 +657,15 @@ def load_settings(environ: dict[str, str] | None = None, config_file: Path | Non
     if bad:
         raise SettingsError(f"stack.services: unknown services {sorted(bad)}; known: {list(LOCAL_SERVICES)}")
     return settings
+
+
+def _with_local_kafka_credentials(s: Settings) -> Settings:
+    """The local stack's broker asks every client for SCRAM credentials of its role, kept in its data
+    directory, unless the config names a mechanism of its own."""
+    if "kafka" not in s.stack.services or s.kafka.sasl_mechanism or s.kafka.credentials_dir:
+        return s
+    return override(s, "kafka", security_protocol="SASL_PLAINTEXT", sasl_mechanism="SCRAM-SHA-512",
+                    credentials_dir=str(s.paths.service_dir("kafka") / "credentials"))
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

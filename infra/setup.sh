@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything Flywheel needs on a fresh machine, from the committed lock files:
-# uv (pinned) -> platform env (.venv) -> Flink env (.venv-flink) -> Flink Kafka connector jars and the
-# stream job's Java functions (streaming/java, built against the Flink env's jars).
+# uv (pinned) -> platform env (.venv) -> Flink env (.venv-flink) -> the Kafka broker's jars and the Flink
+# Kafka connector's (Maven Central, checked against infra/jars.toml) -> the stream job's Java functions
+# (streaming/java, built against the Flink env's jars).
 # Idempotent: a second run checks and changes nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,5 +28,6 @@ UV=.tools/bin/uv
 # and Feast; from source (no cache, or PYTHONDONTWRITEBYTECODE set) that alone is ~35 s of CPU per process.
 "$UV" sync --frozen --quiet --compile-bytecode --python "$PYTHON"
 UV_PROJECT_ENVIRONMENT="$PWD/.venv-flink" "$UV" sync --frozen --quiet --compile-bytecode --python "$PYTHON" --project infra/envs/flink
+.venv/bin/python -m infra.kafka_broker install
 .venv/bin/python -m infra.flink_jars "$(.venv-flink/bin/python -c 'import pyflink, os; print(os.path.join(os.path.dirname(pyflink.__file__), "lib"))')"
 echo "setup: platform env .venv, flink env .venv-flink ready"

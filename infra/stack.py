@@ -222,8 +222,8 @@ ARCHIVES = ("event-log", "prediction-archive")  # consumers that keep a topic's 
 
 def unarchived(s: Settings, wait_s: float = 10.0) -> dict[str, int]:
     """Per running archive (ARCHIVES): records in Kafka it has not written yet, once it has had up to
-    `wait_s` to catch up. The embedded broker keeps topics in memory, so stopping it loses those. Empty
-    when there is nothing to tell (no local broker, no archive running, or the broker did not answer)."""
+    `wait_s` to catch up (a summary of what is offline waits for them). Empty when there is nothing to
+    tell (no local broker, no archive running, or the broker did not answer)."""
     if "kafka" not in s.stack.services:
         return {}
     running = [svc.name for svc in enabled_services(s) if svc.name in ARCHIVES and _running(s, svc) is not None]

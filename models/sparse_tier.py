@@ -146,7 +146,7 @@ def announce(s: Settings, info: VersionInfo, tables: dict[str, TableRows]) -> in
     size = s.sparse_tier.delta_part_rows
     ensure_topics(s, [s.sparse_tier.deltas_topic])
     parts = [(name, a) for name, rows in tables.items() for a in range(0, max(len(rows.ids), 1), size)]
-    producer = confluent_kafka.Producer(s.kafka.client_options("librdkafka") | PRODUCER_OPTIONS |
+    producer = confluent_kafka.Producer(s.kafka.client_options("librdkafka", "trainer") | PRODUCER_OPTIONS |
                                         {"compression.type": "lz4", "linger.ms": 20})
     now = int(time.time() * 1000)
     for n, (name, a) in enumerate(parts):

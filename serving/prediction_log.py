@@ -35,7 +35,7 @@ PROBE_S = 2.0  # while down, how often a metadata request asks whether a broker 
 class PredictionLog:
     def __init__(self, s: Settings) -> None:
         self.topic = s.serving.predictions_topic
-        self._producer = confluent_kafka.Producer(s.kafka.client_options("librdkafka") | PRODUCER_OPTIONS | {
+        self._producer = confluent_kafka.Producer(s.kafka.client_options("librdkafka", "serving") | PRODUCER_OPTIONS | {
             "enable.idempotence": False, "queue.buffering.max.messages": 100_000, "compression.type": "lz4",
             "linger.ms": 50, "error_cb": self._error})
         self.up = True

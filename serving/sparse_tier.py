@@ -272,7 +272,7 @@ class DeltaListener:
     def _run(self) -> None:
         # Every worker reads every part: the topic's partitions assigned from their ends, no group to join
         # (a join takes seconds, and messages sent meanwhile would be skipped).
-        consumer = confluent_kafka.Consumer(self.s.kafka.client_options("librdkafka") | {
+        consumer = confluent_kafka.Consumer(self.s.kafka.client_options("librdkafka", "serving") | {
             "group.id": f"sparse-deltas-{socket.gethostname()}-{os.getpid()}", "enable.auto.commit": False,
             "fetch.wait.max.ms": 50, "fetch.max.bytes": 16 << 20})
         try:

@@ -58,12 +58,13 @@ class EventConsumer:
 
     def __init__(self, s: Settings, group_id: str, topic: str | None = None, *, dead_letter: bool = True,
                  decoder: Callable[[bytes | None], Any] | None = None, count_lost: bool = False,
-                 ledger: Path | None = None, **client_overrides: object):
+                 ledger: Path | None = None, role: str = "pipeline", **client_overrides: object):
         """`dead_letter=False` skips invalid records (counted in `invalid`) for a reader that is not
         their owner: the stream job dead-letters the events topic, so the event log only skips.
         `decoder` reads another topic's records (raising InvalidEvent); events by default.
         `ledger` (with `count_lost`): a file that keeps `lost` and what it is counted from (the committed
-        positions, the log ends seen) across this consumer's restarts, rewritten at each commit."""
+        positions, the log ends seen) across this consumer's restarts, rewritten at each commit.
+        `role`: the Kafka principal it reads (and dead-letters) as (infra/kafka_auth.py)."""
         self.topic, self.group = topic or s.kafka.events_topic, group_id
         self.dead_letter = dead_letter
         self.invalid = 0
@@ -72,8 +73,8 @@ class EventConsumer:
         types = s.spec.type_names
         self.decoder = decoder or (lambda value: decode(value, self.max_bytes, types))
         self.dead_lettered = 0
-        # A restarted embedded broker comes back with its topics empty (a new incarnation): what it held
-        # past what this consumer had read is gone. With `count_lost`, `lost` counts it up to the log ends
+        # A broker that comes back with a topic empty (a new incarnation: one that lost its log) has lost
+        # what it held past what this consumer had read. With `count_lost`, `lost` counts it up to the log ends
         # last seen (a lower bound: what was acknowledged after the last fetch is not seen), looked at by
         # a thread of its own: a consumer busy writing, or niced on a busy host, still knows them.
         # A consumer restarted with the broker (by `up`, unhealthy after the crash) counts from its ledger:
@@ -88,10 +89,10 @@ class EventConsumer:
         if self._ledger is not None:
             self._resume(self._ledger)
         # Not on a freshness path (the archives): librdkafka's default fetch wait, the broker's CPU spared.
-        options = s.kafka.stream_consumer(group_id) | {"fetch.wait.max.ms": 500} | client_overrides
+        options = s.kafka.stream_consumer(group_id, role) | {"fetch.wait.max.ms": 500} | client_overrides
         self._consumer = Consumer(options)
         self._consumer.subscribe([self.topic])
-        self._dlq = Producer(s.kafka.client_options("librdkafka") | {"acks": "all", "linger.ms": 5})
+        self._dlq = Producer(s.kafka.client_options("librdkafka", role) | {"acks": "all", "linger.ms": 5})
         self._dlq_errors: list[KafkaError] = []
         self._prober = threading.Thread(target=self._probe_log_ends, name="log-end-probe", daemon=True)
         if count_lost:

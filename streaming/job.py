@@ -35,7 +35,7 @@ from pyflink.table import Schema, StreamTableEnvironment, Table
 from infra import flink_rest
 from infra.dataset import JVM_SEPARATOR
 from infra.flink_cluster import EVENTS_TOPIC_ID, rest_options
-from infra.flink_jars import udf_jar
+from infra.flink_jars import connector_jars, udf_jar
 from infra.progress import topic_id
 from infra.settings import Settings, get_settings
 from streaming.events import DLQ_OFFSET, DLQ_ORIGINAL_SIZE, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC
@@ -52,7 +52,7 @@ def latest_checkpoint(s: Settings) -> Path | None:
 
 def table_environment(s: Settings, events_topic_id: str) -> StreamTableEnvironment:
     jars = ";".join(f"file://{jar}" for jar in
-                    [*(s.paths.flink_jars_dir / name for name, _ in s.flink.connector_jars), udf_jar(s)])
+                    [*connector_jars(s), udf_jar(s)])
     tmp = s.paths.service_dir("flink") / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     options = {
@@ -135,7 +135,7 @@ def _in(names: tuple[str, ...]) -> str:
 
 def _kafka(s: Settings, topic: str) -> str:
     """Connector options for `topic`, with the same connection settings as every other client."""
-    options = {"topic": topic} | {f"properties.{k}": v for k, v in s.kafka.client_options("java").items()}
+    options = {"topic": topic} | {f"properties.{k}": v for k, v in s.kafka.client_options("java", "stream").items()}
     return ", ".join(f"'{k}' = {_sql_string(v)}" for k, v in options.items())
 
 
@@ -179,7 +179,7 @@ PARSED = "reason, event_id, user_id, item_id, event_type, event_time, category"
 def _properties(s: Settings):
     """The Kafka clients' options as a java.util.Properties (the Java connector's and admin's builders)."""
     props = get_gateway().jvm.java.util.Properties()
-    for key, value in s.kafka.client_options("java").items():
+    for key, value in s.kafka.client_options("java", "stream").items():
         props.setProperty(key, str(value))
     return props
 
@@ -264,7 +264,7 @@ def feature_queries(s: Settings) -> list[str]:
 def build(s: Settings, events_topic_id: str | None = None) -> StreamTableEnvironment:
     """The job's tables and functions, reading the events topic of `events_topic_id`: the broker's is asked
     for when none is given (given, the plan is built without a broker)."""
-    events_topic_id = events_topic_id or topic_id(s, s.kafka.events_topic)
+    events_topic_id = events_topic_id or topic_id(s, s.kafka.events_topic, "stream")
     if events_topic_id is None:
         raise RuntimeError(f"the broker at {s.kafka.bootstrap_servers} does not describe the events topic "
                            f"{s.kafka.events_topic!r}")

@@ -24,13 +24,17 @@ PRODUCER_OPTIONS = {
 class EventProducer:
     """Sends Events to a topic; an invalid event raises InvalidEvent and is not sent."""
 
-    def __init__(self, s: Settings, topic: str | None = None, **librdkafka_overrides: object):
+    def __init__(self, s: Settings, topic: str | None = None, role: str | None = None,
+                 **librdkafka_overrides: object):
         self.topic = topic or s.kafka.events_topic
+        # An outside producer writes only the events topic; a topic of another name is an operator's own
+        # (a test's, a replay's), written as the admin.
+        role = role or ("producer" if self.topic == s.kafka.events_topic else "admin")
         self.max_bytes = s.kafka.max_event_bytes
         self.types = s.spec.type_names  # the event types this producer's dataset spec declares
         self.sent = 0
         self._producer = confluent_kafka.Producer(
-            s.kafka.client_options("librdkafka") | PRODUCER_OPTIONS | librdkafka_overrides)
+            s.kafka.client_options("librdkafka", role) | PRODUCER_OPTIONS | librdkafka_overrides)
         self._failures: list[confluent_kafka.KafkaError] = []
 
     def _delivered(self, err: confluent_kafka.KafkaError | None, _msg: object) -> None:

@@ -1,8 +1,7 @@
-"""Topic administration and whole-topic reads that do not depend on ListOffsets.
+"""Topic and ACL administration (as the admin role), and whole-topic reads.
 
-Tansu (the local broker) answers ListOffsets(latest) with the last batch's base offset + 1, so
-`end_offsets()` undercounts there. The high watermark carried by fetch responses is right on every
-broker, so end offsets here are read by fetching.
+End offsets are read from the high watermark fetch responses carry, which is right on every broker
+(some Kafka-protocol brokers answer ListOffsets(latest) with the last batch's base offset + 1).
 """
 
 from __future__ import annotations
@@ -11,19 +10,21 @@ import time
 from collections.abc import Iterator
 
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
-from kafka.admin import NewTopic
+from kafka.admin import (ACL, ACLOperation, ACLPermissionType, ACLResourcePatternType, NewTopic, ResourcePattern,
+                         ResourceType)
 from kafka.errors import TopicAlreadyExistsError
 from kafka.consumer.fetcher import ConsumerRecord
 
+from infra.kafka_auth import acls
 from infra.settings import Settings, get_settings
 from streaming.features import topics
 
 
-def ensure_topics(s: Settings, topics: list[str], partitions: int | None = None) -> set[str]:
+def ensure_topics(s: Settings, topics: list[str], partitions: int | None = None, role: str = "admin") -> set[str]:
     """Create `topics` (and their dead-letter topics) if missing; existing topics are left as they are.
-    Returns the topics this call created."""
+    Returns the topics this call created. A role other than the admin sees only the topics it may use."""
     wanted = set(topics) | {s.kafka.dlq_topic(t) for t in topics if not t.endswith(s.kafka.dlq_suffix)}
-    admin = KafkaAdminClient(**s.kafka.client_options("kafka-python"))
+    admin = KafkaAdminClient(**s.kafka.client_options("kafka-python", role))
     try:
         missing = wanted - set(admin.list_topics())
         for name in sorted(missing):
@@ -33,12 +34,28 @@ def ensure_topics(s: Settings, topics: list[str], partitions: int | None = None)
                 pass  # created concurrently by another client
     finally:
         admin.close()
-    _wait_for_metadata(s, wanted)
+    _wait_for_metadata(s, wanted, role)
     return missing
 
 
-def _wait_for_metadata(s: Settings, topics: set[str], timeout_s: float = 10.0) -> None:
-    consumer = KafkaConsumer(**s.kafka.client_options("kafka-python"))
+def ensure_acls(s: Settings, feature_topics: list[str]) -> int:
+    """Grant every role its ACLs (infra/kafka_auth.py) on the local broker; granting again changes nothing.
+    Returns how many bindings were sent."""
+    wanted = [ACL(a.principal, "*", ACLOperation[a.operation], ACLPermissionType.ALLOW,
+                  ResourcePattern(ResourceType[a.resource], a.name, ACLResourcePatternType[a.pattern]))
+              for a in acls(s, feature_topics)]
+    admin = KafkaAdminClient(**s.kafka.client_options("kafka-python", "admin"))
+    try:
+        result = admin.create_acls(wanted)
+    finally:
+        admin.close()
+    if result["failed"]:
+        raise RuntimeError(f"ACLs refused by the broker: {result['failed'][:3]}")
+    return len(wanted)
+
+
+def _wait_for_metadata(s: Settings, topics: set[str], role: str, timeout_s: float = 10.0) -> None:
+    consumer = KafkaConsumer(**s.kafka.client_options("kafka-python", role))
     try:
         deadline = time.monotonic() + timeout_s
         while any(not consumer.partitions_for_topic(t) for t in topics):
@@ -96,7 +113,7 @@ class _reader:
         self.s, self.topic = s, topic
 
     def __enter__(self) -> tuple[KafkaConsumer, list[TopicPartition]]:
-        self.consumer = KafkaConsumer(**self.s.kafka.client_options("kafka-python"), enable_auto_commit=False,
+        self.consumer = KafkaConsumer(**self.s.kafka.client_options("kafka-python", "admin"), enable_auto_commit=False,
                                       group_id=None, fetch_max_bytes=16 * 1024 * 1024)
         ids = self.consumer.partitions_for_topic(self.topic)
         if not ids:
@@ -115,11 +132,17 @@ def prepare_pipeline(s: Settings) -> None:
     platform's topics must exist with their partitions, since a missing source topic fails a Flink job and
     a topic a client's metadata request creates gets the broker's defaults.
 
-    A recreated events topic (the embedded broker keeps topics in memory, so after a restart they are
-    new) keeps the stream job's checkpoints: the job resumes its aggregates from them and reads the new
-    topic from its start (streaming/job.py, `events_source`).
+    On the stack's own broker, every role is granted its ACLs on them (infra/kafka_auth.py); a cluster of
+    your own keeps the ACLs its administrators give.
+
+    A recreated events topic (a broker that lost its log) keeps the stream job's checkpoints: the job
+    resumes its aggregates from them and reads the new topic from its start (streaming/job.py,
+    `events_source`).
     """
-    ensure_topics(s, [s.kafka.events_topic, *topics()])
+    feature_topics = topics()
+    ensure_topics(s, [s.kafka.events_topic, *feature_topics, s.serving.predictions_topic])
+    if "kafka" in s.stack.services:
+        ensure_acls(s, feature_topics)
 
 
 if __name__ == "__main__":

@@ -6,32 +6,49 @@ from pathlib import Path
 
 import pytest
 
-from infra.flink_jars import ChecksumMismatch, install_connector_jars, verify
+from infra import maven
+from infra.flink_jars import CONNECTOR, install_connector_jars
+from infra.kafka_broker import JARS, jars_dir
+from infra.maven import ChecksumMismatch, Jar, verify
 from infra.settings import load_settings
 from infra.wheels import sha256
 
 
 def test_the_connector_jars_are_installed_with_their_pinned_checksums() -> None:
     s = load_settings()
+    pinned = maven.jar_set(CONNECTOR).jars
     jars = install_connector_jars(s)
-    assert [j.name for j in jars] == [name for name, _ in s.flink.connector_jars]
-    assert [sha256(j) for j in jars] == [digest for _, digest in s.flink.connector_jars]
+    assert [j.name for j in jars] == [jar.file_name for jar in pinned]
+    assert [sha256(j) for j in jars] == [jar.sha256 for jar in pinned]
+    # the official connector for this Flink, beside the kafka-clients it was built with
+    assert [jar.coordinate for jar in pinned] == ["org.apache.flink:flink-connector-kafka:5.0.0-2.2",
+                                                  "org.apache.kafka:kafka-clients:4.2.0"]
+
+
+def test_the_brokers_jars_are_installed_with_their_pinned_checksums() -> None:
+    s = load_settings()
+    broker = maven.jar_set(JARS).jars
+    assert "org.apache.kafka:kafka_2.13:4.4.0" in {jar.coordinate for jar in broker}
+    assert all(sha256(jars_dir(s) / jar.file_name) == jar.sha256 for jar in broker)
 
 
 def test_a_jar_with_another_checksum_is_refused(tmp_path: Path) -> None:
     jar = tmp_path / "flink-connector-kafka.jar"
     jar.write_bytes(b"not the connector")
     with pytest.raises(ChecksumMismatch, match="does not match the pinned"):
-        verify(jar, "842885a51c768b2f31c946a2071656c166ee8cc6d3c02fe6c557e134e03bf228")
+        verify(jar, maven.jar_set(CONNECTOR).jars[0].sha256)
 
 
-def test_a_tampered_installed_jar_is_an_error_and_removed(tmp_path: Path) -> None:
-    s = load_settings({"FLYWHEEL_PATHS_FLINK_JARS_DIR": str(tmp_path)})
-    name, _ = s.flink.connector_jars[0]
-    (tmp_path / name).write_bytes(b"tampered")
+def test_a_tampered_downloaded_jar_is_an_error_and_removed(tmp_path: Path) -> None:
+    pinned = maven.jar_set(CONNECTOR).jars[1]
+    (tmp_path / pinned.file_name).write_bytes(b"tampered")
     with pytest.raises(ChecksumMismatch):
-        install_connector_jars(s)
-    assert not (tmp_path / name).exists()  # the next setup extracts it again
+        maven.fetch(pinned, tmp_path)
+    assert not (tmp_path / pinned.file_name).exists()  # the next setup downloads it again
+    forged = Jar(pinned.coordinate, "0" * 64)  # Maven Central's bytes, another pin: refused, not kept
+    with pytest.raises(ChecksumMismatch):
+        maven.fetch(forged, tmp_path)
+    assert not (tmp_path / pinned.file_name).exists()
 
 
 def test_the_flink_environment_runs_pyflink_2_3_apart_from_the_platform() -> None:

@@ -107,7 +107,7 @@ def test_the_served_auc_per_version_outlives_a_broker_restart(tmp_path: Path) ->
             log.write(record["user_id"], record)
             sent.append(record)
         log.close()
-        raw = Producer(s.kafka.client_options("librdkafka"))
+        raw = Producer(s.kafka.client_options("librdkafka", "serving"))
         raw.produce(s.serving.predictions_topic, b"{not json")
         raw.produce(s.serving.predictions_topic, json.dumps(sent[0] | {"served_at": "yesterday"}).encode())
         not_an_object = {"features": [1]} | {k: v for k, v in sent[1].items() if k != "features"}

@@ -331,7 +331,7 @@ def test_bad_input_gets_a_4xx_and_unknown_ids_defaults(platform: Platform) -> No
 
 
 def _predictions(p: Platform, request_ids: set[str], timeout_s: float = 30) -> list[dict]:
-    consumer = KafkaConsumer(p.s.serving.predictions_topic, **p.s.kafka.client_options("kafka-python"),
+    consumer = KafkaConsumer(p.s.serving.predictions_topic, **p.s.kafka.client_options("kafka-python", "admin"),
                              auto_offset_reset="earliest", enable_auto_commit=False, consumer_timeout_ms=1000)
     found: list[dict] = []
     deadline = time.monotonic() + timeout_s

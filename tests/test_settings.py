@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.settings import SettingsError, load_settings
+from infra.settings import SettingsError, load_settings, to_environ
 
 
 def test_defaults_bind_every_service_to_loopback(tmp_path: Path) -> None:
@@ -50,8 +50,23 @@ def test_the_flink_connector_gets_the_same_credentials_as_a_jaas_line() -> None:
     assert java["security.protocol"] == "SASL_SSL" and java["sasl.mechanism"] == "SCRAM-SHA-512"
     assert java["sasl.jaas.config"] == ('org.apache.kafka.common.security.scram.ScramLoginModule required '
                                         'username="svc" password="p\\"w\\\\d";')
-    plain = load_settings({}, config_file=None).kafka.client_options("java")
+    plain = load_settings({"FLYWHEEL_STACK_SERVICES": "redis"}, config_file=None).kafka.client_options("java")
     assert plain == {"bootstrap.servers": "127.0.0.1:9092", "security.protocol": "PLAINTEXT"}
+
+
+def test_the_local_broker_gives_each_role_its_own_generated_scram_password(tmp_path: Path) -> None:
+    s = load_settings({"FLYWHEEL_PATHS_DATA_DIR": str(tmp_path)}, config_file=None)
+    producer, stream = s.kafka.client_options("librdkafka"), s.kafka.client_options("librdkafka", "stream")
+    assert (producer["security.protocol"], producer["sasl.mechanism"]) == ("SASL_PLAINTEXT", "SCRAM-SHA-512")
+    assert (producer["sasl.username"], stream["sasl.username"]) == ("producer", "stream")
+    assert producer["sasl.password"] != stream["sasl.password"]
+    secret = tmp_path / "kafka" / "credentials" / "producer"
+    assert secret.read_text() == producer["sasl.password"] and secret.stat().st_mode & 0o777 == 0o600
+    # the same password in a child process, which gets the settings through its environment
+    again = load_settings(to_environ(s), config_file=None).kafka.client_options("librdkafka")
+    assert again["sasl.password"] == producer["sasl.password"]
+    with pytest.raises(ValueError, match="unknown Kafka role 'root'"):
+        s.kafka.client_options("librdkafka", "root")
 
 
 @pytest.mark.parametrize("environ, config, message", [

@@ -158,7 +158,7 @@ def test_a_new_events_topic_keeps_the_stream_checkpoints(broker: Settings, tmp_p
     (kept / "_metadata").write_bytes(b"state of the aggregates, offsets of a topic that is gone")
     prepare_pipeline(s)  # creates the events topic
     assert (kept / "_metadata").exists()
-    admin = KafkaAdminClient(**s.kafka.client_options("kafka-python"))
+    admin = KafkaAdminClient(**s.kafka.client_options("kafka-python", "admin"))
     assert s.kafka.events_topic in admin.list_topics()
     admin.close()
 

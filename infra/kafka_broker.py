@@ -1,0 +1,169 @@
+"""The local stack's broker: Apache Kafka in KRaft mode (one process, broker and controller), its log on
+disk in the data directory, SASL/SCRAM-SHA-512 on the client listener and ACLs (infra/kafka_auth.py).
+
+- Listeners, both on the endpoint's host: the client one (`kafka.bootstrap_servers`, SASL_PLAINTEXT with
+  SCRAM-SHA-512) and the controller one (its peer port, SASL_PLAINTEXT with PLAIN: the controller reads
+  the SCRAM users from the metadata log, so its own listener cannot use them). Each node logs in to the
+  controller as `controller`, to brokers as `broker`; both are super users, as is the role `admin`.
+- The storage is formatted once, with a SCRAM user per role (`kafka-storage format --add-scram`), from
+  passwords generated into the data directory (mode 600); the config holding the controller's password
+  is mode 600 too.
+- Durability: a record acknowledged is in the OS's page cache, so a crash of the process loses nothing;
+  the log is fsynced every `kafka.flush_interval_ms`, which bounds what a power cut can lose.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+from infra import maven
+from infra.kafka_auth import ROLES, superusers
+from infra.settings import Settings, get_settings, local_secret, peer_port
+
+JARS = "kafka-broker"  # the set in infra/jars.toml
+CONTROLLER_USER, BROKER_USER = "controller", "broker"
+
+
+def jars_dir(s: Settings) -> Path:
+    return s.paths.cache_dir / "maven" / JARS
+
+
+def classpath(s: Settings) -> str:
+    return ":".join(str(jars_dir(s) / jar.file_name) for jar in maven.jar_set(JARS).jars)
+
+
+def data_dir(s: Settings) -> Path:
+    return s.paths.service_dir("kafka")
+
+
+def log_dir(s: Settings) -> Path:
+    return data_dir(s) / "log"
+
+
+def _secret(s: Settings, user: str) -> str:
+    return local_secret(data_dir(s) / "internal-credentials" / user)
+
+
+def controller_port(s: Settings) -> int:
+    return peer_port(s.kafka.host_port[1])
+
+
+def _jaas(module: str, user: str, password: str, extra: str = "") -> str:
+    return f'org.apache.kafka.common.security.{module} required username="{user}" password="{password}"{extra};'
+
+
+def server_properties(s: Settings) -> dict[str, str]:
+    host, port = s.kafka.host_port
+    cport = controller_port(s)
+    controller = _secret(s, CONTROLLER_USER)
+    internal = [CONTROLLER_USER, BROKER_USER, *superusers()]
+    return {
+        "process.roles": "broker,controller",
+        "node.id": "1",
+        "controller.quorum.voters": f"1@{host}:{cport}",
+        "listeners": f"CLIENT://{host}:{port},CONTROLLER://{host}:{cport}",
+        "advertised.listeners": f"CLIENT://{host}:{port}",
+        "listener.security.protocol.map": "CLIENT:SASL_PLAINTEXT,CONTROLLER:SASL_PLAINTEXT",
+        "inter.broker.listener.name": "CLIENT",
+        "controller.listener.names": "CONTROLLER",
+        "listener.name.client.sasl.enabled.mechanisms": "SCRAM-SHA-512",
+        "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+        "sasl.mechanism.inter.broker.protocol": "SCRAM-SHA-512",
+        "sasl.mechanism.controller.protocol": "PLAIN",
+        "listener.name.client.scram-sha-512.sasl.jaas.config":
+            _jaas("scram.ScramLoginModule", BROKER_USER, _secret(s, BROKER_USER)),
+        "listener.name.controller.plain.sasl.jaas.config":
+            _jaas("plain.PlainLoginModule", CONTROLLER_USER, controller, f' user_{CONTROLLER_USER}="{controller}"'),
+        "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+        "allow.everyone.if.no.acl.found": "false",
+        "super.users": ";".join(f"User:{u}" for u in internal),
+        "log.dirs": str(log_dir(s)),
+        "num.partitions": str(s.kafka.partitions),
+        "default.replication.factor": str(s.kafka.replication_factor),
+        "offsets.topic.replication.factor": "1",
+        "offsets.topic.num.partitions": "8",  # 50 by default: 50 logs to open and load for a few groups
+        "transaction.state.log.replication.factor": "1",
+        "transaction.state.log.min.isr": "1",
+        "share.coordinator.state.topic.replication.factor": "1",
+        "share.coordinator.state.topic.min.isr": "1",
+        "group.initial.rebalance.delay.ms": "0",
+        # A consumer's session may be as short as the settings make it (6 s by default, 2 s in the tests);
+        # the broker's floor is 6 s by default and refuses a shorter one at JoinGroup.
+        "group.min.session.timeout.ms": "1000",
+        "auto.create.topics.enable": "false",  # topics come with their partitions (streaming/topics.py)
+        "log.flush.interval.ms": str(s.kafka.flush_interval_ms),
+        "log.flush.scheduler.interval.ms": str(s.kafka.flush_interval_ms),
+        "num.network.threads": "2",
+        "num.io.threads": "4",
+    }
+
+
+LOG4J = """rootLogger.level = WARN
+rootLogger.appenderRef.out.ref = out
+appender.out.type = Console
+appender.out.name = out
+appender.out.layout.type = PatternLayout
+appender.out.layout.pattern = [%d] %p %m (%c)%n
+logger.server.name = kafka.server.KafkaRaftServer
+logger.server.level = INFO
+"""
+
+
+def write_config(s: Settings) -> Path:
+    """server.properties (mode 600: it holds the controller's password) and the log4j2 config."""
+    data_dir(s).mkdir(parents=True, exist_ok=True)
+    config = data_dir(s) / "server.properties"
+    config.touch(mode=0o600)
+    config.write_text("".join(f"{k}={v}\n" for k, v in server_properties(s).items()))
+    (data_dir(s) / "log4j2.properties").write_text(LOG4J)
+    return config
+
+
+def _java(s: Settings, main: str, *args: str, heap: str = "64m") -> list[str]:
+    java = shutil.which("java", path=os.path.join(os.environ.get("JAVA_HOME", ""), "bin")) or "java"
+    return [java, f"-Xms{heap}", f"-Xmx{heap}", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
+            "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={data_dir(s) / 'log4j2.properties'}", "-cp", classpath(s), main, *args]
+
+
+def command(s: Settings) -> list[str]:
+    return _java(s, "kafka.Kafka", str(write_config(s)), heap=s.kafka.broker_heap)
+
+
+def _cluster_id() -> str:
+    while True:  # Kafka's own ids never start with "-" (a command-line flag)
+        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not text.startswith("-"):
+            return text
+
+
+def format_storage(s: Settings) -> bool:
+    """Format the log directory with a SCRAM user per role, unless it is formatted; True if it was now."""
+    if (log_dir(s) / "meta.properties").exists():
+        return False
+    config = write_config(s)
+    # On the command line for the 3 s the tool runs, once (the tool takes them no other way).
+    passwords = {BROKER_USER: _secret(s, BROKER_USER)} | {role: s.kafka.credentials(role)[1] for role in ROLES}
+    scram = [arg for user, password in passwords.items()
+             for arg in ("--add-scram", f"SCRAM-SHA-512=[name={user},password={password}]")]
+    done = subprocess.run(_java(s, "kafka.tools.StorageTool", "format", "-t", _cluster_id(), "-c", str(config), *scram),
+                          capture_output=True, text=True)
+    if done.returncode != 0:  # its output lists the SCRAM salts and keys: only its error is shown
+        raise RuntimeError(f"kafka-storage format failed: {done.stderr.strip()[-2000:] or done.stdout[-500:]}")
+    return True
+
+
+if __name__ == "__main__":
+    settings = get_settings()
+    if sys.argv[1:] == ["install"]:
+        print(f"ok  the Kafka broker's {len(maven.install(JARS, jars_dir(settings)))} jars in {jars_dir(settings)}")
+    elif sys.argv[1:] == ["format"]:
+        print("formatted" if format_storage(settings) else "already formatted")
+    else:
+        sys.exit("usage: python -m infra.kafka_broker install|format")
