@@ -37,8 +37,9 @@ def bench_settings(data_dir: Path, services: str) -> Settings:
 
 
 def raw_producer_rate(s: Settings, topic: str, payloads: list[tuple[bytes, bytes]]) -> float:
-    """The same client and options as EventProducer, sending bytes encoded beforehand."""
-    producer = confluent_kafka.Producer(s.kafka.client_options("librdkafka") | PRODUCER_OPTIONS)
+    """The same client and options as EventProducer (to a topic of its own: as the admin), sending bytes
+    encoded beforehand."""
+    producer = confluent_kafka.Producer(s.kafka.client_options("librdkafka", "admin") | PRODUCER_OPTIONS)
     start = time.monotonic()
     for key, value in payloads:
         while True:

@@ -24,7 +24,7 @@ def view_dir(s: Settings, view: str) -> Path:
 def part_name(partition: int, first_offset: int, first_record: bytes) -> str:
     """The file of a micro-batch read from Kafka. A batch re-read after a crash gets the same name, so
     rewriting it is idempotent; the digest of its first record keeps a batch of a newer topic (offsets
-    start at 0 again on a fresh embedded broker) from overwriting an older file."""
+    start at 0 again on a broker that lost its log) from overwriting an older file."""
     digest = hashlib.blake2b(first_record, digest_size=4).hexdigest()
     return f"part-{partition:04d}-{first_offset:012d}-{digest}.parquet"
 

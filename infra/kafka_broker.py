@@ -1,5 +1,7 @@
-"""The local stack's broker: Apache Kafka in KRaft mode (one process, broker and controller), its log on
-disk in the data directory, SASL/SCRAM-SHA-512 on the client listener and ACLs (infra/kafka_auth.py).
+"""The local stack's broker: Apache Kafka in KRaft mode, a node per address of `kafka.bootstrap_servers`
+(each one process, broker and controller: one node by default, a quorum of three in the cluster profile),
+its log on disk in the data directory, SASL/SCRAM-SHA-512 on the client listener and ACLs
+(infra/kafka_auth.py).
 
 - Listeners, both on the endpoint's host: the client one (`kafka.bootstrap_servers`, SASL_PLAINTEXT with
   SCRAM-SHA-512) and the controller one (its peer port, SASL_PLAINTEXT with PLAIN: the controller reads
@@ -20,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from infra import maven
@@ -30,6 +33,27 @@ JARS = "kafka-broker"  # the set in infra/jars.toml
 CONTROLLER_USER, BROKER_USER = "controller", "broker"
 
 
+@dataclass(frozen=True)
+class Node:
+    """One Kafka process: broker and controller, at one address of `kafka.bootstrap_servers`."""
+
+    id: int
+    host: str
+    port: int
+    name: str  # its service's: "kafka" alone, "kafka-<id>" in a cluster
+
+    @property
+    def controller_port(self) -> int:
+        return peer_port(self.port)
+
+
+def nodes(s: Settings) -> list[Node]:
+    """A node per address of `kafka.bootstrap_servers` (the cluster profile's three: a KRaft quorum of 3)."""
+    addresses = s.kafka.addresses
+    return [Node(i, host, port, "kafka" if len(addresses) == 1 else f"kafka-{i}")
+            for i, (host, port) in enumerate(addresses, start=1)]
+
+
 def jars_dir(s: Settings) -> Path:
     return s.paths.cache_dir / "maven" / JARS
 
@@ -38,37 +62,38 @@ def classpath(s: Settings) -> str:
     return ":".join(str(jars_dir(s) / jar.file_name) for jar in maven.jar_set(JARS).jars)
 
 
-def data_dir(s: Settings) -> Path:
+def shared_dir(s: Settings) -> Path:
+    """What every node shares: the cluster's id and the internal users' passwords."""
     return s.paths.service_dir("kafka")
 
 
-def log_dir(s: Settings) -> Path:
-    return data_dir(s) / "log"
+def node_dir(s: Settings, node: Node) -> Path:
+    return s.paths.service_dir(node.name)
+
+
+def log_dir(s: Settings, node: Node) -> Path:
+    return node_dir(s, node) / "log"
 
 
 def _secret(s: Settings, user: str) -> str:
-    return local_secret(data_dir(s) / "internal-credentials" / user)
-
-
-def controller_port(s: Settings) -> int:
-    return peer_port(s.kafka.host_port[1])
+    return local_secret(shared_dir(s) / "internal-credentials" / user)
 
 
 def _jaas(module: str, user: str, password: str, extra: str = "") -> str:
     return f'org.apache.kafka.common.security.{module} required username="{user}" password="{password}"{extra};'
 
 
-def server_properties(s: Settings) -> dict[str, str]:
-    host, port = s.kafka.host_port
-    cport = controller_port(s)
+def server_properties(s: Settings, node: Node) -> dict[str, str]:
+    cluster = nodes(s)
     controller = _secret(s, CONTROLLER_USER)
     internal = [CONTROLLER_USER, BROKER_USER, *superusers()]
+    replicas = str(min(3, len(cluster)))  # the internal topics' (consumer offsets, transactions)
     return {
         "process.roles": "broker,controller",
-        "node.id": "1",
-        "controller.quorum.voters": f"1@{host}:{cport}",
-        "listeners": f"CLIENT://{host}:{port},CONTROLLER://{host}:{cport}",
-        "advertised.listeners": f"CLIENT://{host}:{port}",
+        "node.id": str(node.id),
+        "controller.quorum.voters": ",".join(f"{n.id}@{n.host}:{n.controller_port}" for n in cluster),
+        "listeners": f"CLIENT://{node.host}:{node.port},CONTROLLER://{node.host}:{node.controller_port}",
+        "advertised.listeners": f"CLIENT://{node.host}:{node.port}",
         "listener.security.protocol.map": "CLIENT:SASL_PLAINTEXT,CONTROLLER:SASL_PLAINTEXT",
         "inter.broker.listener.name": "CLIENT",
         "controller.listener.names": "CONTROLLER",
@@ -83,15 +108,17 @@ def server_properties(s: Settings) -> dict[str, str]:
         "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
         "allow.everyone.if.no.acl.found": "false",
         "super.users": ";".join(f"User:{u}" for u in internal),
-        "log.dirs": str(log_dir(s)),
+        "log.dirs": str(log_dir(s, node)),
         "num.partitions": str(s.kafka.partitions),
         "default.replication.factor": str(s.kafka.replication_factor),
-        "offsets.topic.replication.factor": "1",
+        "min.insync.replicas": str(s.kafka.min_insync_replicas),
+        "offsets.topic.replication.factor": replicas,
         "offsets.topic.num.partitions": "8",  # 50 by default: 50 logs to open and load for a few groups
-        "transaction.state.log.replication.factor": "1",
-        "transaction.state.log.min.isr": "1",
-        "share.coordinator.state.topic.replication.factor": "1",
-        "share.coordinator.state.topic.min.isr": "1",
+        "transaction.state.log.replication.factor": replicas,
+        "transaction.state.log.min.isr": str(s.kafka.min_insync_replicas),
+        "share.coordinator.state.topic.replication.factor": replicas,
+        "share.coordinator.state.topic.min.isr": str(s.kafka.min_insync_replicas),
+        "unclean.leader.election.enable": "false",  # an out-of-sync replica never leads: nothing acked lost
         "group.initial.rebalance.delay.ms": "0",
         # A consumer's session may be as short as the settings make it (6 s by default, 2 s in the tests);
         # the broker's floor is 6 s by default and refuses a shorter one at JoinGroup.
@@ -115,48 +142,60 @@ logger.server.level = INFO
 """
 
 
-def write_config(s: Settings) -> Path:
+def write_config(s: Settings, node: Node) -> Path:
     """server.properties (mode 600: it holds the controller's password) and the log4j2 config."""
-    data_dir(s).mkdir(parents=True, exist_ok=True)
-    config = data_dir(s) / "server.properties"
+    node_dir(s, node).mkdir(parents=True, exist_ok=True)
+    config = node_dir(s, node) / "server.properties"
     config.touch(mode=0o600)
-    config.write_text("".join(f"{k}={v}\n" for k, v in server_properties(s).items()))
-    (data_dir(s) / "log4j2.properties").write_text(LOG4J)
+    config.write_text("".join(f"{k}={v}\n" for k, v in server_properties(s, node).items()))
+    (node_dir(s, node) / "log4j2.properties").write_text(LOG4J)
     return config
 
 
-def _java(s: Settings, main: str, *args: str, heap: str = "64m") -> list[str]:
+def _java(config_dir: Path, main: str, *args: str, classpath: str, heap: str = "64m") -> list[str]:
     java = shutil.which("java", path=os.path.join(os.environ.get("JAVA_HOME", ""), "bin")) or "java"
     return [java, f"-Xms{heap}", f"-Xmx{heap}", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
             "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true",
-            f"-Dlog4j2.configurationFile={data_dir(s) / 'log4j2.properties'}", "-cp", classpath(s), main, *args]
+            f"-Dlog4j2.configurationFile={config_dir / 'log4j2.properties'}", "-cp", classpath, main, *args]
 
 
-def command(s: Settings) -> list[str]:
-    return _java(s, "kafka.Kafka", str(write_config(s)), heap=s.kafka.broker_heap)
+def command(s: Settings, node: Node) -> list[str]:
+    return _java(node_dir(s, node), "kafka.Kafka", str(write_config(s, node)), classpath=classpath(s),
+                 heap=s.kafka.broker_heap)
 
 
-def _cluster_id() -> str:
-    while True:  # Kafka's own ids never start with "-" (a command-line flag)
-        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
-        if not text.startswith("-"):
-            return text
+def cluster_id(s: Settings) -> str:
+    """The cluster's id, made once (every node is formatted with it): 16 random bytes in Kafka's base64."""
+    path = shared_dir(s) / "cluster-id"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:  # Kafka's own ids never start with "-" (a command-line flag)
+            text = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+            if not text.startswith("-"):
+                break
+        path.write_text(text)
+    return path.read_text().strip()
 
 
-def format_storage(s: Settings) -> bool:
-    """Format the log directory with a SCRAM user per role, unless it is formatted; True if it was now."""
-    if (log_dir(s) / "meta.properties").exists():
-        return False
-    config = write_config(s)
+def format_storage(s: Settings) -> list[str]:
+    """Format each node's log directory not yet formatted, with a SCRAM user per role; the nodes formatted."""
     # On the command line for the 3 s the tool runs, once (the tool takes them no other way).
     passwords = {BROKER_USER: _secret(s, BROKER_USER)} | {role: s.kafka.credentials(role)[1] for role in ROLES}
     scram = [arg for user, password in passwords.items()
              for arg in ("--add-scram", f"SCRAM-SHA-512=[name={user},password={password}]")]
-    done = subprocess.run(_java(s, "kafka.tools.StorageTool", "format", "-t", _cluster_id(), "-c", str(config), *scram),
-                          capture_output=True, text=True)
-    if done.returncode != 0:  # its output lists the SCRAM salts and keys: only its error is shown
-        raise RuntimeError(f"kafka-storage format failed: {done.stderr.strip()[-2000:] or done.stdout[-500:]}")
-    return True
+    formatted = []
+    for node in nodes(s):
+        if (log_dir(s, node) / "meta.properties").exists():
+            continue
+        config = write_config(s, node)
+        done = subprocess.run(_java(node_dir(s, node), "kafka.tools.StorageTool", "format", "-t", cluster_id(s),
+                                    "-c", str(config), *scram, classpath=classpath(s)),
+                              capture_output=True, text=True)
+        if done.returncode != 0:  # its output lists the SCRAM salts and keys: only its error is shown
+            raise RuntimeError(f"kafka-storage format of {node.name} failed: "
+                               f"{done.stderr.strip()[-2000:] or done.stdout[-500:]}")
+        formatted.append(node.name)
+    return formatted
 
 
 if __name__ == "__main__":
@@ -164,6 +203,6 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["install"]:
         print(f"ok  the Kafka broker's {len(maven.install(JARS, jars_dir(settings)))} jars in {jars_dir(settings)}")
     elif sys.argv[1:] == ["format"]:
-        print("formatted" if format_storage(settings) else "already formatted")
+        print(f"formatted: {', '.join(format_storage(settings)) or 'nothing (every node was)'}")
     else:
         sys.exit("usage: python -m infra.kafka_broker install|format")

@@ -60,9 +60,6 @@ class Service:
     after_start: Callable[[], list[str]] | None = None
     nice: int = 0  # added to the process's CPU niceness; its children inherit it
     stop_signal: signal.Signals = signal.SIGTERM
-    # Services whose start by an `up` restarts this one, running: what it holds of theirs is stale (the
-    # stream job's source state, of topics a restarted embedded broker no longer has).
-    restart_with: tuple[str, ...] = ()
     # `up` restarts it, running, while its health check fails (a check that allows for the time a working
     # one may take: progress within `stack.stall_after_s`); for the pipeline's processes, which a restart
     # resumes where they were.
@@ -88,39 +85,46 @@ def _base_env() -> dict[str, str]:
 
 # --- Kafka: Apache Kafka in KRaft mode (infra/kafka_broker.py) ------------------------------------
 
-def _kafka(s: Settings) -> Service:
-    host, port = s.kafka.host_port
+def _kafka(s: Settings) -> list[Service]:
     python = str(BIN_DIR / "python")
 
-    def health() -> Health:
-        """By the broker's own metadata: the cluster's controller and brokers, as the admin sees them."""
+    def health(node: kafka_broker.Node) -> Health:
+        """By the cluster's own metadata, as the admin sees it: the node among its brokers, a controller,
+        and the partitions whose replicas are not all in sync (a cluster with one missing is degraded)."""
         from kafka import KafkaAdminClient
         from kafka.errors import KafkaError
 
+        options = s.kafka.client_options("kafka-python", "admin") | {
+            "bootstrap_servers": [f"{node.host}:{node.port}"]}
         try:
-            admin = KafkaAdminClient(**s.kafka.client_options("kafka-python", "admin"), request_timeout_ms=3000)
+            admin = KafkaAdminClient(**options, request_timeout_ms=3000)
         except KafkaError as exc:
             return Health(False, f"no broker: {exc}")
         try:
             cluster = admin.describe_cluster()
-            brokers, controller = cluster.get("brokers", []), cluster.get("controller_id", -1)
-            topics = admin.list_topics()
-            if controller is None or controller < 0 or not brokers:
-                return Health(False, f"no controller or broker in the metadata ({len(brokers)} brokers)")
-            return Health(True, f"{len(brokers)} broker(s), controller {controller}, {len(topics)} topics")
+            brokers = {b["broker_id"] for b in cluster.get("brokers", []) if not b.get("is_fenced")}
+            controller = cluster.get("controller_id")
+            partitions = [p for t in admin.describe_topics() for p in t["partitions"]]
         except KafkaError as exc:
             return Health(False, str(exc))
         finally:
             admin.close()
+        lagging = sum(len(p["isr_nodes"]) < len(p["replica_nodes"]) for p in partitions)
+        detail = (f"{len(brokers)} broker(s), controller {controller}, {len(partitions)} partitions, "
+                  f"{lagging} under-replicated")
+        if node.id not in brokers or controller is None or controller < 0:
+            return Health(False, f"not in the cluster's metadata: {detail}")
+        return Health(lagging == 0, detail if lagging == 0 else f"degraded: {detail}")
 
-    # Topics and ACLs are created once the broker answers (streaming/topics.py), as the admin.
-    return Service(
-        name="kafka", group="kafka", url=f"kafka://{host}:{port}",
-        ports=((host, port), (host, kafka_broker.controller_port(s))),
-        command=lambda: kafka_broker.command(s), env=_base_env, check=health,
+    # Topics and ACLs are created once the brokers answer (streaming/topics.py), as the admin.
+    return [Service(
+        name=node.name, group="kafka", url=f"kafka://{node.host}:{node.port}",
+        ports=((node.host, node.port), (node.host, node.controller_port)),
+        command=lambda node=node: kafka_broker.command(s, node), env=_base_env,
+        check=lambda node=node: health(node),
         setup=lambda: [python, "-m", "infra.kafka_broker", "format"],
         after_start=lambda: [python, "-m", "streaming.topics"],
-    )
+    ) for node in kafka_broker.nodes(s)]
 
 
 # --- Redis: the online store (one server, or the masters of a Redis Cluster) and the graph store ------
@@ -623,7 +627,7 @@ def _prometheus(s: Settings) -> list[Service]:
 
 def all_services(s: Settings) -> list[Service]:
     """Every service the local stack can run, in start order."""
-    return [_kafka(s), *_redis(s), _postgres(s), _s3(s), _mlflow(s), *_airflow(s), *_flink(s), *_pipeline(s),
+    return [*_kafka(s), *_redis(s), _postgres(s), _s3(s), _mlflow(s), *_airflow(s), *_flink(s), *_pipeline(s),
             *_serving(s), *_prometheus(s)]
 
 

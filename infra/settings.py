@@ -89,6 +89,9 @@ class KafkaSettings:
     dlq_suffix: str = ".dlq"
     partitions: int = 4
     replication_factor: int = 1
+    # Replicas that must have a record before it is acknowledged (producers send acks=all): with 3 replicas
+    # and 2, a node may fail without an acknowledged record being lost or producing stopping.
+    min_insync_replicas: int = 1
     max_event_bytes: int = 64 * 1024  # larger events are refused (producer) or dead-lettered (consumer)
     # Each platform client connects as its role's principal (infra/kafka_auth.py). The local stack's broker
     # asks for SCRAM-SHA-512: unset here, each role logs in as a user of its name with the password in
@@ -158,8 +161,12 @@ class KafkaSettings:
                          f'org.apache.kafka.common.security.{module} required username="{user}" password="{password}";'}
 
     @property
+    def addresses(self) -> list[tuple[str, int]]:
+        return [_host_port(a, default_port=9092) for a in self.bootstrap_servers.split(",")]
+
+    @property
     def host_port(self) -> tuple[str, int]:
-        return _host_port(self.bootstrap_servers.split(",")[0], default_port=9092)
+        return self.addresses[0]
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ def side_by_side_environ(data_dir: Path, profile: str = "") -> dict[str, str]:
         nodes = [f"127.0.0.1:{port()}" for _ in range(3)]
         cluster = {
             "FLYWHEEL_STACK_PROFILE": profile,
+            "FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS": ",".join(f"127.0.0.1:{port()}" for _ in range(3)),
             "FLYWHEEL_REDIS_URL": f"redis://{nodes[0]}/0",
             "FLYWHEEL_REDIS_CLUSTER_NODES": ",".join(nodes),
             "FLYWHEEL_GRAPH_REDIS_URL": f"redis://127.0.0.1:{port()}/0",
@@ -157,11 +158,9 @@ def check_dataset(s: Settings) -> None:
     record.write_text(json.dumps({"name": spec.name, "spec": str(spec.path), "digest": spec.digest}))
 
 
-def _restart_reason(s: Settings, svc: Service, started: list[str]) -> str:
-    """Why `up` restarts a running service ("" for none): a service it depends on was started again, or it
-    is supervised and unhealthy after running for `stack.stall_after_s` (not one still starting)."""
-    if stale := [name for name in svc.restart_with if name in started]:
-        return f"{', '.join(stale)} started again"
+def _restart_reason(s: Settings, svc: Service) -> str:
+    """Why `up` restarts a running service ("" for none): it is supervised and unhealthy after running for
+    `stack.stall_after_s` (not one still starting)."""
     tracked = process.read_pidfile(pidfile(s, svc))
     proc = tracked.process() if tracked else None
     if svc.supervised and proc is not None and time.time() - proc.create_time() > s.stack.stall_after_s and not (
@@ -174,8 +173,8 @@ def up(s: Settings, say: Callable[[str], None] = lambda _: None) -> list[str]:
     """Start every enabled service that is not running, then wait until all are healthy.
 
     Phase by phase: infrastructure, the pipeline, serving; a phase's setup commands run before its
-    processes start. A running service is restarted (and `say` tells why) when one it depends on was
-    started again, or when it is supervised and unhealthy. Returns the names of the services this call
+    processes start. A running service is restarted (and `say` tells why) when it is supervised and
+    unhealthy. Returns the names of the services this call
     started. One that was running before, and that this call left as it was, is waited for too but never
     fails the start of the others: still unhealthy at the timeout, it is named in a StackError raised once
     every phase is up, what this call started left running.
@@ -190,7 +189,7 @@ def up(s: Settings, say: Callable[[str], None] = lambda _: None) -> list[str]:
         for phase in sorted({svc.phase for svc in services}):
             batch = [svc for svc in services if svc.phase == phase]
             for svc in batch:  # restarted below, and named among those this call started
-                if _running(s, svc) is not None and (why := _restart_reason(s, svc, started)):
+                if _running(s, svc) is not None and (why := _restart_reason(s, svc)):
                     say(f"restarting {svc.name}: {why}")
                     process.stop(pidfile(s, svc), s.stack.stop_timeout_s, svc.stop_signal)
             _run_steps(s, [svc for svc in batch if _running(s, svc) is None], "setup")

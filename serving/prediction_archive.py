@@ -1,8 +1,7 @@
 """The offline prediction log: every record the ranking server logged (`serving.prediction_log`), served
 and shadow, as Parquet partitioned by the date it was served.
 
-The embedded broker keeps topics in memory; this archive is what survives it: the record of what each
-version served, with the scores and the raw features it scored, which the outcome join
+Kafka keeps a topic for its retention; this archive keeps for good the record of what each version served, with the scores and the raw features it scored, which the outcome join
 (serving/outcomes.py) and audits read. Written like the event log: one file per micro-batch and Kafka
 partition, named by the batch's first record, offsets committed only after the file is in place.
 """

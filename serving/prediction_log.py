@@ -8,7 +8,7 @@ lz4-compressed and batched for up to 50 ms, which took the broker from ~11 % to 
 the serving check's load (the batching did that; compression alone changed nothing measurable).
 
 Not idempotent: an idempotent producer keeps its producer id across a broker restart, and a broker that
-lost its state (the embedded one keeps topics in memory) answers UNKNOWN_PRODUCER_ID to every batch
+lost its state (its log gone) answers UNKNOWN_PRODUCER_ID to every batch
 after, forever (seen: no record delivered until the server restarted). A retry may therefore write a
 record twice; readers key records by `request_id`. `flywheel_prediction_log_up` is 0 while no broker
 answers or deliveries fail, 1 once one succeeds or, with nothing to send, once a broker answers again
@@ -35,7 +35,8 @@ PROBE_S = 2.0  # while down, how often a metadata request asks whether a broker 
 class PredictionLog:
     def __init__(self, s: Settings) -> None:
         self.topic = s.serving.predictions_topic
-        self._producer = confluent_kafka.Producer(s.kafka.client_options("librdkafka", "serving") | PRODUCER_OPTIONS | {
+        options = s.kafka.client_options("librdkafka", "serving") | PRODUCER_OPTIONS
+        self._producer = confluent_kafka.Producer(options | {
             "enable.idempotence": False, "queue.buffering.max.messages": 100_000, "compression.type": "lz4",
             "linger.ms": 50, "error_cb": self._error})
         self.up = True

@@ -118,9 +118,8 @@ class EventConsumer:
 
     def _probe_log_ends(self) -> None:
         """Every LOG_END_PROBE_S, the log's end per partition as the last fetch response gave it (librdkafka
-        fetches ahead of what poll() returned, in threads of its own; no request: the embedded broker
-        answers ListOffsets with its last batch's first offset + 1). Kept as it grows: a recreated topic's
-        end is smaller until it is read."""
+        fetches ahead of what poll() returned, in threads of its own; no request of its own). Kept as it
+        grows: a recreated topic's end is smaller until it is read."""
         while not self._closed.wait(LOG_END_PROBE_S):
             try:
                 assigned = self._consumer.assignment()

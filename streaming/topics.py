@@ -113,8 +113,8 @@ class _reader:
         self.s, self.topic = s, topic
 
     def __enter__(self) -> tuple[KafkaConsumer, list[TopicPartition]]:
-        self.consumer = KafkaConsumer(**self.s.kafka.client_options("kafka-python", "admin"), enable_auto_commit=False,
-                                      group_id=None, fetch_max_bytes=16 * 1024 * 1024)
+        self.consumer = KafkaConsumer(**self.s.kafka.client_options("kafka-python", "admin"),
+                                      enable_auto_commit=False, group_id=None, fetch_max_bytes=16 * 1024 * 1024)
         ids = self.consumer.partitions_for_topic(self.topic)
         if not ids:
             self.consumer.close()

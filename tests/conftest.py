@@ -52,9 +52,18 @@ def running_stack(data_dir: Path, services: str, **extra: str) -> Iterator[Setti
         stack.down(settings)
 
 
+def broker_environ(broker: Settings) -> dict[str, str]:
+    """Settings (environment variables) of a client of `broker`'s Kafka from another data directory: its
+    address, and where its roles' credentials are."""
+    k = broker.kafka
+    return {"FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS": k.bootstrap_servers,
+            "FLYWHEEL_KAFKA_SECURITY_PROTOCOL": k.security_protocol, "FLYWHEEL_KAFKA_SASL_MECHANISM": k.sasl_mechanism,
+            "FLYWHEEL_KAFKA_CREDENTIALS_DIR": k.credentials_dir}
+
+
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    """A real Kafka-protocol broker (Tansu) for the whole session; settings point at it."""
+    """A real Kafka broker (Apache Kafka, SCRAM and ACLs) for the whole session; settings point at it."""
     yield from running_stack(tmp_path_factory.mktemp("broker"), "kafka")
 
 

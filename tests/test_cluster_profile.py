@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import psutil
 import psycopg2
 import pytest
 import redis
+from confluent_kafka import Producer
+from kafka import KafkaAdminClient
 
 from flywheel.demo import LoopPlan, Summary
 from flywheel.demo.loop import first_champion, history_events
@@ -25,7 +28,7 @@ from infra.redis_clients import credentials
 from infra.settings import Settings, load_settings, postgres_password
 from models.registry import connect
 from serving.features import OnlineFeatures
-from tests.conftest import answered, run_cli, stack_environ
+from tests.conftest import answered, run_cli, stack_environ, wait_for
 
 pytestmark = [pytest.mark.stack, pytest.mark.cluster, pytest.mark.timeout(1500)]
 PLAN = LoopPlan(history_limit=3000, feature_timeout_s=300, training_timeout_s=900)
@@ -147,6 +150,59 @@ def test_the_champion_is_served_by_the_ranking_api(loop) -> None:
                     {"user_id": user, "candidates": [{"item_id": i} for i in items]})
     assert body["model_version"] == champion and len(body["scores"]) == len(items)
     assert all(0.0 < score < 1.0 for score in body["scores"])
+
+
+def test_a_kafka_node_killed_under_load_loses_nothing_and_up_brings_it_back(cluster, loop) -> None:
+    """A KRaft quorum of 3, every topic on 3 replicas with 2 in sync: kill -9 of a node while a plain
+    producer (acks=all) sends 30,000 events loses none of them (the last user's total online, every
+    acknowledged event counted), with no `up`; status says the cluster is degraded until `up` restarts
+    the node and its replicas are in sync again."""
+    environ, s = cluster
+    assert len(s.kafka.addresses) == 3 and s.kafka.replication_factor == 3
+    admin = KafkaAdminClient(**s.kafka.client_options("kafka-python", "admin"))
+    events = next(t for t in admin.describe_topics([s.kafka.events_topic]))
+    admin.close()
+    assert {len(p["replica_nodes"]) for p in events["partitions"]} == {3}
+    victim = next(row for row in _status(environ) if row["name"] == "kafka-2")
+    producer = Producer(s.kafka.client_options("librdkafka") | {"acks": "all", "linger.ms": 20,
+                                                                "enable.idempotence": True})
+    acked: list[bytes] = []
+    users = [f"kafka-kill-{k}" for k in range(50)]
+    for i in range(30_000):
+        user = users[i % len(users)]
+        value = json.dumps({"schema_version": 1, "event_id": f"kk-{i}", "user_id": user, "item_id": "1",
+                            "event_type": "impression", "request_id": f"kk-r{i}",
+                            "event_time": int(time.time() * 1000), "context": {}}).encode()
+        while True:
+            try:
+                producer.produce(s.kafka.events_topic, key=user.encode(), value=value,
+                                 on_delivery=lambda err, msg: err or acked.append(msg.key()))
+                break
+            except BufferError:
+                producer.poll(0.05)
+        if i == 10_000:
+            psutil.Process(victim["pid"]).kill()
+    assert producer.flush(120) == 0 and len(acked) == 30_000
+
+    def degraded() -> None:
+        rows = {row["name"]: row for row in _status(environ)}
+        assert rows["kafka-2"]["state"] == "stopped", rows["kafka-2"]
+        assert rows["kafka-1"]["state"] == "unhealthy" and "degraded" in rows["kafka-1"]["detail"], rows["kafka-1"]
+    wait_for(degraded, timeout_s=60)
+    reader = OnlineFeatures(s)
+
+    def all_online() -> None:
+        totals = [reader.entity_features(user, None, None)["user_impressions_total"] for user in users]
+        assert totals == [600] * len(users), totals
+    wait_for(all_online, timeout_s=300)
+    up = run_cli(environ, "up", "--profile", "cluster", timeout=600)
+    assert up.returncode == 0, up.stdout + up.stderr
+    wait_for(lambda: _assert_healthy([r for r in _status(environ) if r["name"].startswith("kafka-")]), 120)
+
+
+def _assert_healthy(rows: list[dict]) -> None:
+    assert len(rows) == 3 and {r["state"] for r in rows} == {"healthy"}, rows
+    assert all(" 0 under-replicated" in r["detail"] for r in rows), rows
 
 
 def test_down_stops_every_process_it_started(cluster, loop) -> None:

@@ -121,7 +121,6 @@ def test_the_served_auc_per_version_outlives_a_broker_restart(tmp_path: Path) ->
             # Started, first: on a loaded machine its imports outlast the producing (no report yet: None).
             wait_for(lambda: _started(s, archive), timeout_s=180)
             assert wait_caught_up(s, archive, wait_s=60) == 0, archive
-        time.sleep(1.0)  # the embedded broker lists a topic's end up to a batch early (infra/progress.py)
         before = auc_by_version(served_outcomes(s)).set_index("model_version")
         dlq = s.kafka.dlq_topic(s.serving.predictions_topic)
         letters = [read_dead_letter(r) for r in read_range(s, dlq, {}, end_offsets(s, dlq))]

@@ -12,8 +12,8 @@ from infra.settings import Settings, load_settings
 from streaming.movielens import Rating, dataset_dir, load_ratings, rating_events, replay_events, sessions
 from streaming.produce import count_landed, event_time_pace, fixed_rate_pace
 from streaming.synthetic import SyntheticConfig, SyntheticGenerator
-from streaming.topics import end_offsets, read_range
-from tests.conftest import run_cli, stack_environ
+from streaming.topics import end_offsets, prepare_pipeline, read_range
+from tests.conftest import broker_environ, run_cli, stack_environ
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +127,9 @@ def test_the_synthetic_stream_has_a_learnable_click_signal() -> None:
 
 @pytest.mark.stack
 def test_replay_and_generate_through_the_cli_land_in_kafka(broker: Settings, tmp_path) -> None:
-    environ = stack_environ(tmp_path, FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS=broker.kafka.bootstrap_servers,
-                            FLYWHEEL_KAFKA_EVENTS_TOPIC="cli-events", FLYWHEEL_STACK_SERVICES="kafka")
+    environ = stack_environ(tmp_path, **broker_environ(broker), FLYWHEEL_KAFKA_EVENTS_TOPIC="cli-events",
+                            FLYWHEEL_STACK_SERVICES="kafka")
+    prepare_pipeline(load_settings(environ))  # as `up` does: the topics, and the roles' ACLs on them
     done = run_cli(environ, "replay", "--limit", "2000")
     assert done.returncode == 0, done.stderr
     assert "replayed movielens-100k: " in done.stdout and "'impression': 2000" in done.stdout
@@ -166,9 +167,9 @@ context = ["category"]
     (tmp_path / "history.csv").write_text("customer,sku,action,at,visit,category\n"
                                           "c1,A1,view,1700000060,v1,shoes\nc1,A1,order,1700000090,v1,shoes\n"
                                           "c2,007,view,1700000000,v2,\n")
-    environ = stack_environ(tmp_path, FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS=broker.kafka.bootstrap_servers,
-                            FLYWHEEL_KAFKA_EVENTS_TOPIC="shop-events", FLYWHEEL_STACK_SERVICES="kafka",
-                            FLYWHEEL_DATASET_SPEC=str(tmp_path / "shop.toml"))
+    environ = stack_environ(tmp_path, **broker_environ(broker), FLYWHEEL_KAFKA_EVENTS_TOPIC="shop-events",
+                            FLYWHEEL_STACK_SERVICES="kafka", FLYWHEEL_DATASET_SPEC=str(tmp_path / "shop.toml"))
+    prepare_pipeline(load_settings(environ))
     done = run_cli(environ, "replay")
     assert done.returncode == 0, done.stderr
     s = load_settings(environ)

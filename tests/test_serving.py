@@ -802,9 +802,8 @@ def _target_health(p: Platform) -> dict[str, str]:
 @pytest.mark.chaos
 def test_a_broker_crash_is_reported_and_the_prediction_log_recovers_by_itself(platform: Platform,
                                                                                faults: FaultTable) -> None:
-    """kill -9 of the (in-memory) broker: the records it held are gone, but every one the server could
-    not deliver is counted, the server says its log is down, and it logs again once a broker is back,
-    with no restart."""
+    """kill -9 of the broker under /rank: every record the server could not deliver is counted, the server
+    says its log is down, and it logs again once the broker is back, with no restart."""
     p = platform
     user = _champion_user(p)
     undelivered = _metric(p, "flywheel_prediction_log_errors_total")
@@ -819,7 +818,7 @@ def test_a_broker_crash_is_reported_and_the_prediction_log_recovers_by_itself(pl
     server = next(x for x in stack.status(p.s) if x.name == "ranking-server")
     assert server.state == "unhealthy" and "prediction log down" in server.detail, server
     unhealthy_s = time.monotonic() - killed
-    stack.up(p.s)  # a new, empty broker
+    stack.up(p.s)  # the broker again, its log kept
     back = time.monotonic()
     # Up again with nothing to send: the log asks whether a broker answers (`up` waits for a healthy server).
     wait_for(lambda: _assert(httpx.get(f"{p.url}/healthz", timeout=5).json()["status"] == "ok"), timeout_s=30)
@@ -832,7 +831,7 @@ def test_a_broker_crash_is_reported_and_the_prediction_log_recovers_by_itself(pl
         assert {r["request_id"] for r in _predictions(p, after, timeout_s=5)} >= after
     wait_for(logging_again, timeout_s=90)
     wait_for(lambda: _assert(httpx.get(f"{p.url}/healthz", timeout=5).json()["status"] == "ok"), timeout_s=30)
-    # What the outage's requests logged either reached the new broker or was counted as not delivered.
+    # What the outage's requests logged either reached the broker once back or was counted as not delivered.
     delivered = {r["request_id"] for r in _predictions(p, during, timeout_s=5)}
     counted = _metric(p, "flywheel_prediction_log_errors_total") - undelivered
     assert faults.record("dead prediction producer (broker kill -9 under /rank)",

@@ -21,7 +21,7 @@ from infra.services import enabled_services
 from infra.settings import Settings, load_settings, redis_password
 from infra.stack import STACK_TAG
 from streaming.topics import prepare_pipeline
-from tests.conftest import run_cli, running_stack, stack_environ, wait_for
+from tests.conftest import broker_environ, run_cli, running_stack, stack_environ, wait_for
 
 pytestmark = pytest.mark.stack
 
@@ -149,9 +149,9 @@ def test_a_taken_port_is_reported_with_the_service_that_needs_it(tmp_path: Path)
 
 
 def test_a_new_events_topic_keeps_the_stream_checkpoints(broker: Settings, tmp_path: Path) -> None:
-    """The embedded broker forgets its topics on `down`: the topics are created again, and the job's
-    checkpoints stay (it resumes its aggregates and reads the new topic from its start)."""
-    s = load_settings(stack_environ(tmp_path, FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS=broker.kafka.bootstrap_servers,
+    """A broker that lost its topics: they are created again, and the job's checkpoints stay (it resumes its
+    aggregates and reads the new topic from its start)."""
+    s = load_settings(stack_environ(tmp_path, **broker_environ(broker),
                                     FLYWHEEL_KAFKA_EVENTS_TOPIC=f"events-{tmp_path.name}"))
     kept = s.paths.checkpoints_dir / "job" / "chk-7"
     kept.mkdir(parents=True)

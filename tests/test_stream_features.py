@@ -45,6 +45,8 @@ pytestmark = pytest.mark.stack
 MINUTE = 60_000
 CLICK, IMP, BUY = "click", "impression", "purchase"
 
+HUGE = 1 << 19
+
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
@@ -112,8 +114,10 @@ def test_known_events_give_exactly_the_expected_online_features(pipeline: Settin
     ]
     last = t0 + 22 * MINUTE + 4
     late = event(13, ua, "i9", CLICK, t0 + 5 * MINUTE, "c2")  # sent after everything else
-    huge = json.dumps(on_time[0].to_dict() | {"context": {"category": "c1", "note": "x" * (1 << 20)}}).encode()
-    huge = huge[:(1 << 20) - 3] + b'"}}'  # a 1 MiB record: valid JSON, over the size limit
+    # A 512 KiB record: valid JSON, over the platform's size limit, under the broker's (1 MiB, which refuses
+    # a larger one to its producer)
+    huge = json.dumps(on_time[0].to_dict() | {"context": {"category": "c1", "note": "x" * HUGE}}).encode()
+    huge = huge[:HUGE - 3] + b'"}}'
     bad = [b"{broken", json.dumps({"event_id": "x"}).encode(),
            json.dumps(on_time[0].to_dict() | {"event_type": "hover"}).encode(),
            json.dumps(on_time[0].to_dict() | {"user_id": 42}).encode(), huge,
@@ -196,7 +200,7 @@ def test_known_events_give_exactly_the_expected_online_features(pipeline: Settin
     reasons = [_python_reason(s, b) for b in bad]
     assert letters[0].reason.startswith("malformed JSON: ") and reasons[0].startswith("malformed JSON: ")
     assert [d.reason for d in letters[1:]] == reasons[1:]
-    assert letters[4].reason == f"oversized: {1 << 20} bytes (limit {s.kafka.max_event_bytes})"
+    assert letters[4].reason == f"oversized: {HUGE} bytes (limit {s.kafka.max_event_bytes})"
     assert {d.topic for d in letters} == {s.kafka.events_topic} and all(d.offset >= 0 for d in letters)
 
     # the offline event log holds every valid event once
