@@ -118,6 +118,11 @@ def server_properties(s: Settings, node: Node) -> dict[str, str]:
         "transaction.state.log.min.isr": str(s.kafka.min_insync_replicas),
         "share.coordinator.state.topic.replication.factor": replicas,
         "share.coordinator.state.topic.min.isr": str(s.kafka.min_insync_replicas),
+        # A node restarted after a crash is unfenced once its old session has expired (9 s by default: the
+        # most of a 13 s restart here), and a dead node of a cluster is fenced, its partitions led by
+        # others, after as long.
+        "broker.session.timeout.ms": "4000",
+        "broker.heartbeat.interval.ms": "1000",
         "unclean.leader.election.enable": "false",  # an out-of-sync replica never leads: nothing acked lost
         "group.initial.rebalance.delay.ms": "0",
         # A consumer's session may be as short as the settings make it (6 s by default, 2 s in the tests);
@@ -127,7 +132,7 @@ def server_properties(s: Settings, node: Node) -> dict[str, str]:
         "log.flush.interval.ms": str(s.kafka.flush_interval_ms),
         "log.flush.scheduler.interval.ms": str(s.kafka.flush_interval_ms),
         "num.network.threads": "2",
-        "num.io.threads": "4",
+        "num.io.threads": "2",
     }
 
 
@@ -152,9 +157,12 @@ def write_config(s: Settings, node: Node) -> Path:
     return config
 
 
+# C1 only and the serial collector: on 2 cores the broker's JIT (C2: 6.7 s of CPU in its first minute) and
+# G1's threads took CPU from the stream job; while a 100,000-event backlog drained, the broker's share of a
+# core fell from 29 % to 18 % with these (`make bench-streaming`, docs/benchmarks.md).
 def _java(config_dir: Path, main: str, *args: str, classpath: str, heap: str = "64m") -> list[str]:
     java = shutil.which("java", path=os.path.join(os.environ.get("JAVA_HOME", ""), "bin")) or "java"
-    return [java, f"-Xms{heap}", f"-Xmx{heap}", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
+    return [java, f"-Xms{heap}", f"-Xmx{heap}", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
             "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={config_dir / 'log4j2.properties'}", "-cp", classpath, main, *args]
 
