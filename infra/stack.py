@@ -13,7 +13,7 @@ from typing import Callable
 from infra import process
 from infra.progress import progress_path, wait_caught_up
 from infra.services import Health, Service, all_services, enabled_services, used_groups
-from infra.settings import Settings, to_environ
+from infra.settings import Settings, peer_port, to_environ
 
 
 # Set in the environment of every process the stack starts; its descendants inherit it, so `down`
@@ -59,22 +59,20 @@ def _check_ports(s: Settings, services: list[Service]) -> None:
 def side_by_side_environ(data_dir: Path, profile: str = "") -> dict[str, str]:
     """Settings (as environment variables) for another stack in `data_dir` on free loopback ports; with
     `profile` "cluster", that profile's stack."""
-    port = process.free_port
-    if profile == "cluster":
-        nodes = [f"127.0.0.1:{port()}" for _ in range(3)]
-        cluster = {
-            "FLYWHEEL_STACK_PROFILE": profile,
-            "FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS": ",".join(f"127.0.0.1:{port()}" for _ in range(3)),
-            "FLYWHEEL_REDIS_URL": f"redis://{nodes[0]}/0",
-            "FLYWHEEL_REDIS_CLUSTER_NODES": ",".join(nodes),
-            "FLYWHEEL_GRAPH_REDIS_URL": f"redis://127.0.0.1:{port()}/0",
-            "FLYWHEEL_POSTGRES_URL": f"postgresql://127.0.0.1:{port()}",
-            "FLYWHEEL_S3_ENDPOINT_URL": f"http://127.0.0.1:{port()}",
-            "FLYWHEEL_S3_STORE_PORTS": ",".join(str(port()) for _ in range(4)),
-            "FLYWHEEL_FLINK_RPC_PORT": str(port()),
-        }
-        return side_by_side_environ(data_dir) | cluster
-    return {
+    taken: set[int] = set()
+
+    def port() -> int:
+        """A free port whose peer port (a server's second: a Kafka node's controller listener, a Redis
+        Cluster bus) is free too, neither handed out before, so one server's second port is never
+        another's first."""
+        while True:
+            p = process.free_port()
+            pair = {p, peer_port(p)}
+            if not pair & taken and not process.port_open("127.0.0.1", peer_port(p), timeout_s=0.1):
+                taken.update(pair)
+                return p
+
+    environ = {
         "FLYWHEEL_PATHS_DATA_DIR": str(data_dir),
         "FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{port()}",
         "FLYWHEEL_REDIS_URL": f"redis://127.0.0.1:{port()}/0",
@@ -85,6 +83,20 @@ def side_by_side_environ(data_dir: Path, profile: str = "") -> dict[str, str]:
         "FLYWHEEL_SERVING_PORT": str(port()),
         "FLYWHEEL_PROMETHEUS_URL": f"http://127.0.0.1:{port()}",
         "FLYWHEEL_PROMETHEUS_EXPORTER_URL": f"http://127.0.0.1:{port()}",
+    }
+    if profile != "cluster":
+        return environ
+    nodes = [f"127.0.0.1:{port()}" for _ in range(3)]
+    return environ | {
+        "FLYWHEEL_STACK_PROFILE": profile,
+        "FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS": ",".join(f"127.0.0.1:{port()}" for _ in range(3)),
+        "FLYWHEEL_REDIS_URL": f"redis://{nodes[0]}/0",
+        "FLYWHEEL_REDIS_CLUSTER_NODES": ",".join(nodes),
+        "FLYWHEEL_GRAPH_REDIS_URL": f"redis://127.0.0.1:{port()}/0",
+        "FLYWHEEL_POSTGRES_URL": f"postgresql://127.0.0.1:{port()}",
+        "FLYWHEEL_S3_ENDPOINT_URL": f"http://127.0.0.1:{port()}",
+        "FLYWHEEL_S3_STORE_PORTS": ",".join(str(port()) for _ in range(4)),
+        "FLYWHEEL_FLINK_RPC_PORT": str(port()),
     }
 
 

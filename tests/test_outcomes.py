@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from confluent_kafka import Producer
+from kafka import KafkaAdminClient
 
 from infra import stack
 from infra.progress import read_progress, wait_caught_up
@@ -85,8 +86,9 @@ def test_no_traffic_is_no_figures() -> None:
 @pytest.mark.stack
 def test_the_served_auc_per_version_outlives_a_broker_restart(tmp_path: Path) -> None:
     """Predictions (v1 ranks each clicked item first, v2 last, a shadow record never shown) and the clicks
-    that followed, archived by the real consumers; after the broker restarts empty, the archive still
-    answers: AUC per version, the features each record was scored on, and `flywheel outcomes`."""
+    that followed, archived by the real consumers; once the topic no longer holds them (past its retention,
+    here deleted and created again) and the broker restarted, the archive still answers: AUC per version,
+    the features each record was scored on, and `flywheel outcomes`."""
     environ = stack_environ(tmp_path / "data", FLYWHEEL_STACK_SERVICES="kafka")
     s = load_settings(environ)
     stack.up(s)
@@ -140,8 +142,12 @@ def test_the_served_auc_per_version_outlives_a_broker_restart(tmp_path: Path) ->
     r7 = next(r for r in archived if r["request_id"] == "r7")
     assert json.loads(r7["features"]) == sent[7]["features"] and r7["scores"] == sent[7]["scores"]
 
-    stack.up(s)  # a fresh broker: the topics it held are gone, the archive is not
+    stack.up(s)  # the broker keeps its log: the records are dropped from it as retention would
     try:
+        admin = KafkaAdminClient(**s.kafka.client_options("kafka-python", "admin"))
+        admin.delete_topics([s.serving.predictions_topic])
+        wait_for(lambda: _assert_gone(admin, s.serving.predictions_topic), timeout_s=30)
+        admin.close()
         ensure_topics(s, [s.serving.predictions_topic])
         assert sum(end_offsets(s, s.serving.predictions_topic).values()) == 0
         shown = run_cli(environ, "outcomes", "--json")
@@ -150,6 +156,10 @@ def test_the_served_auc_per_version_outlives_a_broker_restart(tmp_path: Path) ->
         assert {v: (r["requests"], r["auc"]) for v, r in after.items()} == {"1": (20, 1.0), "2": (19, 0.0)}
     finally:
         stack.down(s)
+
+
+def _assert_gone(admin: KafkaAdminClient, topic: str) -> None:
+    assert topic not in admin.list_topics()
 
 
 def _started(s: Settings, service: str) -> None:
