@@ -221,19 +221,28 @@ class EventConsumer:
 # (at-least-once), so the consumer carries on. _NO_OFFSET: nothing read since the last commit.
 _NOT_TAKEN = (KafkaError._ASSIGNMENT_LOST, KafkaError.UNKNOWN_MEMBER_ID, KafkaError.ILLEGAL_GENERATION,
               KafkaError.REBALANCE_IN_PROGRESS)
+# The group's coordinator away: its broker down, or the group moving to another (a cluster node killed
+# under load took the feature ingestor down with _WAIT_COORD). A commit is of the positions read so far,
+# so the next one covers this batch too; until then a restart reads it again (at-least-once).
+_COORDINATOR_AWAY = (KafkaError._WAIT_COORD, KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.NOT_COORDINATOR,
+                     KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError._TRANSPORT, KafkaError._TIMED_OUT,
+                     KafkaError.REQUEST_TIMED_OUT, KafkaError._ALL_BROKERS_DOWN)
 
 
 def commit_written(consumer: Consumer) -> bool:
     """Commit, synchronously, the offsets of what `consumer` read and its owner has written. False: the
-    group did not take them."""
+    group did not take them, or its coordinator could not be reached (the next commit covers them)."""
     try:
         consumer.commit(asynchronous=False)
     except KafkaException as exc:
-        code = exc.args[0].code()
-        if code in _NOT_TAKEN:
-            log.warning("commit not taken (%s): what was read is written, and read again", exc.args[0].str())
+        error: KafkaError = exc.args[0]
+        if error.code() in _NOT_TAKEN:
+            log.warning("commit not taken (%s): what was read is written, and read again", error.str())
             return False
-        if code != KafkaError._NO_OFFSET:
+        if error.code() in _COORDINATOR_AWAY or error.retriable():
+            log.warning("commit deferred (%s): the next one covers what was read", error.str())
+            return False
+        if error.code() != KafkaError._NO_OFFSET:
             raise
     return True
 

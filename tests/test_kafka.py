@@ -12,13 +12,14 @@ import pytest
 from kafka import KafkaProducer
 
 from infra import process, stack
+from infra.progress import consumer_lag
 from infra.services import enabled_services
 from infra.settings import Settings, to_environ
 from streaming.consumer import EventConsumer, read_dead_letter
 from streaming.events import Event, InvalidEvent
 from streaming.producer import EventProducer
 from streaming.topics import end_offsets, ensure_topics, read_range
-from tests.conftest import run_cli, running_stack
+from tests.conftest import run_cli, running_stack, wait_for
 
 pytestmark = pytest.mark.stack
 
@@ -184,3 +185,32 @@ def test_a_broker_killed_with_records_acknowledged_loses_none_of_them(tmp_path, 
             {c.event.event_id for c in live} == ids == {c.event.event_id for c in again}
             and first.lost == restarted.lost == 0)
         assert held
+
+
+def test_a_commit_while_the_coordinator_is_away_is_deferred_and_the_consumer_carries_on(tmp_path) -> None:
+    """A commit the group's coordinator cannot take (its broker killed; in a cluster, the group moving to
+    another node) leaves the consumer running, where it once took the feature ingestor down: once the
+    broker is back it rejoins, reads again what the deferred commit covered, and commits it."""
+    for s in running_stack(tmp_path / "stack", "kafka"):
+        name, group = f"events-{uuid.uuid4().hex[:8]}", "g-deferred"
+        ensure_topics(s, [name])
+        with EventProducer(s, name) as producer:
+            for e in make_events(30):
+                producer.send(e)
+        with EventConsumer(s, group, name, role="admin") as consumer:
+            assert len(drain(consumer, 30)) == 30
+            kafka = next(svc for svc in enabled_services(s) if svc.name == "kafka")
+            broker = psutil.Process(process.read_pidfile(stack.pidfile(s, kafka)).pid)
+            broker.send_signal(signal.SIGKILL)
+            broker.wait(10)
+            consumer.commit()  # deferred, not raised
+            assert stack.up(s) == ["kafka"]
+            assert consumer_lag(s, group, [name]) == 30
+            read_again: list = []
+
+            def committed() -> None:  # what the ingestor's loop does: read, write, commit
+                read_again.extend(consumer.poll(timeout_ms=500))
+                consumer.commit()
+                assert consumer_lag(s, group, [name]) == 0
+            wait_for(committed, 60)
+            assert {c.event.event_id for c in read_again} == {f"e{i}" for i in range(30)}
