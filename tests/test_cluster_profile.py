@@ -154,9 +154,9 @@ def test_the_champion_is_served_by_the_ranking_api(loop) -> None:
 
 def test_a_kafka_node_killed_under_load_loses_nothing_and_up_brings_it_back(cluster, loop) -> None:
     """A KRaft quorum of 3, every topic on 3 replicas with 2 in sync: kill -9 of a node while a plain
-    producer (acks=all) sends 300,000 events (stream-throughput's load) loses none of them (the last user's total online, every
-    acknowledged event counted), with no `up`; status says the cluster is degraded until `up` restarts
-    the node and its replicas are in sync again."""
+    producer (acks=all) sends 300,000 events (stream-throughput's load) loses none of them (every user's
+    total online, every acknowledged event counted), with no `up`; status says the cluster is degraded
+    until `up` restarts the node and its replicas are in sync again."""
     environ, s = cluster
     assert len(s.kafka.addresses) == 3 and s.kafka.replication_factor == 3
     admin = KafkaAdminClient(**s.kafka.client_options("kafka-python", "admin"))
