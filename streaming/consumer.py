@@ -153,6 +153,9 @@ class EventConsumer:
 
     def _track(self, partition: int, offset: int) -> None:
         read = self._next.get(partition, 0)
+        if self._committed.get(partition, 0) <= offset < read:  # back to the last commit (an assignment lost,
+            self._next[partition] = offset + 1  # a commit deferred): read again, at-least-once; nothing lost
+            return
         if offset < read:  # the partition starts again below what was read: the topic was recreated, and
             with self._ends_lock:  # with it every partition (a partition without new records says nothing)
                 starts = self._floor | self._next  # a partition not read from: where reading would start

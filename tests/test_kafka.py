@@ -15,7 +15,7 @@ from infra import process, stack
 from infra.progress import consumer_lag
 from infra.services import enabled_services
 from infra.settings import Settings, to_environ
-from streaming.consumer import EventConsumer, read_dead_letter
+from streaming.consumer import LOG_END_PROBE_S, EventConsumer, read_dead_letter
 from streaming.events import Event, InvalidEvent
 from streaming.producer import EventProducer
 from streaming.topics import end_offsets, ensure_topics, read_range
@@ -197,15 +197,19 @@ def test_a_commit_while_the_coordinator_is_away_is_deferred_and_the_consumer_car
         with EventProducer(s, name) as producer:
             for e in make_events(30):
                 producer.send(e)
-        with EventConsumer(s, group, name, role="admin") as consumer:
+        with EventConsumer(s, group, name, count_lost=True, ledger=tmp_path / "ledger.json", role="admin") as consumer:
             assert len(drain(consumer, 30)) == 30
+            with EventProducer(s, name) as producer:  # fetched ahead, not read: the log's end past the position
+                for e in make_events(20, start=30):
+                    producer.send(e)
+            time.sleep(3 * LOG_END_PROBE_S)
             kafka = next(svc for svc in enabled_services(s) if svc.name == "kafka")
             broker = psutil.Process(process.read_pidfile(stack.pidfile(s, kafka)).pid)
             broker.send_signal(signal.SIGKILL)
             broker.wait(10)
             consumer.commit()  # deferred, not raised
             assert stack.up(s) == ["kafka"]
-            assert consumer_lag(s, group, [name]) == 30
+            assert consumer_lag(s, group, [name]) == 50
             read_again: list = []
 
             def committed() -> None:  # what the ingestor's loop does: read, write, commit
@@ -213,4 +217,5 @@ def test_a_commit_while_the_coordinator_is_away_is_deferred_and_the_consumer_car
                 consumer.commit()
                 assert consumer_lag(s, group, [name]) == 0
             wait_for(committed, 60)
-            assert {c.event.event_id for c in read_again} == {f"e{i}" for i in range(30)}
+            assert {c.event.event_id for c in read_again} == {f"e{i}" for i in range(50)}
+            assert consumer.lost == 0  # read again below what was read, from the last commit: not a new topic
