@@ -21,7 +21,7 @@ import functools
 import json
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -289,6 +289,15 @@ def timestamp(ms: int) -> bytes:
 
 
 View = tuple[str, Sequence[tuple[str, str]]]  # a feature view's name and its columns, (name, SQL type)
+# A batch of rows as its columns (name -> values, all of one length): the ingestor decodes a topic's rows
+# straight into columns, for Parquet and for Redis, with no dict per row (a fifth of its time at 10,000 rows).
+Columns = Mapping[str, Sequence[Any]]
+
+
+def columns_of(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+    """`rows` as Columns: every name any row has, None where a row lacks it."""
+    names = dict.fromkeys(name for row in rows for name in row)
+    return {name: [row.get(name) for row in rows] for name in names}
 
 
 class OnlineWriter:
@@ -301,36 +310,42 @@ class OnlineWriter:
         self.client = online_store(s)
         self._sha = self.client.script_load(_WRITE_IF_NEWER)
 
-    def write(self, join_keys: tuple[str, ...], views: Sequence[View], rows: Sequence[dict]) -> int:
-        """Write `rows` (dicts holding the join keys, `event_time` in ms and the columns of every view
-        in `views`, views of one entity that share their rows); returns how many entities got a newer
-        row than what was stored, in any of the views."""
-        newest: dict[tuple[str, ...], dict] = {}  # a later row as new as an earlier one replaces it
-        for row in rows:
-            entity = tuple(str(row[k]) for k in join_keys)
+    def write(self, join_keys: tuple[str, ...], views: Sequence[View], batch: Columns) -> int:
+        """Write the rows of `batch` (columns: the join keys, `event_time` in ms and the columns of every
+        view in `views`, views of one entity that share their rows; a column it lacks is null); returns
+        how many entities got a newer row than what was stored, in any of the views."""
+        times = [int(t) for t in batch["event_time"]]
+        newest: dict[tuple[str, ...], int] = {}  # entity -> its row; a later row as new as an earlier one wins
+        for i, entity in enumerate(zip(*(map(str, batch[k]) for k in join_keys))):
             kept = newest.get(entity)
-            if kept is None or int(row["event_time"]) >= int(kept["event_time"]):
-                newest[entity] = row
+            if kept is None or times[i] >= times[kept]:
+                newest[entity] = i
         if not newest:
             return 0
         header: list = [len(views)]
         for view, columns in views:
             header += (len(columns), f"_ms:{view}".encode(), f"_ts:{view}".encode(),
                        *(field(view, name) for name, _ in columns))
-        encoders = [(name, ENCODERS[sql_type]) for _, columns in views for name, sql_type in columns]
-        groups: dict[str, list[tuple[bytes, dict]]] = {}  # node (one on one server) -> its keys and rows
-        for entity, row in newest.items():
+        picked = list(newest.values())
+        stamps = [times[i] for i in picked]
+        encoded = []  # column by column: one map per column, not a generator per row
+        for _, columns in views:
+            for name, sql_type in columns:
+                encode, column = ENCODERS[sql_type], batch.get(name)
+                encoded.append([encode(None)] * len(picked) if column is None
+                               else list(map(encode, map(column.__getitem__, picked))))
+        groups: dict[str, list[tuple[bytes, tuple]]] = {}  # node (one on one server) -> its keys and values
+        for entity, values in zip(newest, zip(stamps, map(timestamp, stamps), *encoded)):
             key = entity_key(join_keys, entity)
             node = self.client.get_node_from_key(key).name if isinstance(self.client, RedisCluster) else ""
-            groups.setdefault(node, []).append((key, row))
+            groups.setdefault(node, []).append((key, values))
         calls = []  # (node, args) per script call
         for node, entities in groups.items():
             for i in range(0, len(entities), WRITE_CHUNK):
                 chunk = entities[i:i + WRITE_CHUNK]
                 args = [len(chunk), *(key for key, _ in chunk), *header]
-                for _, row in chunk:
-                    ms = int(row["event_time"])
-                    args += (ms, timestamp(ms), *(encode(row.get(name)) for name, encode in encoders))
+                for _, values in chunk:
+                    args += values
                 calls.append((node, args))
         try:
             if isinstance(self.client, RedisCluster):
@@ -343,4 +358,4 @@ class OnlineWriter:
                 return sum(pipe.execute())
         except redis.exceptions.NoScriptError:  # Redis restarted since: load it again, write again
             self._sha = self.client.script_load(_WRITE_IF_NEWER)
-            return self.write(join_keys, views, rows)
+            return self.write(join_keys, views, batch)

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from feature_repo.definitions import BATCH_VIEWS, GRAPH_VIEWS, TIMESTAMP_FIELD
-from feature_repo.online import WRITE_CHUNK, OnlineReader, OnlineWriter, decode
+from feature_repo.online import WRITE_CHUNK, OnlineReader, OnlineWriter, columns_of, decode
 from feature_repo.store import apply
 from infra.settings import Settings, to_environ
 from streaming.features import STREAM_VIEWS
@@ -63,11 +63,11 @@ def test_the_ingestors_writer_gives_get_online_features_what_it_wrote(redis_stac
         rows = [dict(zip(view.keys, (f"w{k}-{i}" for k in view.keys)), event_time=t)
                 | {name: SAMPLES[sql_type][(i + j) % 4] for j, (name, sql_type) in enumerate(view.columns)}
                 for i in range(4)]
-        assert writer.write(view.keys, [(view.name, view.columns)], rows) == 4
+        assert writer.write(view.keys, [(view.name, view.columns)], columns_of(rows)) == 4
         older = [r | {"event_time": t - 1, **{name: SAMPLES[c][1] for name, c in view.columns}} for r in rows[:2]]
-        assert writer.write(view.keys, [(view.name, view.columns)], older) == 0
+        assert writer.write(view.keys, [(view.name, view.columns)], columns_of(older)) == 0
         same_time = rows[3] | {name: SAMPLES[c][2] for name, c in view.columns}
-        assert writer.write(view.keys, [(view.name, view.columns)], [same_time]) == 1
+        assert writer.write(view.keys, [(view.name, view.columns)], columns_of([same_time])) == 1
         expected_rows = [*rows[:3], same_time]
         got = store.get_online_features(features=[f"{view.name}:{name}" for name, _ in view.columns],
                                         entity_rows=[{k: r[k] for k in view.keys} for r in expected_rows]).to_dict()
@@ -86,9 +86,9 @@ def test_a_batch_over_several_script_calls_still_keeps_the_newer_row_per_entity(
         return [{"user_id": u, "event_time": ms, "user_impressions_total": imps, "user_clicks_total": 1,
                  "user_ctr_total": 0.5} for u, ms in zip(users, at)]
 
-    assert writer.write(view.keys, [(view.name, view.columns)], rows([t] * len(users), 10)) == len(users)
+    assert writer.write(view.keys, [(view.name, view.columns)], columns_of(rows([t] * len(users), 10))) == len(users)
     mixed = [t + 1 if i % 2 else t - 1 for i in range(len(users))]  # odd users newer, even ones older
-    assert writer.write(view.keys, [(view.name, view.columns)], rows(mixed, 20)) == WRITE_CHUNK
+    assert writer.write(view.keys, [(view.name, view.columns)], columns_of(rows(mixed, 20))) == WRITE_CHUNK
     got = reader.read(view.keys, [(u,) for u in users], [(view.name, "user_impressions_total")])
     assert [v for (v,) in got] == [20 if i % 2 else 10 for i in range(len(users))]
 
@@ -102,10 +102,10 @@ def test_views_written_together_are_each_checked_against_their_own_stored_row(re
     columns = {name: 1 for v in views for name, _ in v.columns}
     t = 1_700_000_000_000
     total = next(v for v in views if v.name == "user_total")
-    assert writer.write(total.keys, [(total.name, total.columns)], [
-        {"user_id": "shared", "event_time": t + 5} | columns | {"user_impressions_total": 9}]) == 1
-    assert writer.write(total.keys, [(v.name, v.columns) for v in views], [
-        {"user_id": "shared", "event_time": t} | columns | {"user_impressions_total": 4, "user_impressions_5m": 4}]) == 1
+    assert writer.write(total.keys, [(total.name, total.columns)], columns_of([
+        {"user_id": "shared", "event_time": t + 5} | columns | {"user_impressions_total": 9}])) == 1
+    assert writer.write(total.keys, [(v.name, v.columns) for v in views], columns_of([
+        {"user_id": "shared", "event_time": t} | columns | {"user_impressions_total": 4, "user_impressions_5m": 4}])) == 1
     got = reader.read(total.keys, [("shared",)], [("user_total", "user_impressions_total"),
                                                   ("user_5m", "user_impressions_5m")])
     assert got == [(9, 4)]
