@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 
 from infra.progress import replace_text
@@ -153,8 +153,11 @@ class EventConsumer:
 
     def _track(self, partition: int, offset: int) -> None:
         read = self._next.get(partition, 0)
-        if self._committed.get(partition, 0) <= offset < read:  # back to the last commit (an assignment lost,
-            self._next[partition] = offset + 1  # a commit deferred): read again, at-least-once; nothing lost
+        # Back below what was read while the log still holds it (back to the last commit after an assignment
+        # lost or a commit deferred; to the log's start after an offset reset): read again, at-least-once,
+        # nothing lost. The high watermark is the one the fetch of this record brought (no request).
+        if offset < read and (self._committed.get(partition, 0) <= offset or self._log_end(partition) >= read):
+            self._next[partition] = offset + 1
             return
         if offset < read:  # the partition starts again below what was read: the topic was recreated, and
             with self._ends_lock:  # with it every partition (a partition without new records says nothing)
@@ -170,6 +173,10 @@ class EventConsumer:
                         "records the broker held were not read (%d in all)", self.topic, partition, offset, read,
                         gone, self.lost)
         self._next[partition] = offset + 1
+
+    def _log_end(self, partition: int) -> int:
+        """The partition's high watermark as the last fetch gave it (negative: not known)."""
+        return self._consumer.get_watermark_offsets(TopicPartition(self.topic, partition), cached=True)[1]
 
     def _dead_letter(self, record: Message, reason: str) -> None:
         value = record.value()
