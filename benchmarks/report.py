@@ -117,7 +117,9 @@ def plot_auc(out: Path, plots: Path) -> str | None:
     loop = recorded(out, "loop")
     if not loop or not loop.get("auc_over_time"):
         return None
-    points = loop["auc_over_time"]
+    points = [p for p in loop["auc_over_time"] if p.get("endpoint", "rank") == "rank"]  # the /rank lists
+    if not points:
+        return None
     t0 = min(p["t"] for p in points)
     fig, ax = plt.subplots(figsize=(7, 4))
     for version in sorted({p["model_version"] for p in points}, key=int):
@@ -127,7 +129,7 @@ def plot_auc(out: Path, plots: Path) -> str | None:
                 xs, ys = [*xs, np.nan], [*ys, np.nan]
             xs, ys = [*xs, (p["t"] - t0) / 60000], [*ys, p["auc"]]
         ax.plot(xs, ys, marker="o", label=f"v{version}")
-    ax.set(xlabel="minutes of live traffic", ylabel="AUC on the traffic it served (30 s buckets)",
+    ax.set(xlabel="minutes of live traffic", ylabel="AUC on the /rank lists it served (30 s buckets)",
            title="AUC per model version over time (demo)")
     ax.legend(fontsize=7)
     return _save(fig, plots / "auc_per_version.png")

@@ -489,10 +489,11 @@ def features(user_id: str, item_id: str | None, category: str | None, as_json: b
 @main.command()
 @click.option("--since", type=_DATE, default=None, help="First serving time (UTC; default: all archived).")
 @click.option("--until", type=_DATE, default=None, help="End of the serving period (exclusive).")
-@click.option("--json", "as_json", is_flag=True, help="One JSON list: a row per model version.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON list: a row per model version and endpoint.")
 def outcomes(since: datetime | None, until: datetime | None, as_json: bool) -> None:
-    """What each model version served and its AUC on that traffic, from the prediction archive and the
-    event log (offline: survives a restart of the broker)."""
+    """What each model version served per endpoint (/rank, /recommend) and its AUC on that traffic, pooled
+    over the items and per list, from the prediction archive and the event log (offline: survives a
+    restart of the broker)."""
     from serving.outcomes import auc_by_version, ctr_by_source, served_outcomes
 
     ms = lambda d: None if d is None else int(_utc(d).timestamp() * 1000)  # noqa: E731
@@ -507,8 +508,9 @@ def outcomes(since: datetime | None, until: datetime | None, as_json: bool) -> N
     for r in rows:
         first, last = (datetime.fromtimestamp(r[k] / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
                        for k in ("first_served", "last_served"))
-        click.echo(f"v{r['model_version']:<4} served {r['requests']:,} requests / {r['items']:,} items "
-                   f"{first} .. {last} UTC, clicks {r['clicks']:,}, CTR {r['ctr']:.4f}, AUC {r['auc']:.4f}")
+        click.echo(f"v{r['model_version']:<4} /{r['endpoint']:<9} served {r['requests']:,} requests / {r['items']:,} "
+                   f"items {first} .. {last} UTC, clicks {r['clicks']:,}, CTR {r['ctr']:.4f}, AUC {r['auc']:.4f} "
+                   f"pooled, {r['list_auc']:.4f} per list ({r['judged']:,} judged lists)")
     for source, c in ctr_by_source(served).items():
         d = c.get("difference")
         click.echo(f"recommended by {source}: {c['impressions']:,} items shown, clicks {c['clicks']:,}, "

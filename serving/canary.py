@@ -49,7 +49,7 @@ from infra.progress import replace_text, state_path
 from infra.settings import Settings, get_settings
 from models.registry import (
     CANARY_TAG, CHAMPION, CONTROL, canary_tag, connect, end_canary, rollback, routing)
-from serving.outcomes import clicked_outcomes
+from serving.outcomes import RANK, clicked_outcomes, list_aucs
 
 log = logging.getLogger("flywheel.canary")
 WHO = "canary-analysis"
@@ -57,17 +57,10 @@ SERVICE = "canary-analyst"  # the stack's name for this process
 SERVED_WINDOW_S = 300.0  # served figures per version, outside a canary: the last five minutes
 
 
-def request_aucs(outcomes: pd.DataFrame) -> pd.DataFrame:
-    """One row per judged /rank request: model_version, route, request_id, auc (ties count half)."""
-    ranked = outcomes[outcomes["sources"].isna()] if len(outcomes) else outcomes
-    rows = []
-    for (version, route, request), g in ranked.groupby(["model_version", "route", "request_id"], sort=False):
-        labels, scores = g["label"].to_numpy(), g["score"].to_numpy()
-        clicked, passed = scores[labels > 0.5], scores[labels <= 0.5]
-        if len(clicked) and len(passed):
-            wins = (clicked[:, None] > passed[None, :]).mean() + 0.5 * (clicked[:, None] == passed[None, :]).mean()
-            rows.append((version, route, request, float(wins)))
-    return pd.DataFrame(rows, columns=["model_version", "route", "request_id", "auc"])
+def ranked_lists(outcomes: pd.DataFrame) -> pd.DataFrame:
+    """The judged /rank lists (serving/outcomes.py list_aucs): what the analysis compares."""
+    judged = list_aucs(outcomes)
+    return judged[judged["endpoint"] == RANK]
 
 
 def msprt(treatment: np.ndarray, control: np.ndarray, tau: float) -> tuple[float, float]:
@@ -114,7 +107,7 @@ def judge(s: Settings, outcomes: pd.DataFrame, champion: str, control: str, step
     lists are enough: serving/outcomes.py clicked_outcomes, with every list's `totals`)."""
     c = s.canary
     totals = totals_of(outcomes) if totals is None else totals
-    judged = request_aucs(outcomes)
+    judged = ranked_lists(outcomes)
     arms, values, at_step = {}, {}, {}
     for route, version in ((CHAMPION, champion), (CONTROL, control)):
         mine = outcomes[(outcomes["model_version"] == version) & (outcomes["route"] == route)] if len(outcomes) \
@@ -143,7 +136,7 @@ def judge(s: Settings, outcomes: pd.DataFrame, champion: str, control: str, step
 def served_figures(outcomes: pd.DataFrame, totals: pd.DataFrame) -> dict[str, dict]:
     """Per version served: requests, items shown, CTR, judged /rank requests and their mean request AUC
     (`outcomes`: the clicked lists at least; `totals`: every list's)."""
-    judged = request_aucs(outcomes)
+    judged = ranked_lists(outcomes)
     out = {}
     for version, g in (totals.groupby("model_version") if len(totals) else []):
         items = int(g["items"].sum())

@@ -1,5 +1,6 @@
 """What served predictions led to: the prediction archive joined with the clicks of the event log that
-followed (by request id and item), and the AUC of each model version on the traffic it served.
+followed (by request id and item), and the AUC of each model version on the traffic it served, per
+endpoint, pooled over items and per list.
 
 Reads the offline archives, not the topics, so it answers for any past period, across broker restarts.
 Shadow predictions are left out: they were never shown.
@@ -68,18 +69,55 @@ def _rows(shown: pa.Table, clicks: set[tuple[str, str]]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
+RANK, RECOMMEND = "rank", "recommend"  # the endpoint that served a list: only /recommend's items name sources
+
+
+def endpoints(outcomes: pd.DataFrame) -> pd.Series:
+    """Each row's endpoint: a recommended item names the candidate sources that listed it, a ranked one none."""
+    return pd.Series(np.where(outcomes["sources"].isna(), RANK, RECOMMEND), index=outcomes.index, dtype=object)
+
+
 def _auc(frame: pd.DataFrame) -> float:
     labels = frame["label"].to_numpy()
     return auc(labels, frame["score"].to_numpy()) if 0 < labels.sum() < len(labels) else float("nan")
 
 
+def list_aucs(outcomes: pd.DataFrame) -> pd.DataFrame:
+    """One row per judged list (a click and a pass among its items): model_version, route, endpoint,
+    request_id, auc (the share of (click, pass) pairs ordered right, ties counting half)."""
+    clicked = outcomes[outcomes["request_id"].isin(outcomes.loc[outcomes["label"] > 0.5, "request_id"])] \
+        if len(outcomes) else outcomes  # a list without a click judges nothing: skipped unread
+    rows = []
+    for (version, route, request), g in clicked.groupby(["model_version", "route", "request_id"], sort=False):
+        labels, scores = g["label"].to_numpy(), g["score"].to_numpy()
+        hits, passes = scores[labels > 0.5], scores[labels <= 0.5]
+        if len(hits) and len(passes):
+            wins = (hits[:, None] > passes[None, :]).mean() + 0.5 * (hits[:, None] == passes[None, :]).mean()
+            endpoint = RANK if g["sources"].isna().all() else RECOMMEND
+            rows.append((version, route, endpoint, request, float(wins)))
+    return pd.DataFrame(rows, columns=["model_version", "route", "endpoint", "request_id", "auc"])
+
+
 def auc_by_version(outcomes: pd.DataFrame) -> pd.DataFrame:
-    """Per model version: requests, items shown, clicks, CTR, AUC of its scores, first/last served (ms)."""
-    rows = [{"model_version": v, "requests": g["request_id"].nunique(), "items": len(g),
-             "clicks": int(g["label"].sum()), "ctr": float(g["label"].mean()), "auc": _auc(g),
-             "first_served": int(g["served_at"].min()), "last_served": int(g["served_at"].max())}
-            for v, g in outcomes.groupby("model_version", sort=False)]
-    return pd.DataFrame(rows).sort_values("first_served").reset_index(drop=True) if rows else pd.DataFrame()
+    """Per model version and endpoint (/rank lists apart from /recommend ones: a recommended list holds
+    items the user never saw elsewhere, few clicked): requests, items shown, clicks, CTR, `auc` pooled
+    over its items (as the offline test AUC is), `list_auc` the mean over its `judged` lists (as the
+    canary judges), first/last served (ms). A version's rows together, in order of its first serving."""
+    if not len(outcomes):
+        return pd.DataFrame()
+    lists = list_aucs(outcomes)
+    rows = []
+    for (version, endpoint), g in outcomes.assign(endpoint=endpoints(outcomes)).groupby(
+            ["model_version", "endpoint"], sort=False):
+        judged = lists.loc[(lists["model_version"] == version) & (lists["endpoint"] == endpoint), "auc"]
+        rows.append({"model_version": version, "endpoint": endpoint, "requests": g["request_id"].nunique(),
+                     "items": len(g), "clicks": int(g["label"].sum()), "ctr": float(g["label"].mean()),
+                     "auc": _auc(g), "list_auc": float(judged.mean()) if len(judged) else float("nan"),
+                     "judged": len(judged), "first_served": int(g["served_at"].min()),
+                     "last_served": int(g["served_at"].max())})
+    table = pd.DataFrame(rows)
+    first = table.groupby("model_version")["first_served"].transform("min")
+    return table.assign(_first=first).sort_values(["_first", "endpoint"]).drop(columns="_first").reset_index(drop=True)
 
 
 def ctr_by_source(outcomes: pd.DataFrame, resamples: int = 1000) -> dict[str, dict[str, float]]:
@@ -115,13 +153,14 @@ def ctr_by_source(outcomes: pd.DataFrame, resamples: int = 1000) -> dict[str, di
 
 
 def auc_over_time(outcomes: pd.DataFrame, bucket_s: float) -> pd.DataFrame:
-    """AUC per model version per `bucket_s` of serving time: model_version, t (ms, bucket start), items, auc."""
+    """AUC per model version and endpoint per `bucket_s` of serving time: model_version, endpoint, t (ms,
+    bucket start), items, auc (pooled)."""
     if outcomes.empty:
-        return pd.DataFrame(columns=["model_version", "t", "items", "auc"])
+        return pd.DataFrame(columns=["model_version", "endpoint", "t", "items", "auc"])
     bucket = (outcomes["served_at"] // int(bucket_s * 1000)) * int(bucket_s * 1000)
-    rows = [{"model_version": v, "t": int(t), "items": len(g), "auc": _auc(g)}
-            for (v, t), g in outcomes.groupby(["model_version", bucket])]
-    return pd.DataFrame(rows).sort_values(["t", "model_version"]).reset_index(drop=True)
+    rows = [{"model_version": v, "endpoint": e, "t": int(t), "items": len(g), "auc": _auc(g)}
+            for (v, e, t), g in outcomes.groupby(["model_version", endpoints(outcomes), bucket])]
+    return pd.DataFrame(rows).sort_values(["t", "model_version", "endpoint"]).reset_index(drop=True)
 
 
 def percentiles(seconds: list[float], qs: tuple[float, ...] = (50, 95, 99)) -> dict[str, float]:

@@ -12,7 +12,7 @@ import pandas as pd
 from infra.settings import load_settings
 from models.registry import CHAMPION, CONTROL, RegistryError
 from serving import canary
-from serving.canary import Analyst, judge, msprt, read_state, request_aucs
+from serving.canary import Analyst, judge, msprt, ranked_lists, read_state
 from tests.conftest import stack_environ
 
 
@@ -79,7 +79,7 @@ def test_the_verdicts_worse_ramp_and_lacking_evidence() -> None:
     # /recommend lists (with candidate sources) and lists without both a click and a non-click judge nothing.
     few = outcomes(rng, 0.2, 8)
     recommended = few.assign(sources=[["graph"]] * len(few))
-    assert request_aucs(recommended).empty
+    assert ranked_lists(recommended).empty
     assert judge(s, few, "5", "4", 0).decision == "lacking"
 
 

@@ -93,7 +93,7 @@ def test_the_first_champion_was_trained_on_the_history_and_served(loop) -> None:
     tags = version_tags(s, summary.first_champion)
     assert tags["gate_decision"] == "promoted" and tags["parent_version"] == ""
     assert datetime.fromisoformat(tags["data_end"]) == PLAN.split
-    served = {row["model_version"]: row for row in summary.served}
+    served = {row["model_version"]: row for row in summary.served if row["endpoint"] == "rank"}
     assert served[summary.first_champion]["requests"] > 0
 
 
@@ -110,7 +110,7 @@ def test_a_version_trained_from_served_traffic_was_promoted_and_served(loop) -> 
     trained_on = log[(log.event_type == "impression") & (log.event_time >= start) & (log.event_time < end)]
     assert len(trained_on) >= 50
     assert set(trained_on.request_id) <= set(outcomes.request_id)
-    served = {row["model_version"]: row for row in summary.served}
+    served = {row["model_version"]: row for row in summary.served if row["endpoint"] == "rank"}
     assert served[version]["requests"] > 0 and 0.0 < served[version]["auc"] < 1.0
     assert version in summary.model_freshness_s and summary.model_freshness_s[version] > 0
     # The predictions that name it came after it was registered.
@@ -136,7 +136,7 @@ def test_the_rollback_is_followed_by_serving(loop) -> None:
     url = f"http://{s.serving.host}:{s.serving.port}/models"
     wait_for(lambda: _assert(httpx.get(url, timeout=10).json()["serving"]["champion"] == champion), timeout_s=30)
     assert version_tags(s, r["from"])["rolled_back_reason"]
-    served = {row["model_version"]: row for row in summary.served}
+    served = {row["model_version"]: row for row in summary.served if row["endpoint"] == "rank"}
     assert served[r["to"]]["last_served"] > served[r["from"]]["first_served"]  # served again after it
 
 

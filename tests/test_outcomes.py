@@ -18,7 +18,7 @@ from kafka import KafkaAdminClient
 from infra import stack
 from infra.progress import read_progress, wait_caught_up
 from infra.settings import Settings, load_settings
-from serving.outcomes import auc_by_version, auc_over_time, ctr_by_source, percentiles, served_outcomes
+from serving.outcomes import auc_by_version, auc_over_time, ctr_by_source, list_aucs, percentiles, served_outcomes
 from serving.prediction_archive import read_predictions
 from serving.prediction_log import PredictionLog
 from streaming.consumer import read_dead_letter
@@ -40,11 +40,36 @@ def _outcomes() -> pd.DataFrame:
 
 
 def test_each_version_is_judged_on_the_traffic_it_served() -> None:
-    table = auc_by_version(_outcomes()).set_index("model_version")
-    assert table.loc["1", "auc"] == 1.0 and table.loc["2", "auc"] == 0.0
-    assert table.loc["1", "requests"] == 40 and table.loc["1", "clicks"] == 20 and table.loc["1", "ctr"] == 0.5
-    assert table.loc["1", "first_served"] == 1_000 and table.loc["2", "last_served"] == 100_000
-    assert list(auc_by_version(_outcomes()).model_version) == ["1", "2"]  # in order of first serving
+    table = auc_by_version(_outcomes()).set_index(["model_version", "endpoint"])
+    assert table.loc[("1", "rank"), "auc"] == 1.0 and table.loc[("2", "rank"), "auc"] == 0.0
+    assert table.loc[("1", "rank"), "requests"] == 32 and table.loc[("1", "recommend"), "requests"] == 8
+    assert table.loc[("1", "rank"), "clicks"] == 16 and table.loc[("1", "rank"), "ctr"] == 0.5
+    assert table.loc[("1", "recommend"), "first_served"] == 1_000 and table.loc[("2", "rank"), "last_served"] == 100_000
+    assert list(auc_by_version(_outcomes()).model_version) == ["1", "1", "2"]  # in order of first serving
+
+
+def test_served_quality_is_measured_per_endpoint_pooled_and_per_list() -> None:
+    """/rank lists apart from /recommend ones, each pooled over its items and as the mean of its lists' AUC:
+    a model that orders every list right but scores one list's items all above another's (a user's level,
+    not an item's) is perfect per list and not pooled; recommended lists do not blur a ranker's figure."""
+    rows = []
+    for n in range(20):  # /rank: in list n the click scores 0.5 + n/50, the pass 0.49 + n/50 (each list right)
+        for item, label, score in (("a", 1.0, 0.5 + n / 50), ("b", 0.0, 0.49 + n / 50)):
+            rows.append((f"r{n}", f"{item}{n}", "1", "champion", 1_000 + n, score, label, None))
+    for n in range(10):  # /recommend: the click scored lowest in each list
+        for item, label, score in (("c", 1.0, 0.1), ("d", 0.0, 0.9), ("e", 0.0, 0.8)):
+            rows.append((f"q{n}", f"{item}{n}", "1", "champion", 2_000 + n, score, label, ["graph"]))
+    rows.append(("z", "z0", "1", "champion", 3_000, 0.3, 0.0, None))  # no click: no list AUC, still shown
+    frame = pd.DataFrame(rows, columns=["request_id", "item_id", "model_version", "route", "served_at", "score",
+                                        "label", "sources"])
+    table = auc_by_version(frame).set_index("endpoint")
+    ranked, recommended = table.loc["rank"], table.loc["recommend"]
+    assert ranked["list_auc"] == 1.0 and ranked["judged"] == 20 and ranked["requests"] == 21
+    assert 0.5 < ranked["auc"] < 0.6  # a higher list's pass outscores a lower list's click
+    assert recommended["list_auc"] == 0.0 and recommended["auc"] == 0.0 and recommended["judged"] == 10
+    assert set(list_aucs(frame).endpoint) == {"rank", "recommend"}
+    pooled = auc_by_version(frame.assign(sources=None)).set_index("endpoint").loc["rank"]
+    assert pooled["auc"] < ranked["auc"]  # both pooled: the recommended lists drag the figure down
 
 
 def test_auc_over_time_buckets_by_serving_time_and_version() -> None:

@@ -24,11 +24,12 @@ def report(s: Settings, since_ms: int, summary: Summary) -> None:
     summary.auc_over_time = auc_over_time(outcomes, 30).to_dict("records")
     summary.recommend_sources = ctr_by_source(outcomes)
     summary.versions = list_versions(s)
-    for row in summary.served:
-        tags = version_tags(s, row["model_version"])
+    first_served = by_version.groupby("model_version")["first_served"].min().to_dict() if len(by_version) else {}
+    for version, first in first_served.items():
+        tags = version_tags(s, version)
         if tags.get("parent_version") and tags.get("eval_end") and "drill" not in tags:
             newest = datetime.fromisoformat(tags["eval_end"]).timestamp()
-            summary.model_freshness_s[row["model_version"]] = row["first_served"] / 1000 - newest
+            summary.model_freshness_s[version] = first / 1000 - newest
     try:
         summary.dead_letters = sum(end_offsets(s, s.kafka.dlq_topic(s.kafka.events_topic)).values())
     except LookupError:
@@ -59,7 +60,9 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
                     if k != "user_id" and not isinstance(v, list) and v is not None),
         "ranker test AUC on the same split: " + ", ".join(f"{k} {v:.4f}" for k, v in summary.ranker_auc.items()),
         "model versions (newest first):"]
-    served = {row["model_version"]: row for row in summary.served}
+    served: dict[str, list[dict]] = {}  # a version's rows: one per endpoint
+    for row in summary.served:
+        served.setdefault(row["model_version"], []).append(row)
     for v in summary.versions:
         kind = (f"drill: {v['drill']}" if v["drill"] else f"incremental from v{v['parent']}" if v["parent"]
                 else f"full ({v['kind']})")
@@ -69,12 +72,12 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
             lines.append(f"       canary: {v['canary']}")
         if v["rolled_back"]:
             lines.append(f"       rolled back by {v['rolled_back_by']}: {v['rolled_back']}")
-        if (row := served.get(v["version"])) is not None:
-            fresh_s = summary.model_freshness_s.get(v["version"])
-            lines.append(f"       served {row['requests']:,} requests / {row['items']:,} items, CTR {row['ctr']:.3f}, "
-                         f"AUC on the traffic it served {row['auc']:.4f}"
-                         + (f"; model freshness (newest event in its data -> served) {fresh_s:.0f}s"
-                            if fresh_s is not None else ""))
+        for row in served.get(v["version"], []):
+            lines.append(f"       served /{row['endpoint']}: {row['requests']:,} requests / {row['items']:,} items, "
+                         f"CTR {row['ctr']:.3f}, AUC on the traffic it served {row['auc']:.4f} pooled, "
+                         f"{row['list_auc']:.4f} per list ({row['judged']:,} judged lists)")
+        if (fresh_s := summary.model_freshness_s.get(v["version"])) is not None and v["version"] in served:
+            lines.append(f"       model freshness (newest event in its data -> served) {fresh_s:.0f}s")
     if r := summary.retrieval:
         lines.append(f"retrieval: v{r['version']} of {s.retrieval.name} (two-tower) recall@{s.retrieval.gate_k} "
                      f"{r['recall']:.4f}, NDCG {r['ndcg']:.4f} on {r['users']} users ("
