@@ -34,7 +34,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from contract.examples import Examples, from_frame
-from infra.settings import MLFLOW_CLIENT_ENV, Settings, mlflow_password
+from infra.settings import MLFLOW_CLIENT_ENV, ModelsSettings, Settings, mlflow_password
 from models.metrics import auc, auc_difference, calibration
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # TensorFlow takes seconds to import: only the calls that sco
 
 CHAMPION, CHALLENGER, CONTROL = "champion", "challenger", "control"
 BASE_FILE = "base-model.txt"  # in a delta's export: the parent's model URI
+RAMPED = "ramped to all traffic"  # the start of `canary_decision` on a version that passed its canary
 CANARY_TAG = "champion_canary"  # registered-model tag "<version>:<percent>": a new champion's share in its canary
 
 
@@ -259,8 +260,9 @@ def gate(s: Settings, version: str, candidate: CtrModel, evaluation: Examples, w
     record why. In order: lineage (a version continuing a parent that is no longer the champion), evidence
     (too few examples or clicks in `evaluation` to judge anything), calibration (mean predicted CTR out
     of bounds), auc (worse than the champion's on the same window by more than the tolerance, with
-    one-sided significance `gate_alpha` by DeLong's test). A difference the window cannot tell from
-    noise does not hold back a fresher model. `scored`: versions' scores of `evaluation` the caller has
+    one-sided significance `gate_alpha` by DeLong's test), floor (worse, by the same test, than the last
+    version that passed a canary or the first champion (`floor_version`), or than a constant score). A
+    difference the window cannot tell from noise does not hold back a fresher model. `scored`: versions' scores of `evaluation` the caller has
     (an incremental run's parent's), not loaded again."""
     client, name, m = connect(s), s.models.name, s.models
     probabilities = candidate.predict(evaluation)
@@ -275,25 +277,59 @@ def gate(s: Settings, version: str, candidate: CtrModel, evaluation: Examples, w
                                         f"AUC {candidate_auc:.4f} on {window}")
     elif failed := _guardrail(s, evaluation, probabilities):
         guardrail, reason = failed[0], f"{failed[1]}; AUC {candidate_auc:.4f} on {window}"
-    elif champion is None:
-        reason = f"first champion (AUC {candidate_auc:.4f} on {window})"
     else:
-        known = (scored or {}).get(champion)
-        champion_scores = known if known is not None else load_version(s, champion).predict(evaluation)
-        champion_auc = auc(evaluation.labels, champion_scores)
-        difference, se = auc_difference(evaluation.labels, probabilities, champion_scores)
-        # One-sided p-value of "the candidate is worse than the champion minus the tolerance".
-        shortfall = difference + m.max_auc_drop
-        p = NormalDist().cdf(shortfall / se) if se > 0 else float(shortfall < 0)
-        p_text = f"p = {p:.2g}" if p >= 1e-6 else "p < 1e-6"
-        if p < m.gate_alpha:
-            guardrail, verdict = "auc", f"worse beyond the tolerance {m.max_auc_drop}: {p_text} < {m.gate_alpha}"
+        def scores(v: str) -> np.ndarray:
+            known = (scored or {}).get(v)
+            return known if known is not None else load_version(s, v).predict(evaluation)
+
+        said = []
+        if champion is None:
+            said.append(f"first champion (AUC {candidate_auc:.4f} on {window})")
         else:
-            verdict = f"not shown worse beyond the tolerance {m.max_auc_drop}: {p_text} >= {m.gate_alpha}"
-        reason = (f"AUC {candidate_auc:.4f} vs champion v{champion}'s {champion_auc:.4f}, difference "
-                  f"{difference:+.4f} +- {se:.4f} (DeLong), {verdict} on {window}")
+            champion_scores = scores(champion)
+            champion_auc = auc(evaluation.labels, champion_scores)
+            worse, verdict = _versus(m, evaluation.labels, probabilities, champion_scores, f"champion v{champion}")
+            guardrail = "auc" if worse else None
+            said.append(f"{verdict} on {window}")
+        # The floor: whatever the champion is (an inverted one that ramped, say), never below the last version
+        # that passed a canary (else the first champion), nor below a constant score (chance) on this window.
+        if guardrail is None:
+            floor = floor_version(client, name)
+            references = [(f"floor v{floor}", lambda: scores(floor))] if floor not in (None, champion, version) else []
+            references.append(("chance (a constant score)", lambda: np.zeros(len(probabilities))))
+            for what, reference in references:
+                worse, verdict = _versus(m, evaluation.labels, probabilities, reference(), what)
+                if worse or what.startswith("floor"):
+                    said.append(verdict)
+                if worse:
+                    guardrail = "floor"
+                    break
+        reason = "; ".join(said)
     return decide(s, version, guardrail, reason, candidate_auc, champion, champion_auc,
                   {"gate_auc": f"{candidate_auc:.6f}"}, canary=s.canary.enabled)
+
+
+def _versus(m: ModelsSettings, labels: np.ndarray, candidate: np.ndarray, reference: np.ndarray, what: str) -> tuple[bool, str]:
+    """(shown worse than `reference` beyond the tolerance, why): DeLong's test on the same examples, one-sided
+    significance `gate_alpha`. A difference the window cannot tell from noise does not hold back a fresher model."""
+    difference, se = auc_difference(labels, candidate, reference)
+    shortfall = difference + m.max_auc_drop  # one-sided p of "worse than the reference minus the tolerance"
+    p = NormalDist().cdf(shortfall / se) if se > 0 else float(shortfall < 0)
+    p_text = f"p = {p:.2g}" if p >= 1e-6 else "p < 1e-6"
+    worse = p < m.gate_alpha
+    verdict = (f"worse beyond the tolerance {m.max_auc_drop}: {p_text} < {m.gate_alpha}" if worse else
+               f"not shown worse beyond the tolerance {m.max_auc_drop}: {p_text} >= {m.gate_alpha}")
+    return worse, (f"AUC {auc(labels, candidate):.4f} vs {what}'s {auc(labels, reference):.4f}, difference "
+                   f"{difference:+.4f} +- {se:.4f} (DeLong), {verdict}")
+
+
+def floor_version(client: MlflowClient, name: str) -> str | None:
+    """The version the gate never promotes below: the newest that passed a canary (ramped to all traffic),
+    else the first champion (None: neither yet)."""
+    versions = client.search_model_versions(f"name='{name}'")
+    passed = [int(v.version) for v in versions if v.tags.get("canary_decision", "").startswith(RAMPED)]
+    first = [int(v.version) for v in versions if v.tags.get("gate_reason", "").startswith("first champion")]
+    return str(max(passed)) if passed else str(min(first)) if first else None
 
 
 def decide(s: Settings, version: str, guardrail: str | None, reason: str, score: float, champion: str | None,

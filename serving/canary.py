@@ -11,22 +11,29 @@ nothing but clicks tell nothing and are left out; /recommend lists too (their ca
 sources the ranker did not choose).
 
 The test is the mixture sequential probability ratio test (mSPRT, Johari, Pekelis & Walsh 2017, "Always
-valid inference") on the difference of the two sides' mean request AUC, with a normal mixture of standard
-deviation `canary.mixture_sd` over it:
+valid inference") on the difference d of the two sides' mean request AUC, with a normal mixture of standard
+deviation tau = `canary.mixture_sd` over it; V = s_t^2 / n_t + s_c^2 / n_c, the variance of d estimated from the
+lists themselves:
 
-    Lambda = sqrt(V / (V + tau^2)) * exp(tau^2 * d^2 / (2 V (V + tau^2))),   V = s_t^2 / n_t + s_c^2 / n_c
+    Lambda(theta) = sqrt(V / (V + tau^2)) * exp(tau^2 * (d - theta)^2 / (2 V (V + tau^2)))
 
-Under "no difference" the chance that Lambda ever reaches 1/alpha is at most alpha (Ville's inequality),
-however often it is looked at: a version as good as its control is rolled back with probability at most
-`canary.alpha` per canary. Decisions:
+Under a true difference theta the chance that Lambda(theta) ever reaches 1/alpha is at most alpha (Ville's
+inequality), however often it is looked at; the thetas it has not reached form an always-valid confidence
+sequence, d +- sqrt(2 V (V + tau^2) / tau^2 * (log(1/alpha) + log((V + tau^2) / V) / 2)). Decisions, each side
+with at least `canary.min_requests` judged lists (a variance from fewer is noise):
 
-- Lambda >= 1/alpha with d < 0, each side with half of `canary.min_requests` judged: **shown worse**.
-  Rolled back to @control (models/registry.py: rollback), the reason on the version
-  (`rolled_back_reason`, `canary_decision`) and in the alert. A rollback that fails (the registry down) is
-  retried every interval and alerted.
-- each side with `canary.min_requests` judged requests at this step and not shown worse: the next share
-  of `canary.ramp_percent`, then all traffic (@control removed, `canary_decision` on the version).
-- otherwise: **lacking evidence**: the share stays, and the version says so (`canary_status`).
+- Lambda(0) >= 1/`canary.alpha` with d < 0, on the lists since the canary started: **shown worse**. Rolled back
+  to @control (models/registry.py: rollback), the reason on the version (`rolled_back_reason`,
+  `canary_decision`) and in the alert. A version as good as its control is rolled back with probability at
+  most `canary.alpha`. A rollback that fails (the registry down) is retried every interval and alerted.
+- the lower end of the `canary.ramp_alpha` sequence above -`canary.margin`, on the lists since this step
+  began: **shown not worse than the control by the margin** (non-inferiority). The next share of
+  `canary.ramp_percent`, then all traffic (@control removed, `canary_decision` on the version). A version
+  worse than its control by more than the margin ramps with probability at most `canary.ramp_alpha` at each
+  step. How many lists that takes follows from their spread, not from a fixed count: `ramp_lists` (at the
+  demo's per-list sd 0.22 with the defaults, about 436 a side for a version as good as its control).
+- otherwise: **lacking evidence**: the share stays, and the version says so (`canary_status`); the canary
+  never ramps on the absence of evidence.
 
 What it found is in `run/canary-analyst.state.json`: the exporter's /metrics/canary (served CTR and request AUC
 per version too), `flywheel status`, the dashboard.
@@ -46,9 +53,9 @@ import numpy as np
 import pandas as pd
 
 from infra.progress import replace_text, state_path
-from infra.settings import Settings, get_settings
+from infra.settings import CanarySettings, Settings, get_settings
 from models.registry import (
-    CANARY_TAG, CHAMPION, CONTROL, canary_tag, connect, end_canary, rollback, routing)
+    CANARY_TAG, CHAMPION, CONTROL, RAMPED, canary_tag, connect, end_canary, rollback, routing)
 from serving.outcomes import RANK, clicked_outcomes, list_aucs
 
 log = logging.getLogger("flywheel.canary")
@@ -64,15 +71,60 @@ def ranked_lists(outcomes: pd.DataFrame) -> pd.DataFrame:
 
 
 def msprt(treatment: np.ndarray, control: np.ndarray, tau: float) -> tuple[float, float]:
-    """(difference of means treatment - control, the mixture likelihood ratio Lambda); Lambda 1 with fewer
+    """(difference of means treatment - control, the mixture likelihood ratio Lambda(0)); Lambda 1 with fewer
     than two observations on a side (nothing to estimate a variance from)."""
-    if len(treatment) < 2 or len(control) < 2:
-        return float("nan"), 1.0
-    d = float(treatment.mean() - control.mean())
-    v = float(treatment.var(ddof=1) / len(treatment) + control.var(ddof=1) / len(control))
-    v = max(v, 1e-12)
+    d, v = _difference(treatment, control)
+    if math.isnan(d):
+        return d, 1.0
     log_lambda = 0.5 * math.log(v / (v + tau**2)) + tau**2 * d**2 / (2 * v * (v + tau**2))
     return d, math.exp(min(log_lambda, 700.0))
+
+
+def half_width(v, tau: float, alpha: float):
+    """Half the width of the always-valid (1 - alpha) interval at variance `v` of the difference (floats or
+    arrays): the distance from d at which Lambda reaches 1/alpha."""
+    return np.sqrt(2 * v * (v + tau**2) / tau**2 * (np.log(1 / alpha) + 0.5 * np.log((v + tau**2) / v)))
+
+
+def confidence_sequence(treatment: np.ndarray, control: np.ndarray, tau: float, alpha: float
+                        ) -> tuple[float, float]:
+    """The always-valid (1 - alpha) interval of the difference of means, treatment - control: the thetas
+    whose mixture likelihood ratio has not reached 1/alpha ((-inf, inf) with fewer than two on a side)."""
+    d, v = _difference(treatment, control)
+    if math.isnan(d):
+        return -math.inf, math.inf
+    half = float(half_width(v, tau, alpha))
+    return d - half, d + half
+
+
+def ramp_lists(sd: float, c: CanarySettings) -> int:
+    """Judged lists a side after which a version as good as its control (d = 0) is shown not worse by
+    `c.margin`, at a per-list sd `sd`: the canary's sizing (docs/concepts.md "Canary analysis")."""
+    n = np.arange(2, 100_000)
+    return int(n[np.argmax(half_width(2 * sd**2 / n, c.mixture_sd, c.ramp_alpha) < c.margin)])
+
+
+def first_ramp(treatment: np.ndarray, control: np.ndarray, c: CanarySettings) -> int | None:
+    """Lists a side at the first look, one per new list a side, where the canary would ramp (`judge`'s
+    rule, computed for every look at once): a simulation's measure (tests/test_canary.py, benchmarks/canary.py)."""
+    n = np.arange(1, min(len(treatment), len(control)) + 1)
+
+    def running(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = x[: len(n)]
+        mean = np.cumsum(x) / n
+        return mean, (np.cumsum(x**2) - n * mean**2) / np.maximum(n - 1, 1)
+
+    (mt, vt), (mc, vc) = running(treatment), running(control)
+    low = mt - mc - half_width(np.maximum((vt + vc) / n, 1e-12), c.mixture_sd, c.ramp_alpha)
+    ramps = np.flatnonzero((low > -c.margin) & (n >= max(2, c.min_requests)))
+    return int(n[ramps[0]]) if len(ramps) else None
+
+
+def _difference(treatment: np.ndarray, control: np.ndarray) -> tuple[float, float]:
+    if len(treatment) < 2 or len(control) < 2:
+        return float("nan"), float("nan")
+    v = float(treatment.var(ddof=1) / len(treatment) + control.var(ddof=1) / len(control))
+    return float(treatment.mean() - control.mean()), max(v, 1e-12)
 
 
 @dataclass
@@ -115,22 +167,26 @@ def judge(s: Settings, outcomes: pd.DataFrame, champion: str, control: str, step
         rows = judged[(judged["model_version"] == version) & (judged["route"] == route)]
         values[route] = rows["auc"].to_numpy()
         stamps = mine.groupby("request_id")["served_at"].min() if len(mine) else pd.Series(dtype=float)
-        at_step[route] = int((stamps.reindex(rows["request_id"]) >= step_started_ms).sum())
+        at_step[route] = (stamps.reindex(rows["request_id"]) >= step_started_ms).to_numpy()
         total = totals[(totals["model_version"] == version) & (totals["route"] == route)]
         items = int(total["items"].sum())
         arms[route] = Arm(version, len(rows), float(values[route].mean()) if len(rows) else float("nan"),
                           int(total["requests"].sum()), float(mine["label"].sum()) / items if items else float("nan"))
     d, lam = msprt(values[CHAMPION], values[CONTROL], c.mixture_sd)
+    at_this_step = min(int(m.sum()) for m in at_step.values())
+    low, _ = confidence_sequence(values[CHAMPION][at_step[CHAMPION]], values[CONTROL][at_step[CONTROL]],
+                                 c.mixture_sd, c.ramp_alpha)
     said = (f"request AUC v{champion} {arms[CHAMPION].auc:.3f} on {arms[CHAMPION].judged} judged requests vs "
             f"v{control} {arms[CONTROL].auc:.3f} on {arms[CONTROL].judged}, difference {d:+.3f}; mSPRT "
-            f"likelihood ratio {lam:.3g} (threshold 1/alpha = {1 / c.alpha:g})")
-    # A variance from a handful of requests is noise: no verdict of "worse" before half the evidence a step needs.
-    if lam >= 1 / c.alpha and d < 0 and min(a.judged for a in arms.values()) >= max(2, c.min_requests // 2):
+            f"likelihood ratio {lam:.3g} (threshold 1/alpha = {1 / c.alpha:g}); at this step "
+            f"{at_this_step} a side, difference > {low:+.3f} "
+            f"(always valid at {1 - c.ramp_alpha:g}; ramps above -{c.margin:g})")
+    enough = min(a.judged for a in arms.values()) >= max(2, c.min_requests)
+    if enough and lam >= 1 / c.alpha and d < 0:
         return Verdict("worse", f"shown worse than v{control} on live traffic: {said}", d, lam, arms)
-    if min(at_step.values()) >= c.min_requests:
-        return Verdict("ramp", f"not shown worse: {said}", d, lam, arms)
-    return Verdict("lacking", f"lacking evidence: {min(at_step.values())} judged requests on the smaller side at "
-                              f"this step, {c.min_requests} needed; {said}", d, lam, arms)
+    if enough and at_this_step >= c.min_requests and low > -c.margin:
+        return Verdict("ramp", f"shown not worse by more than {c.margin:g}: {said}", d, lam, arms)
+    return Verdict("lacking", f"lacking evidence: {said}", d, lam, arms)
 
 
 def served_figures(outcomes: pd.DataFrame, totals: pd.DataFrame) -> dict[str, dict]:
@@ -257,7 +313,7 @@ class Analyst:
             log.info("v%s ramped to %g%% of users: %s", champion, steps[0], reason)
             return
         end_canary(self.s)
-        client.set_model_version_tag(name, champion, "canary_decision", f"ramped to all traffic: {reason}")
+        client.set_model_version_tag(name, champion, "canary_decision", f"{RAMPED}: {reason}")
         log.info("v%s ramped to all traffic: %s", champion, reason)
 
     def save(self) -> None:

@@ -44,11 +44,7 @@ def loop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, S
                                     FLYWHEEL_AIRFLOW_FULL_TRAINING_SCHEDULE="", FLYWHEEL_SERVING_POLL_INTERVAL_S="1",
                                     FLYWHEEL_RETRIEVAL_TRAINING_SCHEDULE="",
                                     # a shortened history: about two weeks of it, fewer users to judge on
-                                    FLYWHEEL_RETRIEVAL_EVAL_DAYS="4", FLYWHEEL_RETRIEVAL_GATE_MIN_USERS="5",
-                                    # A canary ramps on 60 judged requests a side, not 20: on a slow machine the
-                                    # archives bring them in bursts, and the drill's inverted version was once
-                                    # ramped on 39 and 27 (likelihood ratio 18 of the 100 needed).
-                                    FLYWHEEL_CANARY_MIN_REQUESTS="60"))
+                                    FLYWHEEL_RETRIEVAL_EVAL_DAYS="4", FLYWHEEL_RETRIEVAL_GATE_MIN_USERS="5"))
     stack.up(s)
     try:
         summary = run_loop(s, PLAN)

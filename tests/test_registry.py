@@ -21,8 +21,8 @@ from infra.settings import Settings
 from models.ctr import CtrModel
 from models.dataset import Window
 from models.registry import (
-    CHALLENGER, CHAMPION, CONTROL, RegistryError, Routing, alias_version, connect, gate, log_model, rollback,
-    routing)
+    CHALLENGER, CHAMPION, CONTROL, RAMPED, RegistryError, Routing, alias_version, connect, floor_version, gate,
+    log_model, rollback, routing)
 from models.train import train_full
 from tests.conftest import running_stack
 from tests.ctr_data import SPEC, synthetic
@@ -87,6 +87,37 @@ def test_gate_promotes_refuses_and_rollback_restores(registry: Settings, tmp_pat
     assert routing(connect(s), s.models.name) == Routing({CHAMPION: v1, CHALLENGER: v2})  # the canary is over
     tags = connect(s).get_model_version(s.models.name, v3).tags
     assert (tags["rolled_back_to"], tags["rolled_back_by"], tags["rolled_back_reason"]) == (v1, "tester", "bad canary")
+
+
+def test_the_gate_never_promotes_below_the_floor_whatever_the_champion_is(registry: Settings, tmp_path: Path) -> None:
+    """A champion that should never have served (noise, moved there by a ramp or a hand) is no bar: a version
+    better than it but worse than the floor, the first champion or the last version that passed a canary, is
+    refused, and the reason names the floor."""
+    s = replace(registry, models=replace(registry.models, name="floor"))
+    keras.utils.set_random_seed(3)
+    data = synthetic(8000, seed=5)  # the data and seed the first test's good version learns from (AUC ~0.7)
+    train, evaluation = data.take(slice(0, 6000)), data.take(slice(6000, None))
+    good = CtrModel(SPEC)
+    good.fit(train, epochs=2, progress=False)
+    v1 = register(s, good, tmp_path, "good")
+    assert gate(s, v1, good, evaluation, "synthetic evaluation").promoted and floor_version(connect(s), s.models.name) == v1
+
+    def noise(seed: int) -> CtrModel:  # trained on shuffled labels: calibrated, ranks at chance
+        model = CtrModel(SPEC)
+        model.fit(replace(train, labels=np.random.default_rng(seed).permutation(train.labels)), progress=False)
+        return model
+
+    v2 = register(s, noise(1), tmp_path, "noise-champion")
+    connect(s).set_registered_model_alias(s.models.name, CHAMPION, v2)
+    candidate = noise(2)
+    v3 = register(s, candidate, tmp_path, "noise-candidate")
+    refused = gate(s, v3, candidate, evaluation, "synthetic evaluation")
+    assert not refused.promoted and refused.guardrail == "floor" and f"floor v{v1}" in refused.reason, refused.reason
+    assert "not shown worse" in refused.reason  # than the champion it would have replaced
+    assert champion(s) == v2 and connect(s).get_model_version(s.models.name, v3).tags["gate_guardrail"] == "floor"
+    # The floor moves to the newest version that passed a canary.
+    connect(s).set_model_version_tag(s.models.name, v2, "canary_decision", f"{RAMPED}: shown not worse")
+    assert floor_version(connect(s), s.models.name) == v2
 
 
 def test_too_little_evidence_or_a_miscalibrated_version_is_refused_naming_the_guardrail(registry: Settings,
