@@ -1,10 +1,12 @@
 """Training sets: impressions from the offline event log, labelled by their clicks, joined
 point-in-time correct with the `ranking_training` features.
 
-Each impression is joined with the features as they were 1 ms before it, which is what the ranking
-server sees when it scores the request that leads to the impression: the impression's own update
-(and its click, 1 ms or more later) are never in its features. Behaviors in the sequence at or
-after that time are dropped for the same reason.
+Each impression is joined with the features as they were 1 ms before its request's first exposure,
+which is what the ranking server sees when it scores the request: every candidate of a request is
+scored at once, before any of them is shown, so no exposure of a request (nor its click, 1 ms or more
+later) is in the features of any of its examples. Behaviors in the sequence at or after that time are
+dropped for the same reason. (Joined as of each impression instead, a MovieLens session's later ratings
+saw its earlier ones: test AUC 0.816 offline against 0.707 on the same version's served `/rank` lists.)
 """
 
 from __future__ import annotations
@@ -47,15 +49,18 @@ class Window:
 
 def labelled_impressions(s: Settings, window: Window) -> pd.DataFrame:
     """One row per impression in `window` (event log, deduplicated by event id, test traffic left out):
-    user_id, item_id, category, event_time (ms), label (1.0 if a click with its request id and item exists)."""
+    user_id, item_id, category, event_time (ms), request_time (ms: its request's first exposure, looked for
+    up to a day before the window), label (1.0 if a click with its request id and item exists)."""
     start, end = (int(t.timestamp() * 1000) for t in (window.start, window.end))
     # A click comes after its impression: read a day past the window for the clicks of its last ones.
-    log = read_event_log(s, start, end + DAY_MS)
+    log = read_event_log(s, start - DAY_MS, end + DAY_MS)
     log = log.filter(pc.field("event_id").is_valid())
     frame = log.select(["event_id", "user_id", "item_id", "event_type", "request_id", "event_time", "context"]
                        ).to_pandas().drop_duplicates("event_id")
     # Examples are the spec's exposures; labelled by its label types on the same request and item.
-    imps = frame[frame.event_type.isin(s.spec.exposures) & (frame.event_time >= start) & (frame.event_time < end)]
+    exposures = frame[frame.event_type.isin(s.spec.exposures)]
+    first = exposures.groupby("request_id")["event_time"].min().rename("request_time")
+    imps = exposures[(exposures.event_time >= start) & (exposures.event_time < end)].join(first, on="request_id")
     clicks = frame[frame.event_type.isin(s.spec.labels)][["request_id", "item_id"]].drop_duplicates()
     clicks["label"] = 1.0
     out = imps.merge(clicks, on=["request_id", "item_id"], how="left")
@@ -63,23 +68,24 @@ def labelled_impressions(s: Settings, window: Window) -> pd.DataFrame:
     contexts = [json.loads(c) for c in out["context"]]
     out["category"] = [str(c.get(s.spec.key, "")) for c in contexts]  # the key the stream groups by
     out = out.loc[np.array([c.get(TEST_TRAFFIC) is not True for c in contexts], bool)]  # load tests teach nothing
-    return out[["user_id", "item_id", "category", "event_time", "label"]].sort_values(
+    return out[["user_id", "item_id", "category", "event_time", "request_time", "label"]].sort_values(
         "event_time", kind="stable").reset_index(drop=True)
 
 
 def training_set(s: Settings, window: Window, sequence_length: int) -> tuple[Examples, np.ndarray]:
-    """The examples of `window` in time order, and their event times (ms)."""
+    """The examples of `window` in time order (of their impressions), each with its features as of its
+    request, and their event times (ms)."""
     imps = labelled_impressions(s, window)
     if imps.empty:
         raise NoImpressions(f"no impressions in {window}: nothing to train or evaluate on")
     entity_df = imps[["user_id", "item_id", "category"]].copy()
-    entity_df["event_timestamp"] = pd.to_datetime(imps["event_time"] - 1, unit="ms", utc=True)
+    entity_df["event_timestamp"] = pd.to_datetime(imps["request_time"] - 1, unit="ms", utc=True)
     entity_df["row"] = np.arange(len(imps))
     joined = as_of(s, entity_df).merge(long_history_as_of(s, entity_df), on="row")
     missing = [c for c in RAW_FEATURES if c not in joined.columns]
     if missing:
         raise ValueError(f"feature service ranking_training lacks {missing}")
-    return to_examples(joined, imps["event_time"].to_numpy(), imps["label"].to_numpy(), sequence_length), \
+    return to_examples(joined, imps["request_time"].to_numpy(), imps["label"].to_numpy(), sequence_length), \
         imps["event_time"].to_numpy()
 
 

@@ -2,7 +2,10 @@
 
 The data set's licence forbids redistribution, so it is never committed: it is read at run time
 from the ``recbole`` wheel on PyPI (which ships it) and cached. Each rating becomes an impression;
-a rating >= settings.movielens.click_min_rating also becomes a click on that impression.
+a rating >= settings.movielens.click_min_rating also becomes a click on that impression. A user's
+ratings close together in time (`sessions`) are one request, as the live traffic serves them: one
+request id, so the training join takes all of them as of the request's start (models/dataset.py), as
+the ranking server scores a request's candidates together before any of them is shown.
 """
 
 from __future__ import annotations
@@ -69,18 +72,20 @@ def _kinds(clicked: bool) -> list[str]:
     return [spec.exposures[0], *([spec.labels[0]] if clicked else [])]
 
 
-def rating_events(rating: Rating, click_min_rating: float, category: str | None = None) -> list[Event]:
-    """The impression, and the click if the rating counts as one, for a single rating.
+def rating_events(rating: Rating, click_min_rating: float, category: str | None = None,
+                  session_start: int | None = None) -> list[Event]:
+    """The impression, and the click if the rating counts as one, for a single rating; `session_start`:
+    the start of the user's session it is in (`sessions`; seconds), which names its request.
 
     The click comes 1 ms after its impression: strictly later, so features as of the impression
     never include its own label.
     """
     # Readable ids, stable across replays (a user rates an item once), so consumers can deduplicate.
-    request_id = f"{SOURCE}:{rating.user_id}:{rating.item_id}:{rating.timestamp}"
+    request_id = f"{SOURCE}:{rating.user_id}:{rating.timestamp if session_start is None else session_start}"
     t_ms = rating.timestamp * 1000
     context = {"source": SOURCE} | ({"category": category} if category else {})
     kinds = _kinds(rating.rating >= click_min_rating)
-    return [Event(event_id=f"{request_id}:{kind}", user_id=rating.user_id,
+    return [Event(event_id=f"{request_id}:{rating.item_id}:{kind}", user_id=rating.user_id,
                   item_id=rating.item_id, event_type=kind, request_id=request_id, event_time=t_ms + delay,
                   context=context)
             for delay, kind in enumerate(kinds)]
@@ -88,13 +93,16 @@ def rating_events(rating: Rating, click_min_rating: float, category: str | None 
 
 def replay_events(s: Settings, limit: int | None = None, before: int | None = None) -> Iterator[Event]:
     """Events of the first `limit` ratings (all when None) rated before `before` (seconds since the
-    epoch; all when None), in event-time order."""
+    epoch; all when None), in event-time order, each request a session of all the ratings'."""
     data = dataset_dir(s)
     categories = load_item_categories(data / "ml-100k.item")
-    for rating in load_ratings(data / "ml-100k.inter")[:limit]:
+    ratings = load_ratings(data / "ml-100k.inter")
+    started = {(r.user_id, r.item_id): x.start for x in sessions(ratings) for r in x.ratings}
+    for rating in ratings[:limit]:
         if before is not None and rating.timestamp >= before:
             break
-        yield from rating_events(rating, s.movielens.click_min_rating, categories.get(rating.item_id))
+        yield from rating_events(rating, s.movielens.click_min_rating, categories.get(rating.item_id),
+                                 started[rating.user_id, rating.item_id])
 
 
 @dataclass(frozen=True)

@@ -332,7 +332,8 @@ def test_a_restarted_job_and_ingestor_lose_nothing_and_count_nothing_twice(pipel
 def test_training_set_labels_impressions_and_joins_features_from_just_before(pipeline: Settings,
                                                                              timeline: Timeline) -> None:
     """models.dataset: each impression labelled by its click (same request id), with the features
-    as they were just before it: its own update, its click and later behaviors never leak in."""
+    as they were just before its request: its own update, its click and later behaviors never leak in, nor
+    (q5) an earlier exposure and click of the same request, which the server scored before showing any."""
     s = pipeline
     t0 = timeline.take(11 * MINUTE)
     user = "user-train"
@@ -346,27 +347,32 @@ def test_training_set_labels_impressions_and_joins_features_from_just_before(pip
               with_request(event(303, user, "i2", CLICK, t0 + MINUTE + 1), "q2"),
               with_request(event(304, user, "i4", IMP, t0 + 90_000), "q4"),
               with_request(event(305, user, "i3", IMP, t0 + 2 * MINUTE), "q3"),
-              with_request(event(306, user, "i3", CLICK, t0 + 2 * MINUTE + 1), "q3")]
+              with_request(event(306, user, "i3", CLICK, t0 + 2 * MINUTE + 1), "q3"),
+              with_request(event(307, user, "i5", IMP, t0 + 150_000), "q5"),
+              with_request(event(308, user, "i5", CLICK, t0 + 150_001), "q5"),
+              with_request(event(309, user, "i6", IMP, t0 + 160_000), "q5")]
     with EventProducer(s) as producer:
         for e in events:
             producer.send(e)
     window = Window(datetime.fromtimestamp(t0 / 1000, UTC), datetime.fromtimestamp((t0 + 3 * MINUTE) / 1000, UTC))
 
     def logged() -> None:
-        assert len(labelled_impressions(s, window)) == 4
+        assert len(labelled_impressions(s, window)) == 6
 
     wait_for(logged)
-    wait_for(lambda: _assert_online(s, user, impressions_5m=4))  # the last event's window row is online
+    wait_for(lambda: _assert_online(s, user, impressions_5m=6))  # the last event's window row is online
     ex, times = training_set(s, window, sequence_length=3)
-    assert list(times) == [t0, t0 + MINUTE, t0 + 90_000, t0 + 2 * MINUTE]
-    assert list(ex.labels) == [1.0, 1.0, 0.0, 1.0]
-    assert list(ex.item_ids) == ["i1", "i2", "i4", "i3"] and set(ex.user_ids) == {user}
+    assert list(times) == [t0, t0 + MINUTE, t0 + 90_000, t0 + 2 * MINUTE, t0 + 150_000, t0 + 160_000]
+    assert list(ex.labels) == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    assert list(ex.item_ids) == ["i1", "i2", "i4", "i3", "i5", "i6"] and set(ex.user_ids) == {user}
     clicks_total = ex.numeric[:, NUMERIC_FEATURES.index("user_clicks_total")]
     impressions_5m = ex.numeric[:, NUMERIC_FEATURES.index("user_impressions_5m")]
-    np.testing.assert_allclose(clicks_total, np.log1p([0, 1, 2, 2]), rtol=1e-6)  # own click never included
-    np.testing.assert_allclose(impressions_5m, np.log1p([0, 1, 2, 3]), rtol=1e-6)  # nor own impression
-    # The behavior sequence (clicks and purchases) before each impression, newest first.
-    assert ex.sequences.tolist() == [[PAD] * 3, ["i1", PAD, PAD], ["i2", "i1", PAD], ["i2", "i1", PAD]]
+    # Own click never included, nor q5's click on i5 in i6's features.
+    np.testing.assert_allclose(clicks_total, np.log1p([0, 1, 2, 2, 3, 3]), rtol=1e-6)
+    np.testing.assert_allclose(impressions_5m, np.log1p([0, 1, 2, 3, 4, 4]), rtol=1e-6)  # nor own impression
+    # The behavior sequence (clicks and purchases) before each request, newest first.
+    assert ex.sequences.tolist() == [[PAD] * 3, ["i1", PAD, PAD], ["i2", "i1", PAD], ["i2", "i1", PAD],
+                                     ["i3", "i2", "i1"], ["i3", "i2", "i1"]]
 
 
 def test_window_counts_arrive_on_a_quiet_stream(pipeline: Settings, timeline: Timeline) -> None:
