@@ -519,6 +519,34 @@ def outcomes(since: datetime | None, until: datetime | None, as_json: bool) -> N
 
 
 @main.command()
+@click.option("--since", type=_DATE, default=None, help="First serving time (UTC; default: all archived).")
+@click.option("--until", type=_DATE, default=None, help="End of the serving period (exclusive).")
+@click.option("--requests", type=click.IntRange(1), default=2000, show_default=True,
+              help="The newest /rank lists of the period compared.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON list: a row per feature.")
+def consistency(since: datetime | None, until: datetime | None, requests: int, as_json: bool) -> None:
+    """Features served vs features trained on: for the newest served /rank lists, each numeric feature's value
+    as the ranking server read it (the prediction archive) against the training join's value for the same
+    user, item and time; the mismatch rate per feature and its causes."""
+    from serving.consistency import report
+
+    ms = lambda d: None if d is None else int(_utc(d).timestamp() * 1000)  # noqa: E731
+    table, counts = report(_settings(), ms(since), ms(until), requests)
+    if as_json:
+        click.echo(table.to_json(orient="records") if len(table) else "[]")
+        return
+    if not len(table):
+        click.echo("no served /rank lists archived in that period")
+        return
+    click.echo(f"{counts['lists']:,} served /rank lists, {counts['served']:,} candidates shown, {counts['compared']:,} "
+               "of them in the training set; per feature, served vs the training set (vs a point-in-time join):")
+    for r in table.to_dict("records"):
+        click.echo(f"  {r['feature']:<26} {r['mismatched']:>6,} of {r['compared']:,} ({r['rate']:.2%}) "
+                   f"(point-in-time {r['point_in_time_mismatched']:,}, {r['point_in_time_rate']:.2%}: missing online "
+                   f"{r['missing_online']:,}, offline {r['missing_offline']:,})")
+
+
+@main.command()
 def serve() -> None:
     """Run the ranking server (settings [serving]) in the foreground until interrupted."""
     from serving.supervisor import serve as run

@@ -7,6 +7,12 @@ scored at once, before any of them is shown, so no exposure of a request (nor it
 later) is in the features of any of its examples. Behaviors in the sequence at or after that time are
 dropped for the same reason. (Joined as of each impression instead, a MovieLens session's later ratings
 saw its earlier ones: test AUC 0.816 offline against 0.707 on the same version's served `/rank` lists.)
+
+A candidate the ranking server scored and logged (the prediction archive) is trained on the numeric
+features it was served with, not on the point-in-time join's (the online joiner of Monolith and JD):
+the join's values differed from the served ones for 1-10 % of the demo's candidates (an item's features
+cached for a second, rows not yet online when read, rows past their view's TTL that the online read
+still serves; serving/consistency.py measures both).
 """
 
 from __future__ import annotations
@@ -18,13 +24,15 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from contract.examples import Examples
-from contract.inputs import RAW_FEATURES
+from contract.inputs import NUMERIC_FEATURES, RAW_FEATURES
 from contract.transform import to_examples
 from feature_repo.event_log import read_event_log
 from feature_repo.files import view_dir
+from feature_repo.predictions import read_predictions
 from infra.settings import Settings
 from streaming.events import TEST_TRAFFIC
 from streaming.features import LONG_HISTORY_VIEW
@@ -49,7 +57,7 @@ class Window:
 
 def labelled_impressions(s: Settings, window: Window) -> pd.DataFrame:
     """One row per impression in `window` (event log, deduplicated by event id, test traffic left out):
-    user_id, item_id, category, event_time (ms), request_time (ms: its request's first exposure, looked for
+    request_id, user_id, item_id, category, event_time (ms), request_time (ms: its request's first exposure, looked for
     up to a day before the window), label (1.0 if a click with its request id and item exists)."""
     start, end = (int(t.timestamp() * 1000) for t in (window.start, window.end))
     # A click comes after its impression: read a day past the window for the clicks of its last ones.
@@ -68,13 +76,14 @@ def labelled_impressions(s: Settings, window: Window) -> pd.DataFrame:
     contexts = [json.loads(c) for c in out["context"]]
     out["category"] = [str(c.get(s.spec.key, "")) for c in contexts]  # the key the stream groups by
     out = out.loc[np.array([c.get(TEST_TRAFFIC) is not True for c in contexts], bool)]  # load tests teach nothing
-    return out[["user_id", "item_id", "category", "event_time", "request_time", "label"]].sort_values(
+    return out[["request_id", "user_id", "item_id", "category", "event_time", "request_time", "label"]].sort_values(
         "event_time", kind="stable").reset_index(drop=True)
 
 
-def training_set(s: Settings, window: Window, sequence_length: int) -> tuple[Examples, np.ndarray]:
-    """The examples of `window` in time order (of their impressions), each with its features as of its
-    request, and their event times (ms)."""
+def training_frame(s: Settings, window: Window) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The labelled impressions of `window` (`labelled_impressions`) and their raw features, row by row:
+    as of each one's request, and where its request was served and logged, the numeric values the
+    ranking server read for it."""
     imps = labelled_impressions(s, window)
     if imps.empty:
         raise NoImpressions(f"no impressions in {window}: nothing to train or evaluate on")
@@ -85,8 +94,45 @@ def training_set(s: Settings, window: Window, sequence_length: int) -> tuple[Exa
     missing = [c for c in RAW_FEATURES if c not in joined.columns]
     if missing:
         raise ValueError(f"feature service ranking_training lacks {missing}")
+    served = served_values(s, imps)
+    if len(served):
+        found = imps[["request_id", "item_id"]].merge(served.assign(logged=True), on=["request_id", "item_id"],
+                                                      how="left")
+        logged = found["logged"].eq(True).to_numpy()
+        for name in (c for c in served.columns if c in joined.columns and c not in ("request_id", "item_id")):
+            column = joined[name].to_numpy(float, na_value=np.nan).copy()
+            column[logged] = found[name].to_numpy(float, na_value=np.nan)[logged]
+            joined[name] = column
+    return imps, joined
+
+
+def training_set(s: Settings, window: Window, sequence_length: int) -> tuple[Examples, np.ndarray]:
+    """The examples of `window` in time order (of their impressions), each with its features as of its
+    request (`training_frame`), and their event times (ms)."""
+    imps, joined = training_frame(s, window)
     return to_examples(joined, imps["request_time"].to_numpy(), imps["label"].to_numpy(), sequence_length), \
         imps["event_time"].to_numpy()
+
+
+def served_values(s: Settings, imps: pd.DataFrame) -> pd.DataFrame:
+    """Per (request_id, item_id) of the impressions' requests that the ranking server logged (served, not
+    shadow), the numeric features it read for the item (NaN: nothing stored; serving/features.py logs them)."""
+    start, end = int(imps["request_time"].min()) - DAY_MS, int(imps["event_time"].max()) + 1
+    table = read_predictions(s, start, end, columns=["request_id", "items", "features", "shadow", "served_at"])
+    wanted = pa.array(imps["request_id"].unique(), pa.string())
+    table = table.filter(~pc.field("shadow") & pc.field("request_id").isin(wanted))
+    rows: dict[str, list] = {"request_id": [], "item_id": []}
+    for p in table.select(["request_id", "items", "features"]).to_pylist():
+        n, at = len(p["items"]), len(rows["item_id"])
+        rows["request_id"] += [p["request_id"]] * n
+        rows["item_id"] += p["items"]
+        for name, values in (json.loads(p["features"]) if p["features"] else {}).items():
+            if name in NUMERIC_FEATURES and isinstance(values, list) and len(values) == n:
+                column = rows.setdefault(name, [np.nan] * at)
+                column += [np.nan] * (at - len(column)) + [np.nan if v is None else float(v) for v in values]
+    n = len(rows["item_id"])
+    frame = pd.DataFrame({k: v + [np.nan] * (n - len(v)) for k, v in rows.items()})
+    return frame.drop_duplicates(["request_id", "item_id"])
 
 
 def as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:

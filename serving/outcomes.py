@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 from feature_repo.event_log import read_event_log
 from infra.settings import Settings
 from models.metrics import auc
-from serving.prediction_archive import read_predictions
+from feature_repo.predictions import read_predictions
 
 POPULARITY = "popularity"  # the source the others are compared with: what anyone could serve
 COLUMNS = ["request_id", "item_id", "model_version", "route", "served_at", "score", "label", "sources"]

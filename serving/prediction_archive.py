@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import msgspec.structs
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from feature_repo.event_log import archive
-from feature_repo.files import day, offline_dir, part_name, read_days, write_atomic
+from feature_repo.files import day, part_name, write_atomic
+from feature_repo.predictions import SCHEMA, archive_dir
 from infra.progress import ledger_path
 from infra.settings import Settings, get_settings
 from streaming.consumer import Consumed, EventConsumer
@@ -28,20 +27,7 @@ from streaming.topics import ensure_topics
 
 log = logging.getLogger("flywheel.prediction-archive")
 GROUP, SERVICE = "flywheel-prediction-archive", "prediction-archive"
-SCHEMA = pa.schema([
-    ("request_id", pa.string()), ("user_id", pa.string()), ("model_name", pa.string()),
-    ("model_version", pa.string()), ("route", pa.string()), ("shadow", pa.bool_()), ("tier", pa.string()),
-    ("served_at", pa.int64()), ("items", pa.list_(pa.string())), ("categories", pa.list_(pa.string())),
-    ("scores", pa.list_(pa.float64())),  # null: a candidate the request's deadline left unscored
-    ("features", pa.string()),  # the raw feature values as read (JSON): what the model saw
-    ("sources", pa.list_(pa.list_(pa.string()))),  # /recommend: per item, the candidate sources; null for /rank
-    ("kafka_partition", pa.int32()), ("kafka_offset", pa.int64()),
-])
 _FIELDS = [f.name for f in SCHEMA][:-2]  # the record's own; then where it was read
-
-
-def archive_dir(s: Settings) -> Path:
-    return offline_dir(s) / "predictions"
 
 
 class Prediction(msgspec.Struct, forbid_unknown_fields=False):
@@ -92,17 +78,6 @@ def write_batch(s: Settings, batch: list[Consumed]) -> int:
         name = part_name(partition, items[0].offset, items[0].event["request_id"].encode())
         write_atomic(table, archive_dir(s) / f"date={date}" / name)
     return len(groups)
-
-
-def read_predictions(s: Settings, start_ms: int | None = None, end_ms: int | None = None,
-                     columns: list[str] | None = None) -> pa.Table:
-    """The archive's records served in start_ms <= served_at < end_ms (all when not given); `columns`:
-    only those (`served_at` among them when a period is given)."""
-    # A file is written after the records in it were served: one older than start_ms holds none after it.
-    table = read_days(archive_dir(s), SCHEMA, start_ms, end_ms, columns, written_since_ms=start_ms)
-    if start_ms is not None:
-        table = table.filter(pc.field("served_at") >= start_ms)
-    return table.filter(pc.field("served_at") < end_ms) if end_ms is not None else table
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from infra import stack
 from infra.progress import read_progress, wait_caught_up
 from infra.settings import Settings, load_settings
 from serving.outcomes import auc_by_version, auc_over_time, ctr_by_source, list_aucs, percentiles, served_outcomes
-from serving.prediction_archive import read_predictions
+from feature_repo.predictions import read_predictions
 from serving.prediction_log import PredictionLog
 from streaming.consumer import read_dead_letter
 from streaming.events import Event

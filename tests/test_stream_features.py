@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pandas as pd
 import psutil
+import pyarrow as pa
 import pytest
 from confluent_kafka import Producer
 from kafka import KafkaProducer
@@ -27,12 +28,15 @@ from contract.examples import PAD
 from contract.inputs import NUMERIC_FEATURES
 from feature_repo.definitions import TIMESTAMP_FIELD
 from feature_repo.event_log import read_event_log
-from feature_repo.files import view_dir
+from feature_repo.files import day, view_dir, write_atomic
+from feature_repo.predictions import SCHEMA as PREDICTIONS
+from feature_repo.predictions import archive_dir
 from feature_repo.store import feature_store, online_row
 from infra import flink_rest, monitoring, process, stack
 from infra.progress import read_progress
 from infra.settings import Settings, to_environ
-from models.dataset import Window, labelled_impressions, training_set
+from models.dataset import Window, labelled_impressions, training_frame, training_set
+from serving.consistency import report as consistency_report
 from streaming.consumer import read_dead_letter
 from streaming.events import Event, InvalidEvent, decode
 from streaming.features import TOPIC_PREFIX
@@ -373,6 +377,43 @@ def test_training_set_labels_impressions_and_joins_features_from_just_before(pip
     # The behavior sequence (clicks and purchases) before each request, newest first.
     assert ex.sequences.tolist() == [[PAD] * 3, ["i1", PAD, PAD], ["i2", "i1", PAD], ["i2", "i1", PAD],
                                      ["i3", "i2", "i1"], ["i3", "i2", "i1"]]
+
+
+def test_a_served_candidate_is_trained_on_the_features_it_was_served_with(pipeline: Settings,
+                                                                         timeline: Timeline) -> None:
+    """A user back after a quiet spell past their 5-minute window's TTL: the online read serves the stale
+    window, a point-in-time join drops it. Training takes what the ranking server logged it read (the
+    prediction archive, by request id and item), so what the model is trained on is what it was served
+    with, and the consistency report says so (serving/consistency.py)."""
+    s = pipeline
+    t0 = timeline.take(12 * MINUTE)
+    user, back = "user-idle", t0 + 10 * MINUTE
+    with EventProducer(s) as producer:
+        for n in range(3):
+            producer.send(event(600 + n, user, f"i{n}", IMP, t0 + n))
+    wait_for(lambda: _assert_online(s, user, impressions_5m=3))
+    served = {name: value for name, value in online(s, ["user_5m:user_impressions_5m", "user_total:user_impressions_total"],
+                                                    {"user_id": user}).items() if name in NUMERIC_FEATURES}
+    # The record the server logs for the request it serves when the user is back, then the exposure.
+    record = {"request_id": "q-back", "user_id": user, "model_name": s.models.name, "model_version": "1",
+              "route": "champion", "shadow": False, "tier": "high", "served_at": back - 5, "items": ["i9"],
+              "categories": ["c1"], "scores": [0.5], "sources": None, "kafka_partition": 0, "kafka_offset": 0,
+              "features": json.dumps({name: [value] for name, value in served.items()})}
+    write_atomic(pa.Table.from_pylist([record], schema=PREDICTIONS), archive_dir(s) / f"date={day(back)}" / "q.parquet")
+    with EventProducer(s) as producer:
+        producer.send(replace(event(610, user, "i9", IMP, back), request_id="q-back"))
+    window = Window(datetime.fromtimestamp(back / 1000, UTC), datetime.fromtimestamp((back + MINUTE) / 1000, UTC))
+    def exposed() -> None:
+        assert len(labelled_impressions(s, window)) == 1
+
+    wait_for(exposed)
+    imps, joined = training_frame(s, window)
+    assert served["user_impressions_5m"] == 3 and joined["user_impressions_5m"].tolist() == [3.0]
+    table, counts = consistency_report(s, back - 5, back)
+    assert counts == {"lists": 1, "served": 1, "compared": 1}, counts
+    row = table.set_index("feature").loc["user_impressions_5m"]
+    # The point-in-time join drops the row past its TTL: the skew training no longer has.
+    assert row["mismatched"] == 0 and row["point_in_time_mismatched"] == row["missing_offline"] == 1, row
 
 
 def test_window_counts_arrive_on_a_quiet_stream(pipeline: Settings, timeline: Timeline) -> None:
