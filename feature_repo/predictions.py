@@ -5,8 +5,12 @@ features each served candidate was scored with)."""
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -37,3 +41,24 @@ def read_predictions(s: Settings, start_ms: int | None = None, end_ms: int | Non
     if start_ms is not None:
         table = table.filter(pc.field("served_at") >= start_ms)
     return table.filter(pc.field("served_at") < end_ms) if end_ms is not None else table
+
+
+def logged_features(records: pa.Table, names: Collection[str], repeated: Sequence[str] = ("request_id",),
+                    per_item: Mapping[str, str] | None = None) -> pd.DataFrame:
+    """One row per logged candidate of `records`: each record's `repeated` fields, its per-item lists renamed by
+    `per_item` (default: `items` as `item_id`), and the features of `names` (numbers) as the server read
+    them (NaN: nothing stored; a feature a record lacks: NaN for its rows)."""
+    per_item = per_item or {"items": "item_id"}
+    rows: dict[str, list] = {name: [] for name in (*repeated, *per_item.values())}
+    for p in records.select([*repeated, *per_item, "features"]).to_pylist():
+        n, at = len(p["items"]), len(rows[per_item["items"]])
+        for field in repeated:
+            rows[field] += [p[field]] * n
+        for field, column in per_item.items():
+            rows[column] += p[field]
+        for name, values in (json.loads(p["features"]) if p["features"] else {}).items():
+            if name in names and isinstance(values, list) and len(values) == n:
+                column = rows.setdefault(name, [math.nan] * at)
+                column += [math.nan] * (at - len(column)) + [math.nan if v is None else float(v) for v in values]
+    n = len(rows[per_item["items"]])
+    return pd.DataFrame({k: v + [math.nan] * (n - len(v)) for k, v in rows.items()})

@@ -32,7 +32,7 @@ from contract.inputs import NUMERIC_FEATURES, RAW_FEATURES
 from contract.transform import to_examples
 from feature_repo.event_log import read_event_log
 from feature_repo.files import view_dir
-from feature_repo.predictions import read_predictions
+from feature_repo.predictions import logged_features, read_predictions
 from infra.settings import Settings
 from streaming.events import TEST_TRAFFIC
 from streaming.features import LONG_HISTORY_VIEW
@@ -121,17 +121,7 @@ def served_values(s: Settings, imps: pd.DataFrame) -> pd.DataFrame:
     table = read_predictions(s, start, end, columns=["request_id", "items", "features", "shadow", "served_at"])
     wanted = pa.array(imps["request_id"].unique(), pa.string())
     table = table.filter(~pc.field("shadow") & pc.field("request_id").isin(wanted))
-    rows: dict[str, list] = {"request_id": [], "item_id": []}
-    for p in table.select(["request_id", "items", "features"]).to_pylist():
-        n, at = len(p["items"]), len(rows["item_id"])
-        rows["request_id"] += [p["request_id"]] * n
-        rows["item_id"] += p["items"]
-        for name, values in (json.loads(p["features"]) if p["features"] else {}).items():
-            if name in NUMERIC_FEATURES and isinstance(values, list) and len(values) == n:
-                column = rows.setdefault(name, [np.nan] * at)
-                column += [np.nan] * (at - len(column)) + [np.nan if v is None else float(v) for v in values]
-    n = len(rows["item_id"])
-    frame = pd.DataFrame({k: v + [np.nan] * (n - len(v)) for k, v in rows.items()})
+    frame = logged_features(table, NUMERIC_FEATURES)
     return frame.drop_duplicates(["request_id", "item_id"])
 
 

@@ -12,8 +12,6 @@ read still serves), or other values (an item's features cached up to `serving.it
 
 from __future__ import annotations
 
-import json
-import math
 from datetime import UTC, datetime
 
 import numpy as np
@@ -21,7 +19,7 @@ import pandas as pd
 import pyarrow.compute as pc
 
 from contract.inputs import NUMERIC_FEATURES
-from feature_repo.predictions import read_predictions
+from feature_repo.predictions import logged_features, read_predictions
 from infra.settings import Settings
 from models.dataset import Window, as_of, long_history_as_of, training_frame
 
@@ -38,18 +36,8 @@ def served_rows(s: Settings, since_ms: int | None, until_ms: int | None, request
                                                              "categories", "features", "sources", "shadow"])
     table = table.filter(~pc.field("shadow") & pc.field("sources").is_null())
     table = table.sort_by([("served_at", "descending")]).slice(0, requests)
-    rows: dict[str, list] = {k: [] for k in KEYS}
-    for p in table.select(["request_id", "user_id", "served_at", "items", "categories", "features"]).to_pylist():
-        n, at = len(p["items"]), len(rows["item_id"])
-        for key, values in (("request_id", [p["request_id"]] * n), ("user_id", [p["user_id"]] * n),
-                            ("item_id", p["items"]), ("category", p["categories"]), ("served_at", [p["served_at"]] * n)):
-            rows[key] += values
-        for name, values in (json.loads(p["features"]) if p["features"] else {}).items():
-            if name in NUMERIC_FEATURES and isinstance(values, list) and len(values) == n:
-                column = rows.setdefault(name, [math.nan] * at)
-                column += [math.nan] * (at - len(column)) + [math.nan if v is None else float(v) for v in values]
-    n = len(rows["item_id"])
-    return pd.DataFrame({k: v + [math.nan] * (n - len(v)) for k, v in rows.items()})
+    return logged_features(table, NUMERIC_FEATURES, ("request_id", "user_id", "served_at"),
+                           {"items": "item_id", "categories": "category"})
 
 
 def _mismatches(served: np.ndarray, held: np.ndarray) -> tuple[int, int, int]:

@@ -44,7 +44,12 @@ def loop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, S
                                     FLYWHEEL_AIRFLOW_FULL_TRAINING_SCHEDULE="", FLYWHEEL_SERVING_POLL_INTERVAL_S="1",
                                     FLYWHEEL_RETRIEVAL_TRAINING_SCHEDULE="",
                                     # a shortened history: about two weeks of it, fewer users to judge on
-                                    FLYWHEEL_RETRIEVAL_EVAL_DAYS="4", FLYWHEEL_RETRIEVAL_GATE_MIN_USERS="5"))
+                                    FLYWHEEL_RETRIEVAL_EVAL_DAYS="4", FLYWHEEL_RETRIEVAL_GATE_MIN_USERS="5",
+                                    # No verdict before 60 judged lists a side, not 20: honest versions stay in
+                                    # their canary against @control for the whole loop (an honest ramp takes
+                                    # hundreds), and the test's normal approximation is the rougher the fewer
+                                    # (discrete per-list AUCs of a handful of items).
+                                    FLYWHEEL_CANARY_MIN_REQUESTS="60"))
     stack.up(s)
     try:
         summary = run_loop(s, PLAN)
