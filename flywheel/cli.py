@@ -536,7 +536,8 @@ def consistency(since: datetime | None, until: datetime | None, requests: int, a
         click.echo(table.to_json(orient="records") if len(table) else "[]")
         return
     if not len(table):
-        click.echo("no served /rank lists archived in that period")
+        click.echo(f"{counts['lists']:,} served /rank lists archived in that period, none of them shown to anyone (a "
+                   "load test's?): nothing was trained on them; --since/--until choose another period")
         return
     click.echo(f"{counts['lists']:,} served /rank lists, {counts['served']:,} candidates shown, {counts['compared']:,} "
                "of them in the training set; per feature, served vs the training set (vs a point-in-time join):")

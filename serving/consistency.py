@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from contract.inputs import NUMERIC_FEATURES
 from feature_repo.predictions import logged_features, read_predictions
 from infra.settings import Settings
-from models.dataset import Window, as_of, long_history_as_of, training_frame
+from models.dataset import NoImpressions, Window, as_of, long_history_as_of, training_frame
 
 EXPOSED_WITHIN_MS = 600_000
 KEYS = ("request_id", "user_id", "item_id", "category", "served_at")
@@ -61,7 +61,10 @@ def report(s: Settings, since_ms: int | None = None, until_ms: int | None = None
     first, last = int(served["served_at"].min()), int(served["served_at"].max())
     # A list's exposures follow its serving within seconds; its request began up to a day before (the join's reach).
     window = Window(*(datetime.fromtimestamp(t / 1000, UTC) for t in (first, last + EXPOSED_WITHIN_MS)))
-    imps, joined = training_frame(s, window)
+    try:
+        imps, joined = training_frame(s, window)
+    except NoImpressions:  # lists no one was shown (a load test's): nothing was trained on them
+        return pd.DataFrame(columns=COLUMNS), counts
     trained = pd.concat([imps[["request_id", "item_id"]], joined.drop(columns=["row", "user_id", "item_id",
                                                                                  "category", "event_timestamp"],
                                                                         errors="ignore")], axis=1)

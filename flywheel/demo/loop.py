@@ -19,7 +19,7 @@ from flywheel.demo.traffic import Traffic
 from infra.airflow_api import AirflowClient
 from infra.settings import Settings
 from models.graph import graph_size
-from models.registry import CHAMPION, CONTROL, alias_version, connect, list_versions
+from models.registry import CHAMPION, CONTROL, alias_version, connect, list_versions, rollback
 from serving.client import endpoint
 from serving.outcomes import percentiles
 from streaming.history import history_events as past_events
@@ -270,13 +270,21 @@ def pause_when_idle(airflow: AirflowClient, dag_id: str, say: Say, tries: int = 
 
 def settle_canary(s: Settings, summary: Summary, say: Say, timeout_s: float = 90.0) -> None:
     """Wait until no canary runs (@control gone: the newest champion ramped to all traffic, or rolled back),
-    so the stack the demo leaves serves one champion to everyone. Past `timeout_s` the canary stays (an
-    honest version ramps after hundreds of judged lists a side, docs/concepts.md "Canary analysis": often
-    more than the demo's traffic brings) and the summary says so."""
+    so the stack the demo leaves serves one champion to everyone. Past `timeout_s` the canary lacks evidence
+    (an honest version ramps after hundreds of judged lists a side, docs/concepts.md "Canary analysis":
+    often more than the demo's traffic brings) and its traffic has ended, so no evidence will come: @champion
+    goes back to @control, the last version that passed, which serves everyone; the summary says so. (A
+    canary left running kept two models on every batch and the analyst re-reading the archives under any
+    later load: serve-capacity fell from about 70,000 to 13,449 candidates/s.)"""
     client, t0 = connect(s), time.monotonic()
     while alias_version(client, s.models.name, CONTROL) is not None and time.monotonic() - t0 < timeout_s:
         time.sleep(2)
+    control = alias_version(client, s.models.name, CONTROL)
     champion = alias_version(client, s.models.name, CHAMPION)
     tags = dict(client.get_model_version(s.models.name, champion).tags) if champion else {}
-    summary.catch_up["canary"] = tags.get("canary_decision") or tags.get("canary_status") or "none (no champion before)"
-    say(f"  canary of v{champion}: {summary.catch_up['canary']} ({time.monotonic() - t0:.0f}s)")
+    said = tags.get("canary_decision") or tags.get("canary_status") or "none (no champion before)"
+    if control is not None and champion not in (None, control):
+        rollback(s, f"the demo's traffic ended before its canary had evidence: {said}", to=control, who="flywheel-demo")
+        said = f"ended with the demo's traffic, v{champion} back to @control v{control}: {said}"
+    summary.catch_up["canary"] = said
+    say(f"  canary of v{champion}: {said} ({time.monotonic() - t0:.0f}s)")
