@@ -152,10 +152,12 @@ def test_too_little_evidence_or_a_miscalibrated_version_is_refused_naming_the_gu
 
 def test_champion_from_the_registry_scores_like_the_in_memory_model(registry: Settings, tmp_path: Path) -> None:
     s = replace(registry, models=replace(registry.models, name="scoring-check"))
-    data = synthetic(3000, seed=9)
+    # The first test's data and seed (AUC ~0.7): a version at chance may be refused by the gate's floor.
+    keras.utils.set_random_seed(3)
+    data = synthetic(8000, seed=5)
     model = CtrModel(SPEC)
-    model.fit(data.take(slice(0, 2500)), progress=False)
-    test = data.take(slice(2500, None))
+    model.fit(data.take(slice(0, 6000)), epochs=2, progress=False)
+    test = data.take(slice(6000, None))
     version = register(s, model, tmp_path, "scoring")
     assert gate(s, version, model, test, "synthetic evaluation").promoted
     loaded = mlflow.pyfunc.load_model(f"models:/{s.models.name}@champion")
