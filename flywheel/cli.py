@@ -527,11 +527,14 @@ def outcomes(since: datetime | None, until: datetime | None, as_json: bool) -> N
 def consistency(since: datetime | None, until: datetime | None, requests: int, as_json: bool) -> None:
     """Features served vs features trained on: for the newest served /rank lists, each numeric feature's value
     as the ranking server read it (the prediction archive) against the training join's value for the same
-    user, item and time; the mismatch rate per feature and its causes."""
-    from serving.consistency import report
+    user, item and time; the mismatch rate per feature and its causes (also the exporter's
+    flywheel_feature_mismatch_ratio, until the next report)."""
+    from serving.consistency import report, save
 
     ms = lambda d: None if d is None else int(_utc(d).timestamp() * 1000)  # noqa: E731
-    table, counts = report(_settings(), ms(since), ms(until), requests)
+    s = _settings()
+    table, counts = report(s, ms(since), ms(until), requests)
+    save(s, table, counts, ms(since), ms(until))  # /metrics/consistency says the last report
     if as_json:
         click.echo(table.to_json(orient="records") if len(table) else "[]")
         return

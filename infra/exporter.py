@@ -9,6 +9,7 @@ One path per scrape job, each asked of its own source at scrape time (nothing is
     /metrics/registry   the registered models' aliases in MLflow
     /metrics/airflow    each DAG's last finished run
     /metrics/canary     the canary analysis' last look (serving/canary.py), served CTR and AUC per version
+    /metrics/consistency  the last online/offline consistency report (serving/consistency.py), per feature
 
 A path whose source does not answer is answered 503 with the reason: Prometheus shows that target down
 (and `up` 0), the others keep their figures. Run as `python -m infra.exporter`; binds
@@ -272,7 +273,7 @@ class AirflowCollector(Collector):
 class CanaryCollector(Collector):
     """What the canary analyst found at its last look (its state file): the canary running, each side's
     judged requests and request AUC, the test's likelihood ratio, the rollbacks it made and a failing one;
-    and per version served (in the canary, else the last five minutes): CTR and request AUC."""
+    and per version and endpoint served (in the canary, else the last five minutes): CTR, pooled and list AUC."""
 
     def __init__(self, s: Settings) -> None:
         self.s = s
@@ -302,18 +303,46 @@ class CanaryCollector(Collector):
         yield _gauge("flywheel_canary_rollback_timestamp_seconds", "When the analysis rolled a version back, and why.",
                      ["version", "to", "reason"], [([r["version"], r["to"], r["reason"][:300]], r["at"])
                                                    for r in st.get("rollbacks", [])])
-        served = st.get("served", {})
-        for key, doc in (("ctr", "clicks per item shown"), ("request_auc", "mean AUC of its judged /rank requests"),
-                         ("requests", "requests served")):
-            yield _gauge(f"flywheel_served_{key}", f"Per version, on the traffic it served (the canary, else the "
-                         f"last five minutes): {doc}.", ["version"], [([v], f[key]) for v, f in served.items()])
+        served = [(version, endpoint, f) for version, by_endpoint in st.get("served", {}).items()
+                  for endpoint, f in by_endpoint.items()]
+        for key, doc in (("ctr", "clicks per item shown"), ("auc", "AUC pooled over the items it scored (as the "
+                         "offline test AUC is)"), ("list_auc", "mean AUC of its judged lists (a click and a pass)"),
+                         ("judged_lists", "lists judged (a click and a pass)"), ("requests", "requests served")):
+            yield _gauge(f"flywheel_served_{key}", f"Per version and endpoint (rank, recommend), on the traffic it "
+                         f"served (the canary, else the last five minutes): {doc}.", ["version", "endpoint"],
+                         [([v, e], f["judged" if key == "judged_lists" else key]) for v, e, f in served])
+
+
+class ConsistencyCollector(Collector):
+    """The last online/offline consistency report (serving/consistency.py, its state file): per numeric
+    feature, the share of served candidates whose value differs from the training set's and from a
+    point-in-time join's."""
+
+    def __init__(self, s: Settings) -> None:
+        self.s = s
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            st = json.loads(state_path(self.s, "consistency").read_text())
+        except (OSError, ValueError):
+            return
+        yield _gauge("flywheel_consistency_report_timestamp_seconds", "When the last consistency report ran.", [],
+                     [([], st["at"])])
+        yield _gauge("flywheel_consistency_compared_candidates", "Served /rank candidates the last report "
+                     "compared (shown, and so in the training set).", [], [([], st.get("compared", 0))])
+        yield _gauge("flywheel_feature_mismatch_ratio", "Per feature, the share of compared candidates whose "
+                     "served value differs from the training set's (against=training) or from a point-in-time "
+                     "join's (against=point_in_time).", ["feature", "against"],
+                     [([f["feature"], against], f[key]) for f in st.get("features", [])
+                      for against, key in (("training", "rate"), ("point_in_time", "point_in_time_rate"))])
 
 
 def collectors(s: Settings) -> dict[str, Callable[[], Collector]]:
     """Each path's collector, made on first use (a stack without Airflow never logs in to it)."""
     return {"pipeline": lambda: PipelineCollector(s), "flink": lambda: FlinkCollector(s),
             "redis": lambda: RedisCollector(s), "registry": lambda: RegistryCollector(s),
-            "airflow": lambda: AirflowCollector(s), "canary": lambda: CanaryCollector(s)}
+            "airflow": lambda: AirflowCollector(s), "canary": lambda: CanaryCollector(s),
+            "consistency": lambda: ConsistencyCollector(s)}
 
 
 class _Handler(BaseHTTPRequestHandler):

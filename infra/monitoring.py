@@ -90,6 +90,9 @@ def alerts(s: Settings) -> list[Alert]:
         Alert("FlywheelCanaryAnalysisStalled", "time() - flywheel_canary_analysis_timestamp_seconds > "
               f"{max(stall, 3 * s.canary.interval_s):g}", "the canary analysis has not looked for "
               "{{ $value | humanizeDuration }}"),
+        Alert("FlywheelFeatureSkew", 'flywheel_feature_mismatch_ratio{against="training"} > 0.001',
+              "{{ $value | humanizePercentage }} of served candidates were trained on another value of "
+              "{{ $labels.feature }} than they were served with (the last consistency report)", severity="ticket"),
         Alert("FlywheelDagRunFailed", "flywheel_dag_last_run_failed == 1", "the last run of DAG "
               "{{ $labels.dag_id }} failed", severity="ticket"),
     ]
@@ -114,7 +117,8 @@ def scrape_jobs(s: Settings) -> list[dict]:
                 "scrape_timeout": f"{min(interval * 0.8, 10):g}s", "static_configs": [{"targets": [target]}]}
 
     parts = {"pipeline": ("pipeline", fast), "flink": ("pipeline", fast), "redis": ("redis", fast),
-             "registry": ("mlflow", slow), "airflow": ("airflow", slow), "canary": ("serving", fast)}
+             "registry": ("mlflow", slow), "airflow": ("airflow", slow), "canary": ("serving", fast),
+             "consistency": ("serving", slow)}
     return [job("prometheus", "{}:{}".format(*s.prometheus.host_port), "/metrics", fast),
             *([job("ranking-server", f"{s.serving.host}:{s.serving.port}", "/metrics", fast)]
               if "serving" in groups else []),

@@ -231,6 +231,8 @@ class AirflowSettings:
     incremental_training_minutes: int = 2
     graph_update_minutes: int = 10
     materialization_minutes: int = 60
+    consistency_minutes: int = 60  # feature_consistency: served features vs trained on, each period's lists
+    consistency_requests: int = 300  # the newest /rank lists of each period it compares (~80 s a run on 2 cores)
     full_training_days: int = 30  # offline_training's default window: the days before the run
 
     @property

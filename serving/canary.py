@@ -56,7 +56,7 @@ from infra.progress import replace_text, state_path
 from infra.settings import CanarySettings, Settings, get_settings
 from models.registry import (
     CANARY_TAG, CHAMPION, CONTROL, RAMPED, canary_tag, connect, end_canary, rollback, routing)
-from serving.outcomes import RANK, clicked_outcomes, list_aucs
+from serving.outcomes import RANK, clicked_outcomes, endpoints, list_aucs
 
 log = logging.getLogger("flywheel.canary")
 WHO = "canary-analysis"
@@ -189,18 +189,21 @@ def judge(s: Settings, outcomes: pd.DataFrame, champion: str, control: str, step
     return Verdict("lacking", f"lacking evidence: {said}", d, lam, arms)
 
 
-def served_figures(outcomes: pd.DataFrame, totals: pd.DataFrame) -> dict[str, dict]:
-    """Per version served: requests, items shown, CTR, judged /rank requests and their mean request AUC
-    (`outcomes`: the clicked lists at least; `totals`: every list's)."""
-    judged = ranked_lists(outcomes)
-    out = {}
-    for version, g in (totals.groupby("model_version") if len(totals) else []):
+def served_figures(outcomes: pd.DataFrame, totals: pd.DataFrame) -> dict[str, dict[str, dict]]:
+    """Per version served and endpoint (`rank`, `recommend`): requests, items shown, CTR, `auc` pooled over
+    its items, `list_auc` the mean over its `judged` lists (`outcomes`: the clicked lists at least;
+    `totals`: every list's, serving/outcomes.py totals)."""
+    judged = list_aucs(outcomes)
+    clicks = outcomes.groupby(["model_version", endpoints(outcomes)])["label"].sum() if len(outcomes) else {}
+    out: dict[str, dict[str, dict]] = {}
+    for (version, endpoint), g in (totals.groupby(["model_version", "endpoint"]) if len(totals) else []):
         items = int(g["items"].sum())
-        clicks = float(outcomes.loc[outcomes["model_version"] == version, "label"].sum()) if len(outcomes) else 0.0
-        aucs = judged.loc[judged["model_version"] == version, "auc"]
-        out[str(version)] = {"requests": int(g["requests"].sum()), "items": items,
-                             "ctr": clicks / items if items else float("nan"), "judged": len(aucs),
-                             "request_auc": float(aucs.mean()) if len(aucs) else float("nan")}
+        aucs = judged.loc[(judged["model_version"] == version) & (judged["endpoint"] == endpoint), "auc"]
+        out.setdefault(str(version), {})[endpoint] = {
+            "requests": int(g["requests"].sum()), "items": items,
+            "ctr": float(clicks.get((version, endpoint), 0.0)) / items if items else float("nan"),
+            "auc": float(g["auc"].iloc[0]),
+            "list_auc": float(aucs.mean()) if len(aucs) else float("nan"), "judged": len(aucs)}
     return out
 
 

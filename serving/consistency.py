@@ -8,10 +8,15 @@ join failed (a candidate shown but its record not found). The point-in-time colu
 snapshot saves: its mismatches are a row not yet online when it was served (`missing_online`: the
 ingestion's lag), a value the join drops (`missing_offline`: a row past its view's TTL, which the online
 read still serves), or other values (an item's features cached up to `serving.item_features_ttl_ms`).
+
+The last report run (`flywheel consistency`, the `feature_consistency` DAG's hourly one) is saved in
+`run/consistency.state.json`: the exporter's /metrics/consistency (`flywheel_feature_mismatch_ratio`).
 """
 
 from __future__ import annotations
 
+import json
+import time
 from datetime import UTC, datetime
 
 import numpy as np
@@ -20,10 +25,12 @@ import pyarrow.compute as pc
 
 from contract.inputs import NUMERIC_FEATURES
 from feature_repo.predictions import logged_features, read_predictions
+from infra.progress import replace_text, state_path
 from infra.settings import Settings
 from models.dataset import NoImpressions, Window, as_of, long_history_as_of, training_frame
 
 EXPOSED_WITHIN_MS = 600_000
+STATE = "consistency"  # run/consistency.state.json
 KEYS = ("request_id", "user_id", "item_id", "category", "served_at")
 COLUMNS = ["feature", "compared", "mismatched", "rate", "point_in_time_mismatched", "point_in_time_rate",
            "missing_online", "missing_offline"]
@@ -85,3 +92,12 @@ def report(s: Settings, since_ms: int | None = None, until_ms: int | None = None
     table = pd.DataFrame(out, columns=COLUMNS).sort_values(["rate", "point_in_time_rate"], ascending=False,
                                                              kind="stable")
     return table, counts
+
+
+def save(s: Settings, table: pd.DataFrame, counts: dict[str, int], since_ms: int | None, until_ms: int | None
+         ) -> None:
+    """The report as the exporter reads it: when, the period, the counts, per feature its rates."""
+    path = state_path(s, STATE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_text(path, json.dumps({"at": time.time(), "since_ms": since_ms, "until_ms": until_ms, **counts,
+                                   "features": table.to_dict("records")}, default=float))

@@ -32,15 +32,39 @@ def served_outcomes(s: Settings, since_ms: int | None = None, until_ms: int | No
 
 def clicked_outcomes(s: Settings, since_ms: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     """What served_outcomes gives since `since_ms`, for the lists with a click only (the rest are all
-    passes: nothing to rank by), and every list's totals per model_version and route: requests, items.
-    Its Python work grows with the clicked lists, not with the traffic (a load test's millions of rows)."""
+    passes: nothing to rank by), and every list's `totals`. Its Python work grows with the clicked lists,
+    not with the traffic (a load test's millions of rows)."""
     clicks = _clicks(s, since_ms)
     shown = _shown(s, since_ms, None)
-    sizes = shown.select(["model_version", "route"]).append_column("items", pc.list_value_length(shown["items"]))
-    totals = sizes.group_by(["model_version", "route"]).aggregate([("items", "count"), ("items", "sum")]).to_pandas()
-    totals = totals.rename(columns={"items_count": "requests", "items_sum": "items"})
-    clicked = pa.array(sorted({request for request, _ in clicks}), pa.string())
-    return _rows(shown.filter(pc.is_in(shown["request_id"], value_set=clicked)), clicks), totals
+    clicked = pc.is_in(shown["request_id"], value_set=pa.array(sorted({r for r, _ in clicks}), pa.string()))
+    outcomes = _rows(shown.filter(clicked), clicks)
+    return outcomes, totals(shown, clicked.to_numpy(zero_copy_only=False), outcomes)
+
+
+TOTALS = ["model_version", "route", "endpoint", "requests", "items", "auc"]
+
+
+def totals(shown: pa.Table, clicked: np.ndarray, outcomes: pd.DataFrame) -> pd.DataFrame:
+    """Per model_version, route and endpoint of the `shown` lists (`clicked`: those with a click, whose rows
+    `outcomes` holds): requests, items shown, and the version's `auc` on the endpoint (every route), pooled
+    over every scored item (an unclicked list's all passes): what auc_by_version has from every list's
+    rows, without making a row of each."""
+    keys = ["model_version", "route", "endpoint"]
+    lengths = pc.fill_null(pc.list_value_length(shown["items"]), 0).to_numpy()
+    lists = pd.DataFrame({k: shown[k].to_numpy(zero_copy_only=False) for k in keys[:2]}).assign(
+        endpoint=np.where(pc.is_null(shown["sources"]).to_numpy(zero_copy_only=False), RANK, RECOMMEND),
+        request_id=shown["request_id"].to_numpy(zero_copy_only=False), items=lengths)
+    if lists.empty:
+        return pd.DataFrame(columns=TOTALS)
+    out = lists.groupby(keys).agg(requests=("request_id", "nunique"), items=("items", "sum"))
+    unclicked = shown.filter(pa.array(~clicked))
+    scores = pc.fill_null(pc.list_value_length(unclicked["scores"]), 0).to_numpy()
+    passes = lists.loc[~clicked, keys].iloc[np.repeat(np.arange(len(scores)), scores)].assign(
+        score=pc.list_flatten(unclicked["scores"]).to_numpy(zero_copy_only=False).astype(float), label=0.0)
+    scored = pd.concat([outcomes.assign(endpoint=endpoints(outcomes))[[*keys, "score", "label"]],
+                        passes.dropna(subset=["score"])])
+    pooled = scored.groupby(["model_version", "endpoint"]).apply(_auc, include_groups=False).rename("auc")
+    return out.reset_index().merge(pooled.reset_index(), on=["model_version", "endpoint"], how="left")[TOTALS]
 
 
 def _clicks(s: Settings, since_ms: int | None) -> set[tuple[str, str]]:
@@ -88,12 +112,12 @@ def list_aucs(outcomes: pd.DataFrame) -> pd.DataFrame:
     clicked = outcomes[outcomes["request_id"].isin(outcomes.loc[outcomes["label"] > 0.5, "request_id"])] \
         if len(outcomes) else outcomes  # a list without a click judges nothing: skipped unread
     rows = []
-    for (version, route, request), g in clicked.groupby(["model_version", "route", "request_id"], sort=False):
+    for (version, route, endpoint, request), g in clicked.groupby(
+            ["model_version", "route", endpoints(clicked), "request_id"], sort=False):
         labels, scores = g["label"].to_numpy(), g["score"].to_numpy()
         hits, passes = scores[labels > 0.5], scores[labels <= 0.5]
         if len(hits) and len(passes):
             wins = (hits[:, None] > passes[None, :]).mean() + 0.5 * (hits[:, None] == passes[None, :]).mean()
-            endpoint = RANK if g["sources"].isna().all() else RECOMMEND
             rows.append((version, route, endpoint, request, float(wins)))
     return pd.DataFrame(rows, columns=["model_version", "route", "endpoint", "request_id", "auc"])
 

@@ -61,8 +61,8 @@ def test_dags_parse_fast_without_heavy_imports(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120)
     parsed = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert parsed["errors"] == {}
-    assert parsed["dags"] == ["feature_materialization", "graph_update", "incremental_training", "model_rollback",
-                              "offline_training", "retrieval_training"]
+    assert parsed["dags"] == ["feature_consistency", "feature_materialization", "graph_update", "incremental_training",
+                              "model_rollback", "offline_training", "retrieval_training"]
     assert parsed["heavy"] == []  # TensorFlow, MLflow, Feast, ... load in tasks, not while parsing
     assert parsed["settings_loaded"] is False  # nor are the settings: no config file is read while parsing
 

@@ -11,12 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pandas as pd
 import pytest
 
 from infra import monitoring
 from infra.exporter import _Exporter
 from infra.progress import ProgressReport
 from infra.settings import Settings, load_settings
+from serving.consistency import save
 from tests.conftest import stack_environ
 
 
@@ -51,7 +53,8 @@ def test_the_generated_config_and_rules_are_valid(promtool: str, settings: Setti
                              capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     jobs = {j["job_name"] for j in monitoring.scrape_jobs(settings)}
-    assert jobs == {"prometheus", "ranking-server", "pipeline", "flink", "redis", "registry", "airflow", "canary"}
+    assert jobs == {"prometheus", "ranking-server", "pipeline", "flink", "redis", "registry", "airflow", "canary",
+                    "consistency"}
 
 
 def test_a_consumer_that_stops_polling_fires_once_past_stall_after_s_and_clears_when_it_resumes(
@@ -141,3 +144,24 @@ def test_the_exporter_answers_503_with_the_reason_for_a_source_that_is_down_and_
         assert answer.status_code == 503 and source in answer.text, (part, answer.status_code, answer.text)
     unknown = httpx.get(f"{s.prometheus.exporter_url}/metrics/nope", timeout=10)
     assert unknown.status_code == 404 and "/metrics/{pipeline," in unknown.text
+
+
+def test_the_last_consistency_report_is_a_metric_per_feature_and_skew_is_alerted(
+        exporter: Settings, promtool: str, tmp_path: Path) -> None:
+    s = exporter
+    assert "flywheel_feature_mismatch_ratio" not in httpx.get(f"{s.prometheus.exporter_url}/metrics/consistency",
+                                                              timeout=10).text  # no report yet: nothing said
+    table = pd.DataFrame([{"feature": "user_clicks_5m", "rate": 0.02, "point_in_time_rate": 0.3},
+                          {"feature": "item_ctr_1h", "rate": 0.0, "point_in_time_rate": 0.01}])
+    save(s, table, {"lists": 10, "served": 40, "compared": 40}, None, None)
+    text = httpx.get(f"{s.prometheus.exporter_url}/metrics/consistency", timeout=10).text
+    assert 'flywheel_feature_mismatch_ratio{against="training",feature="user_clicks_5m"} 0.02' in text, text
+    assert 'flywheel_feature_mismatch_ratio{against="point_in_time",feature="item_ctr_1h"} 0.01' in text
+    assert "flywheel_consistency_compared_candidates 40.0" in text
+    series = {'flywheel_feature_mismatch_ratio{against="training",feature="user_clicks_5m"}': values((0.02, 4)),
+              'flywheel_feature_mismatch_ratio{against="training",feature="item_ctr_1h"}': values((0, 4)),
+              'flywheel_feature_mismatch_ratio{against="point_in_time",feature="item_ctr_1h"}': values((0.3, 4))}
+    rule_test(promtool, s, tmp_path, series, [{"eval_time": "10s", "alertname": "FlywheelFeatureSkew", "exp_alerts": [
+        {"exp_labels": {"severity": "ticket", "against": "training", "feature": "user_clicks_5m"},
+         "exp_annotations": {"summary": "2% of served candidates were trained on another value of user_clicks_5m "
+                                        "than they were served with (the last consistency report)"}}]}])

@@ -10,7 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 from confluent_kafka import Producer
 from kafka import KafkaAdminClient
@@ -18,7 +20,8 @@ from kafka import KafkaAdminClient
 from infra import stack
 from infra.progress import read_progress, wait_caught_up
 from infra.settings import Settings, load_settings
-from serving.outcomes import auc_by_version, auc_over_time, ctr_by_source, list_aucs, percentiles, served_outcomes
+from serving.outcomes import (auc_by_version, auc_over_time, ctr_by_source, list_aucs, percentiles, served_outcomes,
+                              totals)
 from feature_repo.predictions import read_predictions
 from serving.prediction_log import PredictionLog
 from streaming.consumer import read_dead_letter
@@ -70,6 +73,33 @@ def test_served_quality_is_measured_per_endpoint_pooled_and_per_list() -> None:
     assert set(list_aucs(frame).endpoint) == {"rank", "recommend"}
     pooled = auc_by_version(frame.assign(sources=None)).set_index("endpoint").loc["rank"]
     assert pooled["auc"] < ranked["auc"]  # both pooled: the recommended lists drag the figure down
+
+
+def test_every_lists_totals_pool_the_unclicked_lists_as_passes_without_their_rows() -> None:
+    """The analyst's totals (requests, items, pooled AUC per version and endpoint) from the clicked lists'
+    rows and the unclicked lists as archived: what auc_by_version gives from every row."""
+    rng = np.random.default_rng(4)
+    lists, rows = [], []
+    for n in range(300):
+        version, sources = str(1 + n % 2), (None if n % 3 else [["graph"], ["popularity"], ["graph"]])
+        scores = rng.random(3).tolist()
+        labels = [float(rng.random() < (0.1 + 0.3 * sc if version == "1" else 0.2)) for sc in scores]
+        scores[2] = None if n % 7 == 0 else scores[2]  # an item shown unscored: counted shown, not judged
+        lists.append({"request_id": f"r{n}", "items": ["a", "b", "c"], "scores": scores, "model_version": version,
+                      "route": "champion", "served_at": n, "sources": sources, "clicked": any(labels)})
+        rows += [(f"r{n}", item, version, "champion", n, sc, label, sources[k] if sources else None)
+                 for k, (item, sc, label) in enumerate(zip("abc", scores, labels)) if sc is not None]
+    everything = pd.DataFrame(rows, columns=["request_id", "item_id", "model_version", "route", "served_at",
+                                             "score", "label", "sources"])
+    shown = pa.Table.from_pylist(lists)
+    clicked = shown["clicked"].to_numpy()
+    got = totals(shown, clicked, everything[everything["request_id"].isin(shown.filter(clicked)["request_id"]
+                                                                          .to_pylist())])
+    want = auc_by_version(everything).set_index(["model_version", "endpoint"])
+    got = got.set_index(["model_version", "endpoint"]).loc[want.index]
+    assert got["requests"].tolist() == want["requests"].tolist() == [100, 50, 100, 50]
+    assert (got["items"] == 3 * got["requests"]).all() and (want["items"] < got["items"]).all()  # unscored too
+    assert np.allclose(got["auc"], want["auc"]) and got.loc[("1", "rank"), "auc"] > 0.6
 
 
 def test_auc_over_time_buckets_by_serving_time_and_version() -> None:

@@ -64,7 +64,7 @@ def test_up_is_idempotent_status_reports_health_and_down_leaves_nothing(tmp_path
         def all_targets_up() -> None:
             seen = {t["job"]: t["health"] for t in monitoring.targets(settings)}
             assert seen == dict.fromkeys(("prometheus", "ranking-server", "pipeline", "flink", "redis", "registry",
-                                          "airflow", "canary"), "up"), seen
+                                          "airflow", "canary", "consistency"), "up"), seen
         wait_for(all_targets_up, timeout_s=90)
 
         again = run_cli(environ, "up")
