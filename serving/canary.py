@@ -62,6 +62,7 @@ log = logging.getLogger("flywheel.canary")
 WHO = "canary-analysis"
 SERVICE = "canary-analyst"  # the stack's name for this process
 SERVED_WINDOW_S = 300.0  # served figures per version, outside a canary: the last five minutes
+SERVED_EVERY_S = 60.0  # how often they are measured (pooled AUC scans every item: 4M in a load test's 5 min)
 
 
 def ranked_lists(outcomes: pd.DataFrame) -> pd.DataFrame:
@@ -268,19 +269,21 @@ class Analyst:
                 log.info("@champion v%s is not the canary's (v%s): @control v%s removed", champion,
                          found.canary_version, control)
             st.version, st.control, st.champion_percent, st.decision, st.reason, st.arms = "", "", 100.0, "", "", {}
-            if time.time() - self._served_at >= 60:  # a read of the archives: outside a canary, once a minute
+            if time.time() - self._served_at >= SERVED_EVERY_S:  # a read of the archives: outside a canary
                 st.served = served_figures(*clicked_outcomes(s, int((time.time() - SERVED_WINDOW_S) * 1000)))
                 self._served_at = time.time()
             return
         tags = dict(client.get_model_version(name, champion).tags)
         started = _ms(tags.get("canary_started_at")) or int(time.time() * 1000)
         step_started = _ms(tags.get("canary_step_started_at")) or started
-        outcomes, totals = clicked_outcomes(s, started)
+        pooled = time.time() - self._served_at >= SERVED_EVERY_S  # every item's score: not at every look
+        outcomes, totals = clicked_outcomes(s, started, pooled)
         verdict = judge(s, outcomes, champion, control, step_started, totals)
         st.version, st.control, st.champion_percent = champion, control, found.champion_percent
         st.decision, st.reason, st.likelihood_ratio = verdict.decision, verdict.reason, verdict.likelihood_ratio
         st.arms = {route: asdict(arm) for route, arm in verdict.arms.items()}
-        st.served = served_figures(outcomes, totals)
+        if pooled:
+            st.served, self._served_at = served_figures(outcomes, totals), time.time()
         if verdict.decision == "worse":
             self._roll_back(champion, control, verdict.reason)
         elif verdict.decision == "ramp":
