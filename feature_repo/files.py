@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -36,6 +37,47 @@ def write_atomic(table: pa.Table, target: Path) -> Path:
     pq.write_table(table, tmp)
     tmp.replace(target)
     return target
+
+
+class MergingWriter:
+    """The ingestor's offline files: each micro-batch's rows written at once (a row is offline before it is
+    online), and a partition's small files of the last `merge_after_s` rewritten as one from the rows kept
+    in memory, under the first one's name, the rest removed. A reader keeps its semantics (a key's rows in
+    the order written: by file name, then row), and a scan reads few files however long the stack runs
+    (one a micro-batch made 17,000 a view in a 25-minute test loop: 16 s to scan each, at every training
+    run). A reader that listed a removed file reads again (models/dataset.py: rescanned); a batch replayed
+    after a crash into a removed name writes rows the merged file holds, with the same values."""
+
+    SMALL_ROWS = 10_000  # a batch this large (a backlog's) is a file of its own, not merged
+
+    def __init__(self, merge_after_s: float, max_rows: int = 200_000) -> None:
+        self.merge_after_s, self.max_rows = merge_after_s, max_rows
+        self.runs: dict[tuple[Path, int], tuple[float, list[Path], list[pa.Table]]] = {}
+        self.merged = 0  # files removed
+
+    def write(self, directory: Path, name: str, partition: int, table: pa.Table) -> None:
+        key = (directory, partition)
+        write_atomic(table, directory / name)
+        if table.num_rows >= self.SMALL_ROWS:
+            self.merge(key)  # files after it are newer: the run before it ends
+            return
+        started, paths, tables = self.runs.setdefault(key, (time.monotonic(), [], []))
+        paths.append(directory / name)
+        tables.append(table)
+        if time.monotonic() - started >= self.merge_after_s or sum(t.num_rows for t in tables) >= self.max_rows:
+            self.merge(key)
+
+    def merge(self, key: tuple[Path, int]) -> None:
+        _, paths, tables = self.runs.pop(key, (0.0, [], []))
+        if len(paths) > 1:
+            write_atomic(pa.concat_tables(tables, promote_options="default"), paths[0])
+            for path in paths[1:]:
+                path.unlink(missing_ok=True)
+            self.merged += len(paths) - 1
+
+    def close(self) -> None:
+        for key in list(self.runs):
+            self.merge(key)
 
 
 # --- logs partitioned by date (the event log, the prediction archive) -------------------------------

@@ -6,7 +6,8 @@ the same file), then online (Feast's Redis layout, written directly: one pipelin
 the views sharing a topic in one script call per few hundred entities, newer row wins per view:
 feature_repo/online.py), then commit the offsets. A crash between the write and the
 commit replays the batch: rows are snapshots keyed by entity and event time, so writing one twice
-changes nothing.
+changes nothing. A partition's small files of the last minute are then rewritten as one from memory
+(feature_repo/files.py: MergingWriter), so a training scan reads few files however long the stack runs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import pyarrow as pa
 from confluent_kafka import Consumer, KafkaException, Message
 
 from feature_repo.definitions import TIMESTAMP_FIELD, offline_schema
-from feature_repo.files import part_name, view_dir, write_atomic
+from feature_repo.files import MergingWriter, part_name, view_dir
 from feature_repo.online import Columns, OnlineWriter, columns_of
 from feature_repo.store import apply
 from infra.progress import ProgressReport
@@ -88,6 +89,7 @@ class FeatureIngestor:
         apply(s)  # the feature views Feast reads these rows through
         self.writer = OnlineWriter(s)
         self.stats = IngestStats()
+        self.offline = MergingWriter(s.streaming.offline_merge_after_s)
         self.online_s: list[float] = []  # the last batch's rows: appended to their topic -> online, seconds
         # librdkafka: fetching and decoding in C, a prefetch queue filled while this process writes; a
         # fetch answered within `kafka.fetch_wait_ms`, not its default 500, on a quiet stream (freshness)
@@ -101,7 +103,8 @@ class FeatureIngestor:
         first = self.consumer.poll(self.max_wait_ms / 1000)
         polled = [] if first is None else [first, *self.consumer.consume(self.max_records - 1, 0)]
         with acyclic():
-            return self._write(polled)
+            written = self._write(polled)
+        return written
 
     def _write(self, polled: list[Message]) -> int:
         """`polled` offline, online, then committed; the number of rows written."""
@@ -114,7 +117,7 @@ class FeatureIngestor:
                 log.warning("consumer: %s", record.error())
                 continue
             by_partition[record.topic(), record.partition()].append(record)
-        batches: list[tuple[str, str, Columns]] = []  # topic, file name, rows
+        batches: list[tuple[str, int, str, Columns]] = []  # topic, partition, file name, rows
         for (topic, partition), records in by_partition.items():
             decoded, fields = [], FIELDS_BY_TOPIC[topic]
             for record in records:
@@ -130,12 +133,13 @@ class FeatureIngestor:
                 first = VIEWS_BY_TOPIC[topic][0]  # only a topic's first view may finish its rows
                 batch = (columns_of([first.finish(self.s, dict(zip(fields, row))) for row in decoded])
                          if first.finish else dict(zip(fields, map(list, zip(*decoded)))))
-                batches.append((topic, part_name(partition, records[0].offset(), records[0].value() or b""), batch))
+                batches.append((topic, partition, part_name(partition, records[0].offset(), records[0].value() or b""),
+                                batch))
         # Offline first: a row visible online is then always in the training data too.
         by_topic: dict[str, list[Columns]] = defaultdict(list)
-        for topic, name, batch in batches:
+        for topic, partition, name, batch in batches:
             for view, table in offline_tables(VIEWS_BY_TOPIC[topic], batch).items():
-                write_atomic(table, view_dir(self.s, view.name) / name)
+                self.offline.write(view_dir(self.s, view.name), name, partition, table)
             by_topic[topic].append(batch)
         for topic, parts in by_topic.items():  # the views sharing a topic (and its partitions) in one write
             views = VIEWS_BY_TOPIC[topic]
@@ -146,11 +150,12 @@ class FeatureIngestor:
             self.stats.batches += 1
             online = time.time()  # every row of the batch is online: from the stream job's append to now
             self.online_s = [online - r.timestamp()[1] / 1000 for r in polled if r.timestamp()[0] and not r.error()]
-        written = sum(len(batch["event_time"]) * len(VIEWS_BY_TOPIC[topic]) for topic, _, batch in batches)
+        written = sum(len(batch["event_time"]) * len(VIEWS_BY_TOPIC[topic]) for topic, _, _, batch in batches)
         self.stats.rows += written
         return written
 
     def close(self) -> None:
+        self.offline.close()
         self.consumer.close()
 
 
@@ -171,7 +176,7 @@ def main() -> None:
             progress.observe("feature_online", ingestor.online_s)
             progress.beat(wrote=wrote)
             if time.monotonic() - last_report > 30:
-                log.info("%s", ingestor.stats)
+                log.info("%s, %d offline files merged away", ingestor.stats, ingestor.offline.merged)
                 last_report = time.monotonic()
     finally:
         ingestor.close()

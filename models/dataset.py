@@ -18,6 +18,8 @@ still serves; serving/consistency.py measures both).
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,6 +38,8 @@ from feature_repo.predictions import logged_features, read_predictions
 from infra.settings import Settings
 from streaming.events import TEST_TRAFFIC
 from streaming.features import LONG_HISTORY_VIEW
+
+log = logging.getLogger("flywheel.dataset")
 
 DAY_MS = 86_400_000
 
@@ -149,16 +153,31 @@ def as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:
             live = (f"h.{TIMESTAMP_FIELD} >= e.event_timestamp - INTERVAL {int(ttl.total_seconds())} SECOND"
                     if ttl else "TRUE")
             on = " AND ".join(f"e.{k} = h.{k}" for k in view.keys)
-            frame = con.sql(f"""
+            frame = rescanned(lambda: con.sql(f"""
                 SELECT e.row, {", ".join(f'CASE WHEN {live} THEN h."{n}" END AS "{n}"' for n in names)}
                 FROM entities e ASOF LEFT JOIN ({newest_per_time(files, view.keys, TIMESTAMP_FIELD)}) h
                   ON {on} AND e.event_timestamp >= h.{TIMESTAMP_FIELD}
-                ORDER BY e.row""").df()
+                ORDER BY e.row""").df())
             # Missing integers as NaN, as Feast gives them (DuckDB's nullable Int64 has pd.NA)
             out = out.merge(frame.astype({c: "float64" for c, t in frame.dtypes.items()
                                           if isinstance(t, pd.api.extensions.ExtensionDtype) and t.kind in "iu"}),
                             on="row")
     return out
+
+
+def rescanned(query: Callable[[], pd.DataFrame], tries: int = 3) -> pd.DataFrame:
+    """A query of a view's offline files, asked again when a file it listed was gone when read: the
+    ingestor merges old micro-batch files into one (feature_repo/files.py: compact)."""
+    import duckdb
+
+    for attempt in range(tries):
+        try:
+            return query()
+        except duckdb.IOException:
+            if attempt == tries - 1:
+                raise
+            log.info("an offline file was merged away while read: reading again")
+    raise AssertionError("tries >= 1")
 
 
 def newest_per_time(files: Path, keys: tuple[str, ...], timestamp: str) -> str:
@@ -188,7 +207,7 @@ def long_history_as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:
     ttl_s = int(LONG_HISTORY_VIEW.ttl.total_seconds())
     with duckdb.connect() as con:
         con.register("entities", entity_df[["row", "user_id", "category", "event_timestamp"]])
-        return con.sql(f"""
+        return rescanned(lambda: con.sql(f"""
             WITH joined AS (
               SELECT e.row, e.category, h.history_length, h.history_categories AS cats,
                      h.history_category_counts AS counts, h.history_item_ids AS items, h.history_event_types AS kinds,
@@ -204,7 +223,7 @@ def long_history_as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:
                                         ELSE [] END) END AS history_item_ids,
                    CASE WHEN live THEN (CASE WHEN pos > 0 THEN list_slice(kinds, (pos - 1) * k + 1, pos * k)
                                         ELSE [] END) END AS history_event_types
-            FROM joined ORDER BY row""").df()
+            FROM joined ORDER BY row""").df())
 
 
 def chronological_split(ex: Examples, times_ms: np.ndarray, validation: float = 0.1, test: float = 0.1

@@ -15,7 +15,7 @@ from contract.examples import PAD
 from contract.inputs import NUMERIC_FEATURES, RAW_FEATURES, TOKENS
 from contract.transform import entity_tokens, to_examples
 from feature_repo.definitions import TIMESTAMP_FIELD, offline_schema
-from feature_repo.files import view_dir
+from feature_repo.files import MergingWriter, view_dir
 from infra.settings import load_settings
 from models.dataset import as_of, long_history_as_of
 from streaming.features import LONG_HISTORY_VIEW, STREAM_VIEWS
@@ -128,3 +128,23 @@ def test_training_rows_read_each_views_newest_row_before_them_within_its_ttl_the
     assert pd.isna(got.loc[4, "user_impressions_5m"])  # the newest row before is past the view's 5 minutes
     assert got.loc[4, "category_impressions"] == 6  # a year's TTL
     assert got["item_ctr_total"].isna().all() and list(got["user_id"]) == list(entities["user_id"])  # no rows
+
+    # The ingestor's merge of its small files (one per micro-batch) changes no answer: ties stay in written order.
+    offline = MergingWriter(merge_after_s=3600, max_rows=35)
+    for k in range(40):  # a partition's many small files, a tie across two of them at t=700
+        row = counts("u3", 700 if k >= 38 else 650 + k, k)
+        row[TIMESTAMP_FIELD] = at + pd.Timedelta(seconds=row.pop("t"))
+        offline.write(view_dir(s, "user_5m"), f"part-0000-{10 + k:012d}-x.parquet", 0,
+                      pa.Table.from_pylist([row], schema=offline_schema(views["user_5m"])))
+    later = pd.DataFrame({"row": range(3), "user_id": ["u3", "u3", "u1"], "item_id": ["i1"] * 3,
+                          "category": ["c1"] * 3, "event_timestamp": [at + pd.Timedelta(seconds=x)
+                                                                        for x in (670, 800, 25)]})
+    unmerged = as_of(s, later).set_index("row")
+    assert offline.merged == 34  # 35 rows: written as one file
+    offline.close()  # the last 5 as one more
+    assert offline.merged == 38 and sorted(p.name for p in view_dir(s, "user_5m").glob("*.parquet")) == [
+        "part-0000-000000000000-a.parquet", "part-0000-000000000003-b.parquet",
+        "part-0000-000000000010-x.parquet", "part-0000-000000000045-x.parquet"]
+    merged = as_of(s, later).set_index("row")
+    pd.testing.assert_frame_equal(unmerged, merged)
+    assert list(merged["user_impressions_5m"]) == [20, 39, 4]  # at t=700 the last written of the tie
