@@ -148,3 +148,15 @@ def test_training_rows_read_each_views_newest_row_before_them_within_its_ttl_the
     merged = as_of(s, later).set_index("row")
     pd.testing.assert_frame_equal(unmerged, merged)
     assert list(merged["user_impressions_5m"]) == [20, 39, 4]  # at t=700 the last written of the tie
+
+
+def test_a_batch_read_again_never_merges_away_the_file_it_rewrites(tmp_path: Path) -> None:
+    """A commit not taken: the ingestor reads a batch again and writes it under its name, inside a run of
+    files not merged yet. Every row stays on disk; the run before it is left as it was."""
+    offline = MergingWriter(merge_after_s=3600)
+    for name in ("a", "b", "c", "a", "d"):  # "a" again: the records after it follow again
+        offline.write(tmp_path, f"part-0000-{name}.parquet", 0, pa.table({"x": [name]}))
+    offline.close()
+    files = sorted(tmp_path.glob("*.parquet"))
+    assert [(f.name, pq.read_table(f)["x"].to_pylist()) for f in files] == [
+        ("part-0000-a.parquet", ["a", "d"]), ("part-0000-b.parquet", ["b"]), ("part-0000-c.parquet", ["c"])]
