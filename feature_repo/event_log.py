@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from feature_repo.files import day, last_day_write, offline_dir, part_name, read_days, write_atomic
+from feature_repo.files import MergingWriter, day, last_day_write, offline_dir, part_name, read_days, write_atomic
 from infra.progress import ProgressReport, ledger_path
 from infra.settings import Settings, get_settings
 from streaming.consumer import Consumed, EventConsumer
@@ -35,7 +35,7 @@ def event_log_dir(s: Settings) -> Path:
     return offline_dir(s) / "events"
 
 
-def write_batch(s: Settings, batch: list[Consumed]) -> int:
+def write_batch(s: Settings, batch: list[Consumed], offline: MergingWriter | None = None) -> int:
     """Write events to their date partitions; returns the number of files written."""
     groups: dict[tuple[str, int], list[Consumed]] = defaultdict(list)
     for c in batch:
@@ -50,7 +50,10 @@ def write_batch(s: Settings, batch: list[Consumed]) -> int:
         table = pa.table({name: pa.array(values, SCHEMA.field(name).type) for name, values in columns.items()},
                          schema=SCHEMA)
         name = part_name(partition, items[0].offset, items[0].event.event_id.encode())
-        write_atomic(table, event_log_dir(s) / f"date={date}" / name)
+        if offline is None:
+            write_atomic(table, event_log_dir(s) / f"date={date}" / name)
+        else:  # a day's files of the last minute merged into one (feature_repo/files.py)
+            offline.write(event_log_dir(s) / f"date={date}", name, partition, table)
     return len(groups)
 
 
@@ -67,19 +70,21 @@ def last_write(s: Settings) -> datetime | None:
     return last_day_write(event_log_dir(s))
 
 
-def archive(s: Settings, service: str, consumer: EventConsumer, write: Callable[[Settings, list[Consumed]], int],
-            max_records: int) -> None:
+def archive(s: Settings, service: str, consumer: EventConsumer,
+            write: Callable[[Settings, list[Consumed], MergingWriter], int], max_records: int) -> None:
     """Until SIGTERM: poll, write the batch, then commit (at-least-once; files named by their first record
     make a replayed batch overwrite itself), reporting progress as `service` (infra/progress.py)."""
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     progress = ProgressReport(s, service, consumer.group, [consumer.topic])
+    offline = MergingWriter(s.streaming.offline_merge_after_s)
     while not stopping:
         batch = consumer.poll(timeout_ms=500, max_records=max_records)
         if batch:
-            write(s, batch)
+            write(s, batch, offline)
         consumer.commit()
         progress.beat(wrote=bool(batch), lost=consumer.lost, lost_at=consumer.lost_at)
+    offline.close()
 
 
 def main() -> None:

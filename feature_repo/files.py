@@ -102,13 +102,19 @@ def read_days(root: Path, schema: pa.Schema, start_ms: int | None = None, end_ms
     those; `written_since_ms`: only the files written since (a file is written after its records arrive,
     so one older holds nothing that arrived later: a canary's few minutes read a few minutes of files)."""
     first, last = day(start_ms) if start_ms is not None else "", day(end_ms) if end_ms is not None else "~"
-    files = sorted(f for d in root.glob("date=*") if first <= d.name[5:] <= last for f in d.glob("*.parquet"))
-    if written_since_ms is not None:
-        files = [f for f in files if f.stat().st_mtime * 1000 >= written_since_ms - CLOCK_SLACK_MS]
     if columns is not None:
         schema = pa.schema([schema.field(c) for c in columns])
-    return pa.concat_tables([pq.read_table(f, schema=schema, columns=columns) for f in files]) if files \
-        else schema.empty_table()
+    for attempt in range(3):  # a file listed, then merged away by its writer (MergingWriter): listed again
+        try:
+            files = sorted(f for d in root.glob("date=*") if first <= d.name[5:] <= last for f in d.glob("*.parquet"))
+            if written_since_ms is not None:
+                files = [f for f in files if f.stat().st_mtime * 1000 >= written_since_ms - CLOCK_SLACK_MS]
+            return pa.concat_tables([pq.read_table(f, schema=schema, columns=columns) for f in files]) if files \
+                else schema.empty_table()
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+    raise AssertionError("three attempts")
 
 
 def last_day_write(root: Path) -> datetime | None:

@@ -17,7 +17,7 @@ import msgspec.structs
 import pyarrow as pa
 
 from feature_repo.event_log import archive
-from feature_repo.files import day, part_name, write_atomic
+from feature_repo.files import MergingWriter, day, part_name, write_atomic
 from feature_repo.predictions import SCHEMA, archive_dir
 from infra.progress import ledger_path
 from infra.settings import Settings, get_settings
@@ -63,7 +63,7 @@ def decode_prediction(value: bytes | None) -> dict[str, Any]:
     return record | {"features": features}
 
 
-def write_batch(s: Settings, batch: list[Consumed]) -> int:
+def write_batch(s: Settings, batch: list[Consumed], offline: MergingWriter | None = None) -> int:
     """Write records to their date partitions; returns the number of files written."""
     groups: dict[tuple[str, int], list[Consumed]] = defaultdict(list)
     for c in batch:
@@ -76,7 +76,10 @@ def write_batch(s: Settings, batch: list[Consumed]) -> int:
         table = pa.table({name: pa.array(values, SCHEMA.field(name).type) for name, values in columns.items()},
                          schema=SCHEMA)
         name = part_name(partition, items[0].offset, items[0].event["request_id"].encode())
-        write_atomic(table, archive_dir(s) / f"date={date}" / name)
+        if offline is None:
+            write_atomic(table, archive_dir(s) / f"date={date}" / name)
+        else:  # a day's files of the last minute merged into one (feature_repo/files.py)
+            offline.write(archive_dir(s) / f"date={date}", name, partition, table)
     return len(groups)
 
 
