@@ -2,13 +2,18 @@
 SHELL := /bin/bash
 FLYWHEEL := .venv/bin/flywheel
 
-.PHONY: setup demo test test-fast test-cluster chaos up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-sparse bench-sparse-pull bench-retrieval bench-canary bench-report lock lock-jars clean
+.PHONY: setup demo demo-shop test test-fast test-cluster chaos up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-sparse bench-sparse-pull bench-retrieval bench-canary bench-report lock lock-jars clean
 
 setup:  ## install both environments and the Flink connector jars from the lock files
 	@bash infra/setup.sh
 
 demo: setup  ## start the local stack and run the platform's main job on it
 	$(FLYWHEEL) demo
+
+SHOP ?= .flywheel-shop-data
+demo-shop: setup  ## the loop on a synthetic shop of weak signal (list AUC ~0.6: benchmarks/shop.py), its own stack
+	.venv/bin/python -m benchmarks.shop $(SHOP) $(ARGS)
+	$(FLYWHEEL) demo --dataset $(SHOP)/dataset.toml
 
 test: setup  ## the whole test suite but the cluster profile's (starts the real services it needs), in two lanes
 	@bash tests/lanes.sh
