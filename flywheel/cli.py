@@ -238,6 +238,19 @@ def topics(names: tuple[str, ...]) -> None:
                f"({s.kafka.partitions} partitions each when created here)")
 
 
+def _preflight(s: Settings) -> None:
+    """The spec's files against the spec (their headers: every column it names), before any service starts
+    or any event is produced: what to fix, in one line."""
+    from feature_repo.catalog import CatalogError, check_tables
+    from streaming.history import HistoryError, check_history
+
+    try:
+        check_history(s)
+        check_tables(s)
+    except (HistoryError, CatalogError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def _replay(s: Settings, topic: str, limit: int | None, speed: float) -> ProduceReport:
     from streaming.history import HistoryError, history_events
     from streaming.produce import event_time_pace, produce
@@ -265,6 +278,7 @@ def replay(limit: int | None, speed: float, topic: str | None) -> None:
     from streaming.topics import ensure_topics
 
     s = _settings()
+    _preflight(s)
     topic = topic or s.kafka.events_topic
     ensure_topics(s, [topic])
     _replay(s, topic, limit, speed)
@@ -648,6 +662,7 @@ def demo(split: datetime | None, history_limit: int | None, sessions: int | None
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     s = _settings()
     click.echo(f"dataset {s.spec.name} ({s.spec.path}); data in {s.paths.data_dir}")
+    _preflight(s)
     click.get_current_context().invoke(up)
     plan = LoopPlan.of(s, _utc(split) if split else None, history_limit=history_limit, sessions=sessions, tail_s=tail,
                        **({"rate": rate} if rate else {}))

@@ -10,6 +10,7 @@ zone is UTC.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import math
 from collections import Counter
@@ -47,6 +48,44 @@ def read_source(path: Path, text: Sequence[str]) -> pa.Table:
     raise ValueError(f"{path}: expected a .csv or .parquet file")
 
 
+def source_columns(path: Path) -> list[str]:
+    """A CSV's or Parquet file's column names, from its header or schema alone (a spec's preflight)."""
+    if path.suffix == ".csv":
+        with path.open(newline="") as f:
+            return next(csv.reader(f), [])
+    if path.suffix == ".parquet":
+        return pq.read_schema(path).names
+    raise ValueError(f"{path}: expected a .csv or .parquet file")
+
+
+def _columns(s: Settings) -> tuple[Path, dict[str, str], list[str]]:
+    """The history file, its fields' columns (user, item, type, time, request) and every column it must have."""
+    h = s.spec.history
+    fields = {"user": h.user, "item": h.item, "type": h.type, "time": h.time} | ({"request": h.request} if h.request else {})
+    return source_path(s, h.source), fields, list(dict.fromkeys([*fields.values(), *h.context]))
+
+
+def _absent(s: Settings, wanted: list[str], present: list[str]) -> None:
+    absent = [c for c in wanted if c not in present]
+    if absent:
+        raise HistoryError(f"{s.spec.path} [events.history]: {s.spec.history.source} has no column "
+                           f"{', '.join(map(repr, absent))} (it has: {', '.join(present)})")
+
+
+def check_history(s: Settings) -> None:
+    """The spec's history file has every column the spec names (its header only: a preflight before any
+    service starts); HistoryError, in one line, if not. The rows are checked as they are replayed."""
+    h = s.spec.history
+    if h is None or h.source == "movielens":
+        return
+    path, _, wanted = _columns(s)
+    try:
+        present = source_columns(path)
+    except (OSError, ValueError) as exc:
+        raise HistoryError(f"{s.spec.path} [events.history] source: {exc}") from None
+    _absent(s, wanted, present)
+
+
 def missing(value: object) -> bool:
     """A cell without a value, however its reader gives it (None, "", NaN)."""
     return value is None or value == "" or (isinstance(value, float) and math.isnan(value))
@@ -66,17 +105,12 @@ def history_events(s: Settings, limit: int | None = None, before: int | None = N
     if h.source == "movielens":
         yield from replay_events(s, limit, before)
         return
-    path = source_path(s, h.source)
-    fields = {"user": h.user, "item": h.item, "type": h.type, "time": h.time} | ({"request": h.request} if h.request else {})
+    path, fields, wanted = _columns(s)
     try:
         table = read_source(path, [c for k, c in fields.items() if k != "time"])
     except ValueError as exc:
         raise HistoryError(str(exc)) from None
-    wanted = list(dict.fromkeys([*fields.values(), *h.context]))
-    absent = [c for c in wanted if c not in table.column_names]
-    if absent:
-        raise HistoryError(f"{spec.path} [events.history]: {h.source} has no column {', '.join(map(repr, absent))} "
-                           f"(it has: {', '.join(table.column_names)})")
+    _absent(s, wanted, table.column_names)
     events = []
     for n, row in enumerate(table.select(wanted).to_pylist()):
         empty = [f"{k} ({c})" for k, c in fields.items() if missing(row[c])]

@@ -312,3 +312,38 @@ def test_a_history_without_exposures_is_replayed_with_sampled_ones(tmp_path: Pat
         assert its[: len(views)] == views  # replayed first
     assert all(e.context == {"brand": "acme"} for e in shown if e.item_id == "p0")  # the item's key travels
     assert len({e.event_id for e in events}) == len(events)
+
+
+@pytest.mark.parametrize("broken, said", [
+    ("history", "[events.history]: orders.csv has no column 'dept' (it has: customer, sku, action, at)"),
+    ("catalog", "[tables.user]: the table (customers.parquet) has no column 'home_region' (it has: customer)"),
+])
+def test_the_demo_refuses_a_spec_its_files_do_not_match_before_any_service_starts(
+        tmp_path: Path, broken: str, said: str) -> None:
+    """A history or table without a column the spec names: `flywheel demo` and `flywheel replay` say which
+    in one line, in seconds, with no service started and nothing produced."""
+    import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from infra import stack
+    from tests.conftest import run_cli, stack_environ
+
+    spec = shop(tmp_path, SHOP.replace("[tables.item]", '[events.history]\nsource = "orders.csv"\nuser = "customer"\n'
+                                       'item = "sku"\ntype = "action"\ntime = "at"\ntime_unit = "s"\n'
+                                       f'context = [{"dept" if broken == "history" else ""!r}]\n\n[tables.item]')
+               .replace("context = ['']", "context = []"))
+    (tmp_path / "orders.csv").write_text("customer,sku,action,at\nc1,A1,view,1700000000\n")
+    (tmp_path / "products.csv").write_text("sku,brand,price,tags\nA1,acme,1999,new\n")
+    pq.write_table(pa.table({"customer": ["c1"], **({"home_region": ["north"]} if broken == "history" else {})}),
+                   tmp_path / "customers.parquet")
+    environ = stack_environ(tmp_path / "data", FLYWHEEL_DATASET_SPEC=str(spec))
+    for command in (["demo"], ["replay"]):
+        t0 = time.monotonic()
+        done = run_cli(environ, *command, timeout=60)
+        assert done.returncode == 1 and time.monotonic() - t0 < 10, (command, done.stdout, done.stderr)
+        assert done.stderr.strip().splitlines()[-1] == f"Error: {spec} {said}", (command, done.stderr)
+        assert "Traceback" not in done.stderr, done.stderr
+    s = load_settings(environ)
+    assert {svc.state for svc in stack.status(s)} == {"stopped"}
