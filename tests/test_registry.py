@@ -241,3 +241,46 @@ def test_a_version_continuing_a_former_champion_is_refused(registry: Settings, t
     decision = gate(s, stale, model, data.take(slice(3000, None)), "synthetic evaluation")
     assert not decision.promoted and f"continues v{former}, which is no longer @champion" in decision.reason
     assert champion(s) == current
+
+
+def test_a_demo_stopped_by_a_failing_drill_leaves_the_last_good_version_serving(registry: Settings,
+                                                                                tmp_path: Path) -> None:
+    """Whatever stops the demo: a drill's inverted model serving (in its canary, or ramped to everyone) goes
+    back to the last version that is no drill, an honest version in its canary to @control; a champion that
+    passed stays. (flywheel/demo/loop.py: run_loop calls it on any failure.)"""
+    from flywheel.demo.loop import leave_last_good
+    from models.registry import start_canary
+
+    s = replace(registry, models=replace(registry.models, name="demo-stopped"))
+    client, name = connect(s), s.models.name
+    assert leave_last_good(s) == "no @champion yet"
+    model = CtrModel(SPEC)
+    model.fit(synthetic(2000, seed=4), progress=False)
+    good = register(s, model, tmp_path, "good")
+    client.set_registered_model_alias(name, CHAMPION, good)
+    assert leave_last_good(s) == f"@champion v{good} serves every user" and champion(s) == good
+
+    def promote(label: str, drill: str = "") -> str:  # as the gate does: a canary against the champion
+        version, before = register(s, model, tmp_path, label), champion(s)
+        for key, value in {"previous_champion": before, **({"drill": drill} if drill else {})}.items():
+            client.set_model_version_tag(name, version, key, value)
+        start_canary(s, version, before)
+        client.set_registered_model_alias(name, CHAMPION, version)
+        return version
+
+    inverted = promote("inverted", drill="output inverted")  # stopped in its canary
+    said = leave_last_good(s)
+    assert champion(s) == good and alias_version(client, name, CONTROL) is None, said
+    assert said == f"@champion v{inverted} (the drill's model, output inverted) rolled back to v{good}, which " \
+                   "serves every user"
+    assert client.get_model_version(name, inverted).tags["rolled_back_by"] == "flywheel-demo"
+
+    honest = promote("honest")  # a good version in its canary: back to @control, which passed
+    ramped = promote("ramped-inverted", drill="output inverted")  # ramped to all: no @control left
+    client.delete_registered_model_alias(name, CONTROL)
+    said = leave_last_good(s)
+    assert said.startswith(f"@champion v{ramped} (the drill") and said.endswith(f"back to v{honest}, which serves "
+                                                                                "every user") and champion(s) == honest
+    assert leave_last_good(s) == f"@champion v{honest} serves every user"  # its canary had ended
+    client.set_registered_model_alias(name, CONTROL, good)  # in a canary again
+    assert f"v{honest} (in its canary) rolled back to v{good}" in leave_last_good(s) and champion(s) == good

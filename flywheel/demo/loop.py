@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 
 from feature_repo.catalog import load_catalog, materialize
 from feature_repo.store import feature_store
+from flywheel.datasets import stop_command
 from flywheel.demo.drills import drills
 from flywheel.demo.plan import LoopError, LoopPlan, Say, Summary
 from flywheel.demo.probes import await_features, online_user, serving, wait_retrieval, wait_serving
@@ -19,7 +20,7 @@ from flywheel.demo.traffic import Traffic
 from infra.airflow_api import AirflowClient
 from infra.settings import Settings
 from models.graph import graph_size
-from models.registry import CHAMPION, CONTROL, alias_version, connect, list_versions, rollback
+from models.registry import CHAMPION, CONTROL, alias_version, connect, list_versions, rollback, version_tags
 from serving.client import endpoint
 from serving.outcomes import percentiles
 from streaming.history import history_events as past_events
@@ -29,7 +30,41 @@ from streaming.topics import end_offsets, ensure_topics
 
 
 def run_loop(s: Settings, plan: LoopPlan, say: Say = print) -> Summary:
-    """The whole loop on the running stack; raises LoopError naming the stage that failed."""
+    """The whole loop on the running stack; raises LoopError naming the stage that failed. Whatever stops
+    it, @champion is left on a version that passed (leave_last_good) and the way on is said."""
+    try:
+        return _run_loop(s, plan, say)
+    except BaseException:  # an interrupt too: never a drill's inverted model left serving
+        try:
+            say(f"the demo stopped: {leave_last_good(s)}. The stack is still up: `flywheel versions` lists "
+                f"the versions, `flywheel rollback --to N` moves @champion, `{stop_command(s)}` stops it")
+        except Exception as exc:  # noqa: BLE001 - the registry away: the stage's own error is what to read
+            say(f"the demo stopped, and @champion could not be checked: {type(exc).__name__}: {exc}")
+        raise
+
+
+def leave_last_good(s: Settings) -> str:
+    """@champion on a version that passed: a drill's version (its output inverted) or one in its canary goes
+    back to @control, else to the newest champion before it that is no drill. Says what it did."""
+    client, name = connect(s), s.models.name
+    champion = alias_version(client, name, CHAMPION)
+    if champion is None:
+        return "no @champion yet"
+    drill = lambda v: version_tags(s, v).get("drill", "")  # noqa: E731
+    control = alias_version(client, name, CONTROL)
+    if not drill(champion) and control is None:
+        return f"@champion v{champion} serves every user"
+    target = control if control is not None and not drill(control) else champion
+    while target and drill(target):
+        target = version_tags(s, target).get("previous_champion", "")
+    if not target:
+        return f"@champion v{champion} ({drill(champion)}) has no earlier champion to go back to"
+    what = f"the drill's model, {drill(champion)}" if drill(champion) else "in its canary"
+    rollback(s, f"the demo stopped with v{champion} serving ({what})", to=target, who="flywheel-demo")
+    return f"@champion v{champion} ({what}) rolled back to v{target}, which serves every user"
+
+
+def _run_loop(s: Settings, plan: LoopPlan, say: Say) -> Summary:
     started, summary = time.monotonic(), Summary()
     server = f"http://{s.serving.host}:{s.serving.port}"
     history_end = history_events(s, plan, summary, say)
