@@ -1,5 +1,6 @@
 """Models benchmark: the ranker vs the previous DIN ranker (ranker-v1: 50 recent behaviors, the stream's
-counts) vs the logistic-regression baseline, and the ranker with its long-history inputs off (the
+counts) vs the logistic-regression baseline, the ranker's baselines on its own split (popularity, logistic
+regression, gradient-boosted trees), and the ranker with its long-history inputs off (the
 ablation), on MovieLens-100k replayed through the platform; then one incremental run.
 
 Run after `make demo` (the stack up, MovieLens replayed through Kafka and Flink into the offline
@@ -18,6 +19,7 @@ import psutil
 
 from infra.settings import get_settings
 from models.dataset import Window
+from models.metrics import RANKING_BASELINES, best_baseline
 from models.train import train_full, train_incremental
 
 
@@ -38,7 +40,7 @@ def main() -> None:
                                      ("ranker (long history off)", "ranker", False), ("ranker", "ranker", True)):
         started = time.perf_counter()
         out = train_full(s, Window(start, split), kind=kind, progress=False, long_history=long_history,
-                         promote=name != "ranker (long history off)")
+                         promote=name != "ranker (long history off)", baselines=name == "ranker")
         rows.append((name, out, time.perf_counter() - started))
     started = time.perf_counter()
     inc = train_incremental(s, until=end, progress=False)
@@ -57,6 +59,9 @@ def main() -> None:
     print(f"\nRanker vs ranker-v1 test AUC: {auc['ranker'] - auc['ranker-v1']:+.4f}; vs the baseline: "
           f"{auc['ranker'] - auc['logreg']:+.4f}; the long history's share: "
           f"{auc['ranker'] - auc['ranker (long history off)']:+.4f}.")
+    ranker = rows[-1][1].metrics
+    baselines = {name: ranker[f"test_auc_{key}"] for name, key in RANKING_BASELINES.items()}
+    print("\nBaselines of the ranker's split: " + ", ".join(f"{k} {v:.4f}" for k, v in baselines.items()))
     if inc is None:
         print("\nIncremental: skipped (no new examples).")
     else:
@@ -64,6 +69,8 @@ def main() -> None:
         print(f"\nIncremental run {split:%Y-%m-%d} .. {end:%Y-%m-%d}: {inc.metrics['eval_examples']:.0f} evaluation "
               f"examples, eval AUC {inc.metrics['eval_auc']:.4f}, {inc.samples_per_s:,.0f} samples/s, whole run "
               f"{inc_seconds:.0f} s; gate: {'promoted' if d and d.promoted else 'refused'} ({d.reason if d else '-'}).")
+    best, value = best_baseline(baselines)
+    print(f"\nranking ({s.spec.name}): ranker {ranker['test_auc']:.4f}, best baseline {best} {value:.4f}")
 
 
 if __name__ == "__main__":

@@ -37,8 +37,9 @@ from infra.settings import setting_from_environ
                       description="The ranker, the previous DIN ranker or the logistic baseline."),
         "promote": Param(True, type="boolean", description="Run the promotion gate after registering."),
         "baselines": Param(False, type="boolean",
-                           description="Also report the test AUC of popularity and logistic regression on the "
-                                       "same split (test_auc_popularity, test_auc_logreg)."),
+                           description="Also report the test AUC of popularity, logistic regression and "
+                                       "gradient-boosted trees on the same split (test_auc_popularity, "
+                                       "test_auc_logreg, test_auc_gbdt)."),
     },
     tags=["models"],
     doc_md=__doc__,

@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
+# The ranking baselines train_full(baselines=True) scores on the ranker's split: name -> its metric's suffix
+# (test_auc_<suffix>).
+RANKING_BASELINES = {"popularity": "popularity", "logistic regression": "logreg", "gradient-boosted trees": "gbdt"}
+
+
+def best_baseline(aucs: dict[str, float]) -> tuple[str, float] | None:
+    """The strongest of RANKING_BASELINES in `aucs` (name -> test AUC), if any."""
+    scored = [(name, aucs[name]) for name in RANKING_BASELINES if name in aucs]
+    return max(scored, key=lambda x: x[1]) if scored else None
+
 
 def _midranks(x: np.ndarray) -> np.ndarray:
     """1-based ranks of x, tied values sharing their average rank."""

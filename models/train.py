@@ -29,7 +29,8 @@ from infra.settings import Settings
 from models import plots
 from models.ctr import CtrModel, ModelSpec
 from models.dataset import Window, chronological_split, training_set
-from models.metrics import auc, evaluate
+from models.gbdt import gbdt_scores
+from models.metrics import RANKING_BASELINES, auc, best_baseline, evaluate
 from models.registry import (
     Decision,
     champion_watermark,
@@ -103,10 +104,14 @@ def train_full(s: Settings, window: Window, kind: str = "ranker", promote: bool 
             metrics |= baseline_aucs(s, train, validation, test, Path(tmp) / "logreg")
             mlflow.log_metrics({k: v for k, v in metrics.items() if k.startswith("test_auc_")})
         mlflow.log_figure(plots.losses(losses, val_aucs), "plots/loss_curves.png")
+        strongest = best_baseline({name: metrics[f"test_auc_{key}"] for name, key in RANKING_BASELINES.items()
+                                   if f"test_auc_{key}" in metrics})
         version = log_model(s, best, {"kind": kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
                                       "eval_start": spans["test"].split(" .. ")[0],
                                       "eval_end": spans["test"].split(" .. ")[1], "parent_version": "",
-                                      **_terms_tags(model.spec)})
+                                      **_terms_tags(model.spec),
+                                      **({"best_baseline": f"{strongest[0]} {strongest[1]:.4f} (test AUC "
+                                                           f"{metrics['test_auc']:.4f})"} if strongest else {})})
     decision = gate(s, version, model, test, f"test window {spans['test']}") if promote else None
     return TrainOutcome(version, decision, metrics, window, samples_per_s)
 
@@ -131,13 +136,15 @@ def _fit(s: Settings, model: CtrModel, train: Examples, validation: Examples, be
 
 def baseline_aucs(s: Settings, train: Examples, validation: Examples, test: Examples, tmp: Path) -> dict[str, float]:
     """Test AUC of the baselines a practitioner tries first: items by their positives before the test part
-    (popularity), and logistic regression on the ranker's own inputs (one weight per id and token)."""
+    (popularity), logistic regression on the ranker's own inputs (one weight per id and token) and
+    gradient-boosted trees on them (models/gbdt.py)."""
     seen = np.concatenate([train.item_ids[train.labels > 0], validation.item_ids[validation.labels > 0]])
     ids, counts = np.unique(seen, return_counts=True)
     popularity = dict(zip(ids, counts))
     logreg, _, _, _ = _fit(s, CtrModel(model_spec(s, "logreg")), train, validation, tmp, progress=False)
-    return {"test_auc_popularity": auc(test.labels, np.array([popularity.get(i, 0) for i in test.item_ids], float)),
-            "test_auc_logreg": auc(test.labels, np.asarray(logreg.predict(test)))}
+    scores = {"popularity": np.array([popularity.get(i, 0) for i in test.item_ids], float),
+              "logreg": np.asarray(logreg.predict(test)), "gbdt": gbdt_scores(train, validation, test)}
+    return {f"test_auc_{key}": auc(test.labels, scores[key]) for key in RANKING_BASELINES.values()}
 
 
 def train_incremental(s: Settings, until: datetime | None = None, promote: bool = True,

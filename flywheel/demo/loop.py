@@ -20,6 +20,7 @@ from flywheel.demo.traffic import Traffic
 from infra.airflow_api import AirflowClient
 from infra.settings import Settings
 from models.graph import graph_size
+from models.metrics import RANKING_BASELINES
 from models.registry import CHAMPION, CONTROL, alias_version, connect, list_versions, rollback, version_tags
 from serving.client import endpoint
 from serving.outcomes import percentiles
@@ -136,8 +137,8 @@ def first_champion(s: Settings, plan: LoopPlan, airflow: AirflowClient, summary:
     if champion is None:
         raise LoopError(f"offline_training registered v{trained['version']} but {s.models.name} has no @champion")
     summary.first_champion = champion
-    baselines = (("ranker", ""), ("popularity", "_popularity"), ("logistic regression", "_logreg"))
-    summary.ranker_auc = {name: trained[f"test_auc{x}"] for name, x in baselines if f"test_auc{x}" in trained}
+    metrics = {"ranker": "test_auc"} | {name: f"test_auc_{key}" for name, key in RANKING_BASELINES.items()}
+    summary.ranker_auc = {name: trained[key] for name, key in metrics.items() if key in trained}
     say(f"offline_training: v{trained['version']} registered in {summary.offline_training_s:.0f}s "
         f"(test AUC {', '.join(f'{k} {v:.4f}' for k, v in summary.ranker_auc.items())}); @champion is v{champion}")
     return champion

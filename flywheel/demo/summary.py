@@ -9,6 +9,7 @@ from flywheel.demo.plan import Summary
 from flywheel.datasets import dataset_flag, stop_command
 from infra.settings import Settings
 from infra.stack import unarchived
+from models.metrics import best_baseline
 from models.registry import list_versions, version_tags
 from serving.outcomes import auc_by_version, auc_over_time, ctr_by_source, percentiles, served_outcomes
 from streaming.topics import end_offsets
@@ -59,6 +60,8 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
         + ", ".join(f"{k} {v}" for k, v in summary.user_features.items()
                     if k != "user_id" and not isinstance(v, list) and v is not None),
         "ranker test AUC on the same split: " + ", ".join(f"{k} {v:.4f}" for k, v in summary.ranker_auc.items()),
+        *([f"ranking ({s.spec.name}): ranker {summary.ranker_auc['ranker']:.4f}, best baseline {best[0]} "
+           f"{best[1]:.4f}"] if (best := best_baseline(summary.ranker_auc)) and "ranker" in summary.ranker_auc else []),
         "model versions (newest first):"]
     served: dict[str, list[dict]] = {}  # a version's rows: one per endpoint
     for row in summary.served:
