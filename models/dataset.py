@@ -18,8 +18,6 @@ still serves; serving/consistency.py measures both).
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,13 +31,12 @@ from contract.examples import Examples
 from contract.inputs import NUMERIC_FEATURES, RAW_FEATURES
 from contract.transform import to_examples
 from feature_repo.event_log import read_event_log
-from feature_repo.files import view_dir
+from feature_repo.files import pinned, view_dir
 from feature_repo.predictions import logged_features, read_predictions
 from infra.settings import Settings
 from streaming.events import TEST_TRAFFIC
 from streaming.features import LONG_HISTORY_VIEW
 
-log = logging.getLogger("flywheel.dataset")
 
 DAY_MS = 86_400_000
 
@@ -144,20 +141,20 @@ def as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:
     with duckdb.connect() as con:
         con.register("entities", entity_df)
         for view in (*(v for v in STREAM_VIEWS if v is not LONG_HISTORY_VIEW), *BATCH_VIEWS):
-            files = view_dir(s, view.name) / "*.parquet"
             names = [name for name, _ in view.columns]
-            if not any(files.parent.glob(files.name)):
-                out = out.assign(**{name: None for name in names})
-                continue
-            ttl = getattr(view, "ttl", None)
-            live = (f"h.{TIMESTAMP_FIELD} >= e.event_timestamp - INTERVAL {int(ttl.total_seconds())} SECOND"
-                    if ttl else "TRUE")
-            on = " AND ".join(f"e.{k} = h.{k}" for k in view.keys)
-            frame = rescanned(lambda: con.sql(f"""
-                SELECT e.row, {", ".join(f'CASE WHEN {live} THEN h."{n}" END AS "{n}"' for n in names)}
-                FROM entities e ASOF LEFT JOIN ({newest_per_time(files, view.keys, TIMESTAMP_FIELD)}) h
-                  ON {on} AND e.event_timestamp >= h.{TIMESTAMP_FIELD}
-                ORDER BY e.row""").df())
+            with pinned(lambda: sorted(view_dir(s, view.name).glob("*.parquet"))) as files:
+                if not files:
+                    out = out.assign(**{name: None for name in names})
+                    continue
+                ttl = getattr(view, "ttl", None)
+                live = (f"h.{TIMESTAMP_FIELD} >= e.event_timestamp - INTERVAL {int(ttl.total_seconds())} SECOND"
+                        if ttl else "TRUE")
+                on = " AND ".join(f"e.{k} = h.{k}" for k in view.keys)
+                frame = con.sql(f"""
+                    SELECT e.row, {", ".join(f'CASE WHEN {live} THEN h."{n}" END AS "{n}"' for n in names)}
+                    FROM entities e ASOF LEFT JOIN ({newest_per_time(files, view.keys, TIMESTAMP_FIELD)}) h
+                      ON {on} AND e.event_timestamp >= h.{TIMESTAMP_FIELD}
+                    ORDER BY e.row""").df()
             # Missing integers as NaN, as Feast gives them (DuckDB's nullable Int64 has pd.NA)
             out = out.merge(frame.astype({c: "float64" for c, t in frame.dtypes.items()
                                           if isinstance(t, pd.api.extensions.ExtensionDtype) and t.kind in "iu"}),
@@ -165,28 +162,13 @@ def as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def rescanned(query: Callable[[], pd.DataFrame], tries: int = 3) -> pd.DataFrame:
-    """A query of a view's offline files, asked again when a file it listed was gone when read: the
-    ingestor merges old micro-batch files into one (feature_repo/files.py: compact)."""
-    import duckdb
-
-    for attempt in range(tries):
-        try:
-            return query()
-        except duckdb.IOException:
-            if attempt == tries - 1:
-                raise
-            log.info("an offline file was merged away while read: reading again")
-    raise AssertionError("tries >= 1")
-
-
-def newest_per_time(files: Path, keys: tuple[str, ...], timestamp: str) -> str:
+def newest_per_time(files: list[str], keys: tuple[str, ...], timestamp: str) -> str:
     """SQL for a view's offline rows, the last written of a key's rows with the same event time (an
     aggregate updated by several events of one millisecond: its newest count). A key's rows come from one
-    Kafka partition, and file names and rows follow its offsets."""
-    return f"""SELECT * FROM read_parquet('{files}', union_by_name = true, filename = true, file_row_number = true)
+    Kafka partition, and file names and rows follow its offsets: `files` (pinned) in the names' order."""
+    return f"""SELECT * FROM read_parquet({files!r}, union_by_name = true, filename = true, file_row_number = true)
                QUALIFY row_number() OVER (PARTITION BY {", ".join(keys)}, {timestamp}
-                                          ORDER BY filename DESC, file_row_number DESC) = 1"""
+                                          ORDER BY list_position({files!r}, filename) DESC, file_row_number DESC) = 1"""
 
 
 def long_history_as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:
@@ -199,15 +181,13 @@ def long_history_as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:
 
     from feature_repo.definitions import TIMESTAMP_FIELD  # Feast's SDK: not for the serving path
 
-    files = view_dir(s, LONG_HISTORY_VIEW.name) / "*.parquet"
-    empty = pd.DataFrame({"row": entity_df["row"]}).assign(
-        **{name: None for name, _ in LONG_HISTORY_VIEW.columns})
-    if not any(files.parent.glob(files.name)):
-        return empty
     ttl_s = int(LONG_HISTORY_VIEW.ttl.total_seconds())
-    with duckdb.connect() as con:
+    with pinned(lambda: sorted(view_dir(s, LONG_HISTORY_VIEW.name).glob("*.parquet"))) as files, \
+            duckdb.connect() as con:
+        if not files:
+            return pd.DataFrame({"row": entity_df["row"]}).assign(**{name: None for name, _ in LONG_HISTORY_VIEW.columns})
         con.register("entities", entity_df[["row", "user_id", "category", "event_timestamp"]])
-        return rescanned(lambda: con.sql(f"""
+        return con.sql(f"""
             WITH joined AS (
               SELECT e.row, e.category, h.history_length, h.history_categories AS cats,
                      h.history_category_counts AS counts, h.history_item_ids AS items, h.history_event_types AS kinds,
@@ -223,7 +203,7 @@ def long_history_as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:
                                         ELSE [] END) END AS history_item_ids,
                    CASE WHEN live THEN (CASE WHEN pos > 0 THEN list_slice(kinds, (pos - 1) * k + 1, pos * k)
                                         ELSE [] END) END AS history_event_types
-            FROM joined ORDER BY row""").df())
+            FROM joined ORDER BY row""").df()
 
 
 def chronological_split(ex: Examples, times_ms: np.ndarray, validation: float = 0.1, test: float = 0.1

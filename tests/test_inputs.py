@@ -160,3 +160,31 @@ def test_a_batch_read_again_never_merges_away_the_file_it_rewrites(tmp_path: Pat
     files = sorted(tmp_path.glob("*.parquet"))
     assert [(f.name, pq.read_table(f)["x"].to_pylist()) for f in files] == [
         ("part-0000-a.parquet", ["a", "d"]), ("part-0000-b.parquet", ["b"]), ("part-0000-c.parquet", ["c"])]
+
+
+def test_a_scan_the_writer_merges_under_reads_every_row_once(tmp_path: Path) -> None:
+    """A reader pins its files (feature_repo/files.py: pinned): a merge while it reads (the first file
+    rewritten, the rest removed) changes nothing it reads, whether DuckDB scans them (training's joins) or
+    Arrow does (the logs' read_days); the next listing finds the merged file with the same rows."""
+    import duckdb
+
+    from feature_repo.files import pinned, read_days
+    from models.dataset import newest_per_time
+
+    offline = MergingWriter(merge_after_s=3600)
+    day = tmp_path / "date=2026-12-05"
+    for k in range(6):  # the key u1 written at t=1 twice: the second write is its newest
+        offline.write(day, f"part-0000-{k:012d}-x.parquet", 0,
+                      pa.table({"user_id": [f"u{k % 3}", "u1"], "t": [k, 1], "n": [k, 10 + k]}))
+    listing = lambda: sorted(day.glob("*.parquet"))  # noqa: E731
+    with pinned(listing) as files, duckdb.connect() as con:
+        offline.close()  # merged as the reader holds the six files
+        assert len(listing()) == 1 and offline.merged == 5
+        held = con.sql(f"SELECT user_id, t, n FROM ({newest_per_time(files, ('user_id',), 't')}) ORDER BY n").fetchall()
+        assert con.sql(f"SELECT count(*) FROM read_parquet({files!r})").fetchall() == [(12,)]
+        logged = read_days(tmp_path, pa.schema([("user_id", pa.string()), ("t", pa.int64()), ("n", pa.int64())]))
+    assert logged.num_rows == 12
+    with pinned(listing) as files, duckdb.connect() as con:
+        assert con.sql(f"SELECT user_id, t, n FROM ({newest_per_time(files, ('user_id',), 't')}) ORDER BY n"
+                       ).fetchall() == held
+    assert ("u1", 1, 15) in held and ("u1", 1, 11) not in held  # a tie: the last written
