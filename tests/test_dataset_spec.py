@@ -320,8 +320,8 @@ def test_a_history_without_exposures_is_replayed_with_sampled_ones(tmp_path: Pat
 ])
 def test_the_demo_refuses_a_spec_its_files_do_not_match_before_any_service_starts(
         tmp_path: Path, broken: str, said: str) -> None:
-    """A history or table without a column the spec names: `flywheel demo` and `flywheel replay` say which
-    in one line, in seconds, with no service started and nothing produced."""
+    """A history or table without a column the spec names: `flywheel demo` (and for the history `flywheel
+    replay`) says which in one line, in seconds, with no service started and nothing produced."""
     import time
 
     import pyarrow as pa
@@ -339,7 +339,7 @@ def test_the_demo_refuses_a_spec_its_files_do_not_match_before_any_service_start
     pq.write_table(pa.table({"customer": ["c1"], **({"home_region": ["north"]} if broken == "history" else {})}),
                    tmp_path / "customers.parquet")
     environ = stack_environ(tmp_path / "data", FLYWHEEL_DATASET_SPEC=str(spec))
-    for command in (["demo"], ["replay"]):
+    for command in (["demo"], ["replay"]) if broken == "history" else (["demo"],):
         t0 = time.monotonic()
         done = run_cli(environ, *command, timeout=60)
         assert done.returncode == 1 and time.monotonic() - t0 < 10, (command, done.stdout, done.stderr)
