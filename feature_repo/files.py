@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import resource
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ def pinned(listing: Callable[[], list[Path]], tries: int = 20) -> Iterator[list[
     opens (`/proc/self/fd/N`, Linux): a file its writer merges away meanwhile (MergingWriter) stays readable
     and the merged file, opened before, still holds its old rows: a snapshot. A file gone between the
     listing and its opening: listed again (a merge takes milliseconds; a scan took seconds to 16 s)."""
+    _open_files_limit()
     for _ in range(tries):
         fds: list[int] = []
         try:
@@ -55,6 +57,18 @@ def pinned(listing: Callable[[], list[Path]], tries: int = 20) -> Iterator[list[
                 os.close(fd)
         return
     raise FileNotFoundError(f"files merged away faster than listed, {tries} times")
+
+
+def _open_files_limit() -> None:
+    """The process's soft limit of open files raised to its hard one: a view holds a file per partition per
+    minute of traffic (1,440 a day), a reader pins them all, and a login's soft limit is often 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):  # the kernel's own ceiling: the soft limit stays
+            pass
 
 
 def write_atomic(table: pa.Table, target: Path) -> Path:
