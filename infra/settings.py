@@ -405,7 +405,7 @@ class RetrievalSettings:
     prior_floor: float = 0.1
     prior_step: float = 0.5  # the near-line index rewrites an item when its prior moved this much (13% at 4)
     # The gate: recall@gate_k on each user's next gate_next clicks in the last eval_days of the window (the
-    # model is trained on what came before), against @champion on the same window; promoted unless worse by
+    # second half of a shorter window; the model is trained on what came before), against @champion on the same window; promoted unless worse by
     # more than max_recall_drop, and only with at least gate_min_users users to judge on.
     eval_days: float = 14.0
     gate_k: int = 20

@@ -1,11 +1,11 @@
 """Retrieval training from the platform's own data, its MLflow versions and its gate.
 
 A run reads the offline event log's behavior in [start, end) (test traffic left out) and the catalogue's
-batch views (item attributes, user profiles), splits it at end - `retrieval.eval_days`, trains the
-two-tower model on what came before and judges it by recall@K on each user's next `retrieval.gate_next`
-positives after the cut, its list scored as /recommend serves it (with the popularity prior at the cut),
-as `make bench-retrieval` judges. The version is registered as `retrieval.name`; the gate (its own task)
-recomputes that split from the version's tags and compares it with `@champion` on the same window:
+batch views (item attributes, user profiles), splits it at end - `retrieval.eval_days` (or halfway through a
+shorter window), trains the two-tower model on what came before and judges it by recall@K on each user's next
+`retrieval.gate_next` positives after the cut, its list scored as /recommend serves it (with the popularity prior
+at the cut), as `make bench-retrieval` judges. The version is registered as `retrieval.name`; the gate (its own task)
+recomputes that split from the version's tags (`eval_start` its cut) and compares it with `@champion` on the same window:
 promoted unless its recall is lower by more than `retrieval.max_recall_drop`, and never on fewer than
 `retrieval.gate_min_users` judged users. Rollback is the ranker's (models/registry.py, the model_rollback
 DAG with this model's name).
@@ -83,9 +83,15 @@ def catalogue_rows(s: Settings) -> tuple[list[dict], list[dict]]:
     return rows(ITEM_ATTRIBUTES), rows(USER_PROFILE)
 
 
-def split_of(s: Settings, start: datetime, end: datetime) -> Split:
-    """The window's behavior split at end - eval_days, times in seconds."""
-    ms = [int(t.timestamp() * 1000) for t in (start, end - timedelta(days=s.retrieval.eval_days), end)]
+def eval_cut(s: Settings, start: datetime, end: datetime) -> datetime:
+    """Where a window's judged part begins: `retrieval.eval_days` before its end, or halfway through a window
+    shorter than twice that (a shop's 12 days of history would otherwise leave nothing to train on)."""
+    return end - min(timedelta(days=s.retrieval.eval_days), (end - start) / 2)
+
+
+def split_of(s: Settings, start: datetime, cut: datetime, end: datetime) -> Split:
+    """The window's behavior split at `cut`, times in seconds."""
+    ms = [int(t.timestamp() * 1000) for t in (start, cut, end)]
     rows = ((u, i, t / 1000, positive) for u, i, t, positive in behavior(s, ms[0], ms[2]))
     return Split.at(rows, ms[1] / 1000, s.retrieval.gate_next, s.retrieval.sequence_length)
 
@@ -140,10 +146,11 @@ def load_retrieval(s: Settings, version: str) -> TwoTower:
 
 
 def train_retrieval(s: Settings, start: datetime, end: datetime, seed: int = 7) -> RetrievalOutcome:
-    """Train on [start, end - eval_days), judge on the rest, register the version (no promotion)."""
+    """Train on [start, eval_cut), judge on the rest, register the version (no promotion)."""
     connect(s)  # fail before any work when the registry is unreachable
     started, r = time.perf_counter(), s.retrieval
-    split = split_of(s, start, end)
+    cut = eval_cut(s, start, end)
+    split = split_of(s, start, cut, end)
     if len(split.clicks) < 100 or not split.users:
         raise NoBehavior(f"{len(split.clicks)} positives before and {len(split.users)} users with positives on both "
                          f"sides of the cut in [{start.isoformat()}, {end.isoformat()}): nothing to train or judge on")
@@ -153,7 +160,6 @@ def train_retrieval(s: Settings, start: datetime, end: datetime, seed: int = 7) 
     recall, ndcg = judge(two_tower_lists(model, split, r.gate_k, PopularityPrior.of(r)), split, r.gate_k)
     baselines = {name: dict(zip(("recall", "ndcg"), judge(lists, split, r.gate_k)))
                  for name, lists in baseline_lists(s, split, r.gate_k).items()}
-    cut = end - timedelta(days=r.eval_days)
     mlflow.set_experiment(r.experiment)
     with mlflow.start_run(run_name="two-tower"), tempfile.TemporaryDirectory() as tmp:
         mlflow.log_params({"data_start": start.isoformat(), "data_end": end.isoformat(), "eval_start": cut.isoformat(),
@@ -185,8 +191,8 @@ def gate_retrieval(s: Settings, version: str) -> Decision:
     evaluation window against the champion's on the same window."""
     r, client = s.retrieval, connect(s)
     tags = client.get_model_version(r.name, version).tags
-    start, end = (datetime.fromisoformat(tags[k]) for k in ("data_start", "data_end"))
-    split = split_of(s, start, end)
+    start, cut, end = (datetime.fromisoformat(tags[k]) for k in ("data_start", "eval_start", "data_end"))
+    split = split_of(s, start, cut, end)
     window = f"{len(split.users)} users' next positives in [{tags['eval_start']}, {tags['eval_end']})"
     prior = PopularityPrior.of(r)
     recall, _ = judge(two_tower_lists(load_retrieval(s, version), split, r.gate_k, prior), split, r.gate_k)

@@ -147,9 +147,7 @@ def onboarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settin
     shop = write_shop(root / "shop")
     environ = stack_environ(root / "data", FLYWHEEL_DATASET_SPEC=str(shop.spec),
                             FLYWHEEL_AIRFLOW_FULL_TRAINING_SCHEDULE="", FLYWHEEL_RETRIEVAL_TRAINING_SCHEDULE="",
-                            FLYWHEEL_SERVING_POLL_INTERVAL_S="1",
-                            # six days of history: the retrieval gate judges the last two, on fewer users
-                            FLYWHEEL_RETRIEVAL_EVAL_DAYS="2", FLYWHEEL_RETRIEVAL_GATE_MIN_USERS="5")
+                            FLYWHEEL_SERVING_POLL_INTERVAL_S="1", FLYWHEEL_RETRIEVAL_GATE_MIN_USERS="5")
     s = load_settings(environ)
     window = json.dumps({"data_start": START.isoformat(), "data_end": (START + timedelta(days=DAYS + 1)).isoformat()})
     stack.up(s)
@@ -231,6 +229,8 @@ def test_the_ranker_is_trained_through_the_dag_on_the_shops_vocabulary_and_serve
 def test_recommend_answers_with_the_shops_products_and_follows_a_new_customers_orders(onboarded) -> None:
     s, _, shop, retrieval = onboarded
     assert retrieval["gate_decision"] in ("promoted", "refused"), retrieval  # trained on the shop and judged
+    # a week of history, shorter than the default 14 judged days: trained on its first half, judged on its second
+    assert datetime.fromisoformat(retrieval["eval_start"]) == START + timedelta(days=(DAYS + 1) / 2), retrieval
     api = f"http://{s.serving.host}:{s.serving.port}/recommend"
     catalog = set(shop.products.sku)
     body = answered(api, {"user_id": "c001", "k": 10})
