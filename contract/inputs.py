@@ -22,9 +22,14 @@ RATES = tuple(name for view in STREAM_VIEWS for name, sql_type in view.columns i
 # Per candidate, from the user's long history and interest histogram: the share of the user's kept
 # behaviors in the candidate's category, and of the decayed interest weight.
 CATEGORY_SHARES = ("history_category_share", "interest_category_share")
+# Per candidate, from the user's recent positives: how many of them are the candidate (log-scaled). A
+# shop's customer buys again what they bought (Instacart: 70% of the trees baseline's gain, +0.03 test AUC
+# for the ranker); a movie is rated once (0 everywhere, no effect).
+REPEATS = ("user_item_repeats",)
+DERIVED = (*CATEGORY_SHARES, *REPEATS)  # computed per candidate when its inputs are built, never stored
 # The catalog's integer and number attributes, users' first: max(x - origin, 0) * scale.
 CATALOG_NUMERIC = tuple(name for name, a in ATTRIBUTES.items() if a.numeric)
-NUMERIC_FEATURES: tuple[str, ...] = (*COUNTS, *RATES, *CATALOG_NUMERIC, *CATEGORY_SHARES)
+NUMERIC_FEATURES: tuple[str, ...] = (*COUNTS, *RATES, *CATALOG_NUMERIC, *DERIVED)
 # What the long history adds (left out: the "long history off" ablation, and the previous architecture).
 LONG_HISTORY_FEATURES = ("history_length", "history_category_share")
 # The previous architecture's numeric inputs (ranker-v1): the stream counts and rates and the user's numbers.
@@ -43,6 +48,6 @@ TOKENS: dict[str, tuple[tuple[str, str], ...]] = {
     for entity, t in (("item", _TABLES["item"]), ("user", _TABLES["user"]))}
 DECADES = tuple(name for name, a in ATTRIBUTES.items() if a.tokens == "decade")
 SIDE = tuple(dict.fromkeys(feature for pairs in TOKENS.values() for _, feature in pairs))
-# Everything a scoring row is built from, as stored online (the derived shares are not stored).
+# Everything a scoring row is built from, as stored online (the derived features are not stored).
 RAW_FEATURES: tuple[str, ...] = tuple(dict.fromkeys(
-    (*(n for n in NUMERIC_FEATURES if n not in CATEGORY_SHARES), *SEQUENCE, *LONG_HISTORY, *INTEREST, *SIDE)))
+    (*(n for n in NUMERIC_FEATURES if n not in DERIVED), *SEQUENCE, *LONG_HISTORY, *INTEREST, *SIDE)))

@@ -213,8 +213,12 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
     n = len(labels)
     categories = _strings(features["category"])
     numeric = np.zeros((n, len(NUMERIC_FEATURES)), np.float32)
+    sequences, types = _sequences(features, times_ms, sequence_length)
+    item_ids = _strings(features["item_id"])
     for j, name in enumerate(NUMERIC_FEATURES):
-        if name == "history_category_share":
+        if name == "user_item_repeats":
+            numeric[:, j] = np.log1p((sequences == item_ids[:, None]).sum(axis=1))
+        elif name == "history_category_share":
             numeric[:, j] = _category_shares(categories, features["history_categories"],
                                              features["history_category_counts"], _numbers(features["history_length"]))
         elif name == "interest_category_share":
@@ -225,10 +229,9 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
         else:
             values = _numbers(features[name])
             numeric[:, j] = np.log1p(np.maximum(values, 0.0)) if name in COUNTS else values
-    sequences, types = _sequences(features, times_ms, sequence_length)
     long, long_types = _long_sequences(categories, features["history_categories"], features["history_item_ids"],
                                        features["history_event_types"])
-    return Examples(user_ids=_strings(features["user_id"]), item_ids=_strings(features["item_id"]),
+    return Examples(user_ids=_strings(features["user_id"]), item_ids=item_ids,
                     categories=categories, sequences=sequences, numeric=numeric,
                     labels=np.asarray(labels, np.float32), sequence_types=types,
                     long_sequences=long, long_types=long_types,

@@ -2,13 +2,14 @@
 the ranker's own inputs and split. A version is judged against it (`train_full(baselines=True)`).
 
 Its columns, from the same Examples the ranker reads:
-  numeric         every numeric feature (windowed counts and rates, catalog numbers, history length)
+  numeric         every numeric feature (windowed counts and rates, catalog numbers, history length, how
+                  often the user's recent positives are the candidate)
   item, category  the candidate's id and category, as LightGBM categoricals (codes of the training part;
                   an id it did not see is missing)
   tokens          each attribute of the item and user tokens ("genre:Drama"): one indicator per value of an
                   attribute with at most MULTI_HOT values, else the code of its first value
-  history         the user's behaviors before the example: how often the candidate itself (a repeat) and
-                  how many in its category (the long history), and of those how many of each action type
+  history         the user's behaviors before the example in the candidate's category (the long history),
+                  and of those how many of each action type
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class Columns:
     def names(self, ex: Examples) -> list[str]:
         numeric = list(ex.numeric_names) or [f"numeric {j}" for j in range(ex.numeric.shape[1])]
         return [*numeric, *self.ids, *(f"{a}={v}" for a, vs in self.hot.items() for v in vs),
-                "repeats", "in category", *(f"in category {t}" for t in self.types)]
+                "in category", *(f"in category {t}" for t in self.types)]
 
     def matrix(self, ex: Examples) -> np.ndarray:
         n = len(ex)
@@ -70,9 +71,8 @@ class Columns:
         raw = {"item": ex.item_ids, "category": ex.categories} | firsts
         coded = [np.array([self.ids[name].get(v, np.nan) if v is not None else np.nan for v in raw[name]],
                           np.float64) for name in self.ids]
-        repeats = (ex.sequences == ex.item_ids[:, None]).sum(axis=1)
         in_category = [(ex.long_sequences != PAD).sum(axis=1)] + [(ex.long_types == t).sum(axis=1) for t in self.types]
-        return np.column_stack([ex.numeric.astype(np.float64), *coded, *hot.values(), repeats, *in_category]
+        return np.column_stack([ex.numeric.astype(np.float64), *coded, *hot.values(), *in_category]
                                ).astype(np.float64)
 
 

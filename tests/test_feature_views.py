@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from contract.inputs import CATEGORY_SHARES, COUNTS, NUMERIC_FEATURES, RATES
+from contract.inputs import COUNTS, DERIVED, NUMERIC_FEATURES, RATES
 from feature_repo.definitions import definitions, stream_feature_view
 from infra.settings import load_settings
 from streaming.features import BIGINT, DOUBLE, STREAM_VIEWS, StreamView, topics, total_view, window_view
@@ -37,7 +37,7 @@ def test_the_model_takes_every_scalar_stream_column_scaled_by_its_type() -> None
     scalars = {name: t for view in STREAM_VIEWS for name, t in view.columns if t in (BIGINT, DOUBLE)}
     assert set(COUNTS) == {n for n, t in scalars.items() if t == BIGINT}
     assert set(RATES) == {n for n, t in scalars.items() if t == DOUBLE}
-    assert set(NUMERIC_FEATURES) == set(scalars) | {"user_age", "item_release_year", *CATEGORY_SHARES}
+    assert set(NUMERIC_FEATURES) == set(scalars) | {"user_age", "item_release_year", *DERIVED}
 
 
 def test_an_entitys_windows_and_total_share_one_topic_and_sharing_views_must_agree() -> None:

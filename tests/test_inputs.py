@@ -45,6 +45,10 @@ def test_each_candidate_gets_its_categorys_long_history_shares_and_attributes() 
     # behaviors before the request (t = 500), newest first, with their types
     assert ex.sequences[0].tolist() == ["d1", "c1", PAD, PAD]
     assert ex.sequence_types[0].tolist() == ["purchase", "click", PAD, PAD]
+    # how often those behaviors are the candidate (a reorder's signal): d2 came after the request
+    again = to_examples(columns | {"item_id": ["d1", "d2", "c1"]}, np.full(n, 500), np.zeros(n), sequence_length=4)
+    np.testing.assert_allclose(again.numeric[:, NUMERIC_FEATURES.index("user_item_repeats")], np.log1p([1, 0, 1]))
+    assert ex.numeric[:, NUMERIC_FEATURES.index("user_item_repeats")].tolist() == [0.0] * n
     assert [[t for t in row if t] for row in ex.item_tokens] == [
         ["genre:Drama", "genre:Romance", "year:1990s"], ["genre:Comedy"], ["year:1930s"]]
     assert [t for t in ex.user_tokens[0] if t] == ["gender:F", "occupation:writer", "age:20s"]
