@@ -53,6 +53,7 @@ class ModelSpec:
     token_length: int = 8  # attribute tokens per item and per user
     sparse: SparseConfig = field(default_factory=SparseConfig)
     hidden: tuple[int, ...] = (128, 64)
+    numeric_bins: int = 0  # the ranker's piecewise-linear bins per numeric feature (0: versions before them)
     learning_rate: float = 1e-3  # the dense network's Adam
     batch_size: int = 256
     jit_compile: bool = True
@@ -83,7 +84,7 @@ class ModelSpec:
 
 def _network(spec: ModelSpec) -> keras.Model:
     if spec.kind == "ranker":
-        return Ranker(spec.sparse.dim, len(spec.event_types) + 1, list(spec.hidden))
+        return Ranker(spec.sparse.dim, len(spec.event_types) + 1, list(spec.hidden), numeric_bins=spec.numeric_bins)
     return RankerV1(list(spec.hidden)) if spec.kind == "ranker-v1" else LogisticRegression()
 
 
@@ -230,9 +231,16 @@ class CtrModel:
         twin.tables = tables
         return twin
 
+    def adapt(self, ex: Examples) -> None:
+        """Fit what the network derives from its training data before the first step (the ranker's numeric
+        bins); a version continued from this one keeps it."""
+        if isinstance(self.network, Ranker):
+            self.network.adapt(ex.numeric_of(self.spec.numeric_features))
+
     def dense_weights(self) -> list[np.ndarray]:
-        """The dense network's weights in `network.trainable_variables` order (`stateless_call`'s)."""
-        return [v.numpy() for v in self.network.trainable_variables]
+        """The dense network's weights: `network.trainable_variables`, then its non-trainable ones
+        (`stateless_call`'s two lists, one after the other)."""
+        return [v.numpy() for v in (*self.network.trainable_variables, *self.network.non_trainable_variables)]
 
     # --- compiled dense parts --------------------------------------------------------------------
 

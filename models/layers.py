@@ -4,6 +4,7 @@ tables (models/sparse.py) gather them on CPU, so every layer here is dense and X
 from __future__ import annotations
 
 import keras
+import numpy as np
 from keras import ops
 
 
@@ -74,6 +75,38 @@ class TargetAttention(keras.layers.Layer):
 
     def get_config(self) -> dict:
         return super().get_config() | {"hidden": self.hidden}
+
+
+class PiecewiseLinear(keras.layers.Layer):
+    """Each numeric feature as `bins` values in [0, 1]: how far it is through each bin between the training
+    part's quantiles (`set_edges`; Gorishniy et al. 2022, "On embeddings for numerical features in tabular
+    deep learning"). An MLP then reads a count's thresholds as a tree does. The edges are weights but not
+    trained (non-trainable): they travel with each version's dense weights.
+
+    Input [B, F] -> output [B, F * bins].
+    """
+
+    def __init__(self, bins: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.bins = bins
+
+    def build(self, input_shape) -> None:
+        shape = (input_shape[-1], self.bins)
+        self.lower = self.add_weight(shape=shape, initializer="zeros", trainable=False, name="lower")
+        self.width = self.add_weight(shape=shape, initializer="ones", trainable=False, name="width")
+
+    def set_edges(self, x: np.ndarray) -> None:
+        """Bins between the quantiles of `x` [N, F]; a feature's repeated quantiles give steps (width ~0)."""
+        edges = np.maximum.accumulate(np.quantile(x, np.linspace(0, 1, self.bins + 1), axis=0).T, axis=1)
+        self.lower.assign(edges[:, :-1].astype("float32"))
+        self.width.assign(np.maximum(np.diff(edges, axis=1), 1e-6).astype("float32"))
+
+    def call(self, x):
+        share = ops.clip((x[..., None] - self.lower) / self.width, 0.0, 1.0)
+        return ops.reshape(share, (-1, share.shape[-2] * share.shape[-1]))
+
+    def get_config(self) -> dict:
+        return super().get_config() | {"bins": self.bins}
 
 
 class MaskedMean(keras.layers.Layer):

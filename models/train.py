@@ -68,7 +68,8 @@ def model_spec(s: Settings, kind: str = "ranker", long_history: bool = True) -> 
                      long_length=st.history_per_category if kind == "ranker" and long_history else 0,
                      sparse=SparseConfig(dim=dim, admit_after=m.admit_after, evict_after_steps=m.evict_after_steps,
                                          learning_rate=m.sparse_learning_rate),
-                     learning_rate=m.dense_learning_rate, batch_size=m.batch_size)
+                     learning_rate=m.dense_learning_rate, batch_size=m.batch_size,
+                     numeric_bins=m.numeric_bins if kind == "ranker" else 0)
 
 
 def check_labels(ex: Examples, what: str) -> None:
@@ -93,6 +94,7 @@ def train_full(s: Settings, window: Window, kind: str = "ranker", promote: bool 
     mlflow.set_experiment(s.models.experiment)
     with mlflow.start_run(run_name=f"full-{kind}"), tempfile.TemporaryDirectory() as tmp:
         model = CtrModel(model_spec(s, kind, long_history))
+        model.adapt(train)
         mlflow.log_params({"kind": kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
                            **{f"split_{k}": v for k, v in spans.items()}, **_spec_params(model.spec)})
         best = Path(tmp) / "best"

@@ -59,7 +59,8 @@ class DenseRunner:
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="xla-compile")
 
     def _forward(self, weights: list[tf.Tensor], inputs: dict[str, tf.Tensor]) -> tf.Tensor:
-        logits, _ = self.network.stateless_call(weights, [], inputs)
+        trainable = len(self.network.trainable_variables)  # `CtrModel.dense_weights`: trained ones first
+        logits, _ = self.network.stateless_call(weights[:trainable], weights[trainable:], inputs)
         return tf.sigmoid(logits)
 
     def _function_for(self, weights: list[tf.Tensor], inputs: dict[str, tf.Tensor]) -> Callable:

@@ -78,7 +78,8 @@ class ServedModel:
 
 def architecture(spec: ModelSpec) -> tuple:
     """What fixes the dense network's shapes: versions alike in this share compiled functions."""
-    return spec.kind, spec.hidden, len(spec.numeric_features), spec.sparse.dim, spec.long_length, spec.token_length
+    return (spec.kind, spec.hidden, len(spec.numeric_features), spec.numeric_bins, spec.sparse.dim, spec.long_length,
+            spec.token_length)
 
 
 class ModelFollower:

@@ -1,10 +1,13 @@
 """The compiled dense runner: bucket padding scores exactly like the unpadded model, buckets are
 compiled by warm-up and never on the request path, an out-of-bucket shape is served at once and
-compiled in the background, and one compiled function serves every version's weights."""
+compiled in the background, and one compiled function serves every version's weights (its non-trainable
+ones too)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
@@ -52,9 +55,16 @@ def test_requests_pass_their_sequence_once_and_score_like_the_model_in_parts_of_
     assert runner.stats.uncompiled_runs == 0  # 40 sequences > 8: five runs of <= 8 sequences, all compiled
 
 
-def test_one_compiled_function_serves_every_version() -> None:
-    a, b = CtrModel(SPEC), CtrModel(SPEC)
-    b.fit(synthetic(1000, seed=3), progress=False)
+def test_one_compiled_function_serves_every_version(tmp_path: Path) -> None:
+    spec = replace(SPEC, numeric_bins=4)  # each version's numeric bins travel with its weights, untrained
+    a, b = CtrModel(spec), CtrModel(spec)
+    train = synthetic(1000, seed=3)
+    b.adapt(train)
+    edges = b.network.numeric_encoding.lower.numpy()
+    b.fit(train, progress=False)
+    assert not np.array_equal(edges, a.network.numeric_encoding.lower.numpy())
+    b = CtrModel.load(b.save(tmp_path / "b"))
+    np.testing.assert_array_equal(b.network.numeric_encoding.lower.numpy(), edges)  # fit moved none of them
     runner = DenseRunner(a, row_buckets=(16,), sequence_buckets=(10,))
     ex = synthetic(10, seed=4)
     runner.warm(_weights(a), a.scoring_inputs(ex))
