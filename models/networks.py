@@ -35,7 +35,7 @@ class Ranker(keras.Model):
     history's behaviors in the candidate's category (SIM); pooled attributes of the candidate and of
     the user; then an MLP over all of it, with the products of the pairs that meet (user x item, the
     behaviors' interests x item, user attributes x item attributes), and the numeric features, as they
-    are and, with `numeric_bins`, piecewise-linear (Instacart: test AUC +0.008 over the features as they
+    are and, with `numeric_bins`, piecewise-linear (Instacart: test AUC +0.011 over the features as they
     are, three seeds)."""
 
     def __init__(self, dim: int, event_types: int, hidden: list[int] | None = None,

@@ -3,9 +3,10 @@
 A run reads the offline event log's behavior in [start, end) (test traffic left out) and the catalogue's
 batch views (item attributes, user profiles), splits it at end - `retrieval.eval_days` (or halfway through a
 shorter window), trains the two-tower model on what came before and judges it by recall@K on each user's next
-`retrieval.gate_next` positives after the cut, its list scored as /recommend serves it (with the popularity prior
-at the cut), as `make bench-retrieval` judges. The version is registered as `retrieval.name`; the gate (its own task)
-recomputes that split from the version's tags (`eval_start` its cut) and compares it with `@champion` on the same window:
+`retrieval.gate_next` positives after the cut, its list scored as /recommend serves it (with the popularity
+prior at the cut), as `make bench-retrieval` judges. The version is registered as `retrieval.name`; the gate
+(its own task) recomputes that split from the version's tags (`eval_start` its cut) and compares it with
+`@champion` on the same window:
 promoted unless its recall is lower by more than `retrieval.max_recall_drop`, and never on fewer than
 `retrieval.gate_min_users` judged users. Rollback is the ranker's (models/registry.py, the model_rollback
 DAG with this model's name).
