@@ -63,6 +63,9 @@ WHO = "canary-analysis"
 SERVICE = "canary-analyst"  # the stack's name for this process
 SERVED_WINDOW_S = 300.0  # served figures per version, outside a canary: the last five minutes
 SERVED_EVERY_S = 60.0  # how often they are measured (pooled AUC scans every item: 4M in a load test's 5 min)
+# A gate writes @control and the canary's tags, then moves @champion: four registry writes, seen taking more
+# than two looks (10 s) on a demo's loaded 2 cores. A canary started this recently is waited for, not ended.
+PROMOTING_S = 120.0
 
 
 def ranked_lists(outcomes: pd.DataFrame) -> pd.DataFrame:
@@ -258,14 +261,17 @@ class Analyst:
         champion, control = found.aliases.get(CHAMPION), found.aliases.get(CONTROL)
         st = self.state
         # @champion moved by hand (to @control, or to a version the canary is not for): the canary is over.
-        # Twice in a row: the gate sets the canary's tag and @control a moment before it moves @champion.
+        # Twice in a row (one registry read is not atomic), and not while a gate is still promoting its version.
         moot = control is not None and (champion in (None, control) or found.canary_version != champion)
         seen_before, self._moot = self._moot, moot
-        if moot and not seen_before:
+        if moot and (not seen_before or self._being_promoted(found.canary_version, champion)):
             return
         if control is None or moot:
             if moot:
                 end_canary(s)
+                if found.canary_version and found.canary_version != champion:
+                    client.set_model_version_tag(name, found.canary_version, "canary_decision",
+                                                 f"ended: @champion moved to v{champion or '-'} by hand")
                 log.info("@champion v%s is not the canary's (v%s): @control v%s removed", champion,
                          found.canary_version, control)
             st.version, st.control, st.champion_percent, st.decision, st.reason, st.arms = "", "", 100.0, "", "", {}
@@ -292,6 +298,15 @@ class Analyst:
             client.set_model_version_tag(name, champion, "canary_status", f"{found.champion_percent:g}% of users; "
                                          f"{verdict.reason}")
             self._said = (champion, time.time())
+
+    def _being_promoted(self, version: str | None, champion: str | None) -> bool:
+        """Whether `version`'s canary began under PROMOTING_S ago, undecided, and @champion is yet to reach it."""
+        if version is None or version == champion:
+            return False
+        tags = dict(self.client().get_model_version(self.s.models.name, version).tags)
+        started = _ms(tags.get("canary_started_at"))
+        return ("canary_decision" not in tags and started is not None
+                and time.time() * 1000 - started < PROMOTING_S * 1000)
 
     def _roll_back(self, champion: str, control: str, reason: str) -> None:
         try:

@@ -6,12 +6,15 @@ verdicts it gives on served outcomes."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
+from mlflow.exceptions import MlflowException
 
 from infra.settings import load_settings
-from models.registry import CHAMPION, CONTROL, RegistryError
+from models import registry as registry_module
+from models.registry import CANARY_TAG, CHAMPION, CONTROL, RegistryError, routing, start_canary
 from serving import canary
 from benchmarks.canary import list_aucs_like
 from serving.canary import Analyst, first_ramp, judge, msprt, ramp_lists, ranked_lists, read_state
@@ -137,3 +140,64 @@ def test_a_rollback_that_fails_is_tried_again_at_each_look_and_counted_until_it_
     assert [to for _, to, _ in tries] == ["4"] * 3 and {who for _, _, who in tries} == {"canary-analysis"}
     assert state.rollbacks[-1]["version"] == "5" and state.rollbacks[-1]["to"] == "4"
     assert tagged == [("5", "canary_decision", "rolled back to v4: shown worse than v4 on live traffic: ...")]
+
+
+class Registry:
+    """MLflow's client over one registered model, in memory: what the gate and the analyst call."""
+
+    def __init__(self) -> None:
+        self.aliases: dict[str, str] = {}
+        self.tags: dict[str, str] = {}
+        self.versions: dict[str, dict[str, str]] = {}
+
+    def get_registered_model(self, name: str) -> SimpleNamespace:
+        return SimpleNamespace(aliases=dict(self.aliases), tags=dict(self.tags))
+
+    def get_model_version(self, name: str, version: str) -> SimpleNamespace:
+        return SimpleNamespace(tags=dict(self.versions.setdefault(version, {})))
+
+    def get_model_version_by_alias(self, name: str, alias: str) -> SimpleNamespace:
+        if alias not in self.aliases:
+            raise MlflowException(f"alias {alias} not found", error_code="RESOURCE_DOES_NOT_EXIST")
+        return SimpleNamespace(version=self.aliases[alias])
+
+    def set_model_version_tag(self, name: str, version: str, key: str, value: str) -> None:
+        self.versions.setdefault(version, {})[key] = value
+
+    def set_registered_model_alias(self, name: str, alias: str, version: str) -> None:
+        self.aliases[alias] = version
+
+    def delete_registered_model_alias(self, name: str, alias: str) -> None:
+        del self.aliases[alias]
+
+    def set_registered_model_tag(self, name: str, key: str, value: str) -> None:
+        self.tags[key] = value
+
+    def delete_registered_model_tag(self, name: str, key: str) -> None:
+        del self.tags[key]
+
+
+def test_a_promotion_slower_than_the_analysts_looks_keeps_its_canary_and_a_hand_move_ends_it(
+        tmp_path: Path, monkeypatch) -> None:
+    """A gate writes @control and the canary's tags before it moves @champion; on a loaded machine that took
+    longer than two looks, and the analyst took the half-done promotion for a hand's move and ended the
+    canary: the new version then served everyone unjudged."""
+    s = load_settings(stack_environ(tmp_path / "data"))
+    registry = Registry()
+    monkeypatch.setattr(canary, "connect", lambda s: registry)
+    monkeypatch.setattr(registry_module, "connect", lambda s: registry)
+    registry.set_registered_model_alias(s.models.name, CHAMPION, "1")
+    analyst = Analyst(s)
+    start_canary(s, "4", "1")  # the gate, up to its last write
+    for _ in range(3):
+        analyst.look()
+    registry.set_registered_model_alias(s.models.name, CHAMPION, "4")
+    found = routing(registry, s.models.name)
+    assert found.aliases[CONTROL] == "1" and found.champion_percent == s.canary.ramp_percent[0], found
+    # A hand moves @champion to v2 during the canary: after two looks it is over, and v4 says why.
+    registry.versions["4"]["canary_started_at"] = "2026-01-01T00:00:00+00:00"
+    registry.set_registered_model_alias(s.models.name, CHAMPION, "2")
+    for _ in range(2):
+        analyst.look()
+    assert CONTROL not in registry.aliases and CANARY_TAG not in registry.tags
+    assert registry.versions["4"]["canary_decision"] == "ended: @champion moved to v2 by hand"
