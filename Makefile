@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 FLYWHEEL := .venv/bin/flywheel
 
-.PHONY: setup demo demo-shop test test-fast test-cluster chaos up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-sparse bench-sparse-pull bench-retrieval bench-canary bench-report lock lock-jars clean
+.PHONY: setup demo demo-shop test test-fast test-cluster chaos up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-sparse bench-sparse-pull bench-retrieval bench-canary bench-served-drift bench-report lock lock-jars clean
 
 setup:  ## install both environments and the Flink connector jars from the lock files
 	@bash infra/setup.sh
@@ -65,6 +65,9 @@ bench-retrieval: setup  ## recall@20 / NDCG@20 of two-tower, graph, merged and p
 
 bench-canary: setup  ## the canary's false ramps of a 10 %-worse version and lists to ramp an honest one, in simulation (~1 min)
 	.venv/bin/python -m benchmarks.canary $(ARGS)
+
+bench-served-drift: setup  ## after `make demo`: the first champion's AUC by week on its test part and on the live sessions, features frozen (~1 min)
+	.venv/bin/python -m benchmarks.served_drift $(ARGS)
 
 bench-report: setup  ## every suite and the demo, one run: docs/benchmarks.md and docs/plots/*.png (~35 min)
 	.venv/bin/python -m benchmarks.report $(ARGS)

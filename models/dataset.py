@@ -91,7 +91,7 @@ def training_frame(s: Settings, window: Window) -> tuple[pd.DataFrame, pd.DataFr
     entity_df = imps[["user_id", "item_id", "category"]].copy()
     entity_df["event_timestamp"] = pd.to_datetime(imps["request_time"] - 1, unit="ms", utc=True)
     entity_df["row"] = np.arange(len(imps))
-    joined = as_of(s, entity_df).merge(long_history_as_of(s, entity_df), on="row")
+    joined = features_as_of(s, entity_df)
     missing = [c for c in RAW_FEATURES if c not in joined.columns]
     if missing:
         raise ValueError(f"feature service ranking_training lacks {missing}")
@@ -124,6 +124,13 @@ def served_values(s: Settings, imps: pd.DataFrame) -> pd.DataFrame:
     table = table.filter(~pc.field("shadow") & pc.field("request_id").isin(wanted))
     frame = logged_features(table, NUMERIC_FEATURES)
     return frame.drop_duplicates(["request_id", "item_id"])
+
+
+def features_as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:
+    """Every raw feature of each entity row (`row`, `event_timestamp`, `user_id`, `item_id`, `category`),
+    point-in-time: the views' (`as_of`) and the long history's (`long_history_as_of`), in row order."""
+    joined = as_of(s, entity_df).merge(long_history_as_of(s, entity_df), on="row")
+    return joined.sort_values("row", kind="stable").reset_index(drop=True)
 
 
 def as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:

@@ -27,7 +27,7 @@ from contract.inputs import NUMERIC_FEATURES
 from feature_repo.predictions import logged_features, read_predictions
 from infra.progress import replace_text, state_path
 from infra.settings import Settings
-from models.dataset import NoImpressions, Window, as_of, long_history_as_of, training_frame
+from models.dataset import NoImpressions, Window, features_as_of, training_frame
 
 EXPOSED_WITHIN_MS = 600_000
 STATE = "consistency"  # run/consistency.state.json
@@ -81,7 +81,7 @@ def report(s: Settings, since_ms: int | None = None, until_ms: int | None = None
     entities = compared[["user_id", "item_id", "category"]].copy()
     entities["event_timestamp"] = pd.to_datetime(compared["served_at"], unit="ms", utc=True)
     entities["row"] = np.arange(len(compared))
-    point_in_time = as_of(s, entities).merge(long_history_as_of(s, entities), on="row").sort_values("row")
+    point_in_time = features_as_of(s, entities)
     out = []
     for name in (c for c in served.columns if c not in KEYS and f"{c}_trained" in compared.columns):
         value = compared[name].to_numpy(float)

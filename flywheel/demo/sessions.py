@@ -30,6 +30,7 @@ class Session:
     key: str  # the history's request (or the session's start): part of every served request id
     candidates: tuple[str, ...]  # in the history's order
     actions: dict[str, str]  # item -> the strongest action type the user takes on it when shown
+    at_ms: int = 0  # when it began in the history
 
     def request_id(self, served_at_ms: int) -> str:
         """Unique per serving: a session replayed again (another demo run) is another request."""
@@ -58,7 +59,7 @@ class Live:
 
         def session(user: str, key: str, ratings) -> Session:
             return Session(user, key, tuple(dict.fromkeys(r.item_id for r in ratings)),
-                           {r.item_id: label for r in ratings if r.rating >= click})
+                           {r.item_id: label for r in ratings if r.rating >= click}, ratings[0].timestamp * 1000)
 
         by_user = defaultdict(list)
         for r in live:
@@ -85,7 +86,7 @@ class Live:
                     actions[e.item_id] = e.event_type
             shown = tuple(dict.fromkeys(e.item_id for e in events if e.event_type in spec.exposures))
             if shown and actions:
-                sessions.append(Session(events[0].user_id, request, shown, actions))
+                sessions.append(Session(events[0].user_id, request, shown, actions, events[0].event_time))
         judged: dict[str, Session] = {}
         for sess in sessions:  # a user's first session after the split: their next order
             judged.setdefault(sess.user_id, sess)
