@@ -2,7 +2,7 @@
 bench-served-drift`, after `make demo`, its stack up). For the demo's first champion (or `--version`):
 
 - its AUC on its own test part, week by week before its data's end (the version's `eval_start` tag on);
-- its AUC on the live traffic's sessions (flywheel/demo/sessions.py: the history after the split, as the demo
+- its AUC on the live traffic's sessions (streaming/live.py: the history after the split, as the demo
   serves them), week by week of the history they replay, every feature as of its data's end: nothing the
   live stream wrote, so a fall here is the sessions', not the served features';
 - what it served (`.flywheel/demo/summary.json`, its `/rank` entry: the features as served).
@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from contract.transform import to_examples
-from flywheel.demo.sessions import Live
+from streaming.live import Live
 from infra.settings import get_settings
 from models.dataset import Window, features_as_of, training_set
 from models.metrics import auc
@@ -30,7 +30,8 @@ from models.registry import load_version, version_tags
 WEEK_MS = 7 * 86_400_000
 
 
-def by_week(labels: np.ndarray, scores: np.ndarray, times_ms: np.ndarray, origin_ms: int) -> list[tuple[int, float, int]]:
+def by_week(labels: np.ndarray, scores: np.ndarray, times_ms: np.ndarray, origin_ms: int
+            ) -> list[tuple[int, float, int]]:
     """(week relative to `origin_ms`: -1 the week before it, 1 the week after; AUC; items) per week with both
     clicks and passes."""
     weeks = np.floor((times_ms - origin_ms) / WEEK_MS).astype(int)

@@ -33,8 +33,9 @@ from infra.settings import setting_from_environ
         "data_end": Param(None, type=["null", "string"],
                           description="End of the window (exclusive), ISO. Empty: the run's data interval end."),
         "model_name": Param(setting_from_environ("models", "name"), type="string", minLength=1, description="Registered model."),
-        "kind": Param("ranker", enum=["ranker", "ranker-v1", "logreg"],
-                      description="The ranker, the previous DIN ranker or the logistic baseline."),
+        "kind": Param(setting_from_environ("models", "architecture"), type="string", minLength=1,
+                      description="The network: a name of models/architectures.py (ranker, ranker-v1, logreg) "
+                                  "or a user's by import path, package.module:attribute."),
         "promote": Param(True, type="boolean", description="Run the promotion gate after registering."),
         "baselines": Param(False, type="boolean",
                            description="Also report the test AUC of popularity, logistic regression and "

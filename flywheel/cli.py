@@ -399,12 +399,24 @@ def _echo_outcome(outcome) -> None:
         click.echo(f"gate: {verdict}: {outcome.decision.reason}")
 
 
+def _architecture(ctx: click.Context, param: click.Parameter, kind: str | None) -> str | None:
+    """A registered architecture's name or a network's import path, checked before any work."""
+    from models.architectures import ArchitectureError, architecture
+
+    try:
+        return None if kind is None else architecture(kind).name
+    except ArchitectureError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 @main.command()
 @click.option("--start", type=_DATE, required=True, help="First impression time of the training data (UTC).")
 @click.option("--end", type=_DATE, required=True, help="End of the training data (exclusive).")
-@click.option("--kind", type=click.Choice(["ranker", "ranker-v1", "logreg"]), default="ranker", show_default=True)
+@click.option("--kind", default=None, callback=_architecture,
+              help="The network: ranker, ranker-v1, logreg (models/architectures.py) or a user's by import path, "
+                   "package.module:attribute. Default: the setting models.architecture.")
 @click.option("--promote/--no-promote", default=True, show_default=True, help="Run the promotion gate.")
-def train(start: datetime, end: datetime, kind: str, promote: bool) -> None:
+def train(start: datetime, end: datetime, kind: str | None, promote: bool) -> None:
     """Full training on a window: chronological split, MLflow run, registered version, gate."""
     from models.dataset import Window
     from models.train import train_full

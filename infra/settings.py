@@ -357,6 +357,9 @@ class ModelsSettings:
     gate_min_clicks: int = 20
     gate_calibration: tuple[float, float] = (0.5, 2.0)
     gate_alpha: float = 0.05
+    # The ranker's network: a name of models/architectures.py (ranker, ranker-v1, logreg) or a user's by import
+    # path, "package.module:attribute" (an Architecture record or a builder: ModelSpec -> keras.Model).
+    architecture: str = "ranker"
     embedding_dim: int = 16
     admit_after: int = 2  # times an id must be seen in training to get its own embedding row
     evict_after_steps: int = 0  # 0 = never evict

@@ -25,13 +25,12 @@ import tensorflow as tf  # noqa: E402
 
 from contract.examples import PAD, Examples, fit_width  # noqa: E402
 from contract.terms import Terms, token_prefixes  # noqa: E402
-from models.networks import LogisticRegression, Ranker, RankerV1  # noqa: E402
+from models.architectures import architecture  # noqa: E402
 from models.sparse import DEFAULT_ROW, SparseConfig, SparseTable, TableSnapshot, apply_delta  # noqa: E402
 from streaming.events import dataset_spec, declared_types  # noqa: E402
 
 TABLES = ("user", "item", "category", "attribute")  # behaviors share the item table; attribute: item and user tokens
 EMBEDDED = ("user", "item", "category", "sequence", "long_sequence", "item_tokens", "user_tokens")
-KINDS = ("ranker", "ranker-v1", "logreg")
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class Groups:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    kind: str = "ranker"  # "ranker", "ranker-v1" (the previous DIN) or "logreg" (the baseline)
+    kind: str = "ranker"  # its architecture (models/architectures.py): a registered name or an import path
     numeric_features: tuple[str, ...] = ()
     sequence_length: int = 50
     long_length: int = 20  # behaviors of the candidate's category from the long history (0: none)
@@ -82,22 +81,15 @@ class ModelSpec:
                    | {"dataset": raw.get("dataset", ""), "tokens": tuple(raw.get("tokens", ()))})
 
 
-def _network(spec: ModelSpec) -> keras.Model:
-    if spec.kind == "ranker":
-        return Ranker(spec.sparse.dim, len(spec.event_types) + 1, list(spec.hidden), numeric_bins=spec.numeric_bins)
-    return RankerV1(list(spec.hidden)) if spec.kind == "ranker-v1" else LogisticRegression()
-
-
 class CtrModel:
     def __init__(self, spec: ModelSpec, tables: dict[str, SparseTable] | None = None) -> None:
-        if spec.kind not in KINDS:
-            raise ValueError(f"unknown model kind {spec.kind!r}: use one of {', '.join(KINDS)}")
-        if spec.kind == "logreg" and spec.sparse.dim != 1:
-            raise ValueError("logreg learns one weight per id: its sparse dim must be 1")
+        fixed = architecture(spec.kind).embedding_dim
+        if fixed is not None and spec.sparse.dim != fixed:
+            raise ValueError(f"{spec.kind} takes embeddings of dimension {fixed}, not {spec.sparse.dim}")
         self.spec = spec
         self._type_ids = {kind: n + 1 for n, kind in enumerate(spec.event_types)}
         self.tables = {name: SparseTable(name, spec.sparse) for name in TABLES} | (tables or {})
-        self.network = _network(spec)
+        self.network = architecture(spec.kind).build(spec)
         self.optimizer = keras.optimizers.Adam(spec.learning_rate)
         # Build the variables eagerly: the compiled step must not create any.
         self.network(self._dense_inputs(self._lookup(_empty(spec), train=False), _empty(spec)))
@@ -234,7 +226,7 @@ class CtrModel:
     def adapt(self, ex: Examples) -> None:
         """Fit what the network derives from its training data before the first step (the ranker's numeric
         bins); a version continued from this one keeps it."""
-        if isinstance(self.network, Ranker):
+        if hasattr(self.network, "adapt"):
             self.network.adapt(ex.numeric_of(self.spec.numeric_features))
 
     def dense_weights(self) -> list[np.ndarray]:

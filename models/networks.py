@@ -18,7 +18,8 @@ serving path serve them all:
   user_tokens           [B, T, D]  the user's profile attributes (attribute table); user_token_mask [B, T]
   numeric               [B, F]     real-time, profile and long-history features, already scaled
 and return click logits [B]. The ranker's numeric features also enter piecewise-linear (`numeric_bins` per
-feature, edges at the training part's quantiles: `adapt`).
+feature, edges at the training part's quantiles: `adapt`). Each is built from a version's spec by the
+function models/architectures.py names for it.
 """
 
 from __future__ import annotations
@@ -113,3 +114,15 @@ class LogisticRegression(keras.Model):
 
     def get_config(self) -> dict:
         return {}
+
+
+def ranker(spec) -> Ranker:
+    return Ranker(spec.sparse.dim, len(spec.event_types) + 1, list(spec.hidden), numeric_bins=spec.numeric_bins)
+
+
+def ranker_v1(spec) -> RankerV1:
+    return RankerV1(list(spec.hidden))
+
+
+def logistic_regression(spec) -> LogisticRegression:
+    return LogisticRegression()

@@ -24,9 +24,9 @@ import mlflow
 import numpy as np
 
 from contract.examples import Examples
-from contract.inputs import LONG_HISTORY_FEATURES, NUMERIC_FEATURES, V1_NUMERIC_FEATURES
 from infra.settings import Settings
 from models import plots
+from models.architectures import architecture
 from models.ctr import CtrModel, ModelSpec
 from models.dataset import Window, chronological_split, training_set
 from models.gbdt import gbdt_scores
@@ -55,21 +55,19 @@ class TrainOutcome:
     samples_per_s: float
 
 
-def model_spec(s: Settings, kind: str = "ranker", long_history: bool = True) -> ModelSpec:
-    """The spec of a new model of `kind`: ranker-v1 takes the previous architecture's inputs (50 recent
-    behaviors, the stream's counts and rates, the age); without `long_history`, the ranker takes none of
-    the long history's inputs (the ablation)."""
+def model_spec(s: Settings, kind: str | None = None, long_history: bool = True) -> ModelSpec:
+    """The spec of a new model of architecture `kind` (models/architectures.py; None: `models.architecture`)
+    with the inputs it declares; without `long_history`, none of the long history's (the ablation)."""
     m, st = s.models, s.streaming
-    dim = 1 if kind == "logreg" else m.embedding_dim
-    numeric = V1_NUMERIC_FEATURES if kind == "ranker-v1" else NUMERIC_FEATURES
+    arch = architecture(kind or m.architecture)
     if not long_history:
-        numeric = tuple(f for f in numeric if f not in LONG_HISTORY_FEATURES)
-    return ModelSpec(kind=kind, numeric_features=numeric, sequence_length=st.sequence_length,
-                     long_length=st.history_per_category if kind == "ranker" and long_history else 0,
-                     sparse=SparseConfig(dim=dim, admit_after=m.admit_after, evict_after_steps=m.evict_after_steps,
-                                         learning_rate=m.sparse_learning_rate),
+        arch = arch.without_long_history()
+    return ModelSpec(kind=arch.name, numeric_features=arch.numeric_features, sequence_length=st.sequence_length,
+                     long_length=st.history_per_category if arch.long_history else 0,
+                     sparse=SparseConfig(dim=arch.embedding_dim or m.embedding_dim, admit_after=m.admit_after,
+                                         evict_after_steps=m.evict_after_steps, learning_rate=m.sparse_learning_rate),
                      learning_rate=m.dense_learning_rate, batch_size=m.batch_size,
-                     numeric_bins=m.numeric_bins if kind == "ranker" else 0)
+                     numeric_bins=m.numeric_bins if arch.numeric_bins else 0)
 
 
 def check_labels(ex: Examples, what: str) -> None:
@@ -82,10 +80,12 @@ def _iso(t: datetime) -> str:
     return t.astimezone(UTC).isoformat()
 
 
-def train_full(s: Settings, window: Window, kind: str = "ranker", promote: bool = True,
+def train_full(s: Settings, window: Window, kind: str | None = None, promote: bool = True,
                progress: bool = True, long_history: bool = True, baselines: bool = False) -> TrainOutcome:
-    """`baselines`: also the test AUC of item popularity (`test_auc_popularity`) and of the logistic
-    baseline trained on the same parts (`test_auc_logreg`): what the version must beat, on the same split."""
+    """A new version of architecture `kind` (None: `models.architecture`). `baselines`: also the test AUC
+    of item popularity (`test_auc_popularity`) and of the logistic baseline trained on the same parts
+    (`test_auc_logreg`): what the version must beat, on the same split."""
+    kind = architecture(kind or s.models.architecture).name  # an unknown one fails before any work
     connect(s)  # fail before any work when the registry is unreachable
     ex, times = training_set(s, window, s.streaming.sequence_length)
     train, validation, test, spans = chronological_split(ex, times)

@@ -76,7 +76,7 @@ class ServedModel:
         return self.runner.run(self.weights, self.inputs(ex))
 
 
-def architecture(spec: ModelSpec) -> tuple:
+def shape_key(spec: ModelSpec) -> tuple:
     """What fixes the dense network's shapes: versions alike in this share compiled functions."""
     return (spec.kind, spec.hidden, len(spec.numeric_features), spec.numeric_bins, spec.sparse.dim, spec.long_length,
             spec.token_length)
@@ -263,13 +263,13 @@ class ModelFollower:
         # another dataset's event types or inputs are not.
         if reasons := unmet(model.spec.terms):
             raise ValueError(f"v{version} cannot be served on these online features: {'; '.join(reasons)}")
-        arch = architecture(model.spec)
-        runner = self.runners.get(arch)
+        key = shape_key(model.spec)
+        runner = self.runners.get(key)
         if runner is None:
             sv = self.s.serving
             runner = DenseRunner(model, sv.row_buckets, sv.sequence_buckets, sv.buckets,
                                  on_compile=lambda where: metrics.COMPILES.labels(where).inc())
-            self.runners[arch] = runner
+            self.runners[key] = runner
         served = ServedModel(version, model, [tf.constant(w) for w in model.dense_weights()], runner, how, tiered)
         runner.warm(served.weights, served.inputs(self.warm_example))
         if not np.all(np.isfinite(served.score(self.warm_example))):

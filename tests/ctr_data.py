@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import textwrap
+from pathlib import Path
+
 import numpy as np
 
 from contract.examples import PAD, Examples
@@ -40,3 +43,50 @@ def synthetic(n: int, seed: int, users: int = 50, items: int = 200, length: int 
 SPEC = ModelSpec(numeric_features=("noise",), sequence_length=10,
                  sparse=SparseConfig(dim=8, admit_after=2, learning_rate=0.2),
                  hidden=(32, 16), batch_size=128, learning_rate=3e-3)
+
+
+USER_NETS = '''
+    import keras
+    import numpy as np
+    from keras import ops
+
+    from models.architectures import Architecture
+
+
+    class Dot(keras.Model):
+        """A user's own network: the user x item product, the category, the numeric features, a bias
+        fitted from the training part (adapt)."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.head = keras.layers.Dense(1)
+            self.centre = self.add_weight(shape=(), initializer="zeros", trainable=False, name="centre")
+            self.adapted = False
+
+        def call(self, inputs):
+            x = ops.concatenate([inputs["user"] * inputs["item"], inputs["category"],
+                                 inputs["numeric"] - self.centre], axis=-1)
+            return ops.squeeze(self.head(x), -1)
+
+        def adapt(self, numeric):
+            self.centre.assign(float(np.mean(numeric)))
+            self.adapted = True
+
+
+    def build(spec):
+        return Dot()
+
+
+    SHORT = Architecture("short", "user_nets.nets:build", "the user's network on two numeric features",
+                         numeric_features=("user_ctr_total", "item_ctr_total"), long_history=False)
+'''
+
+
+def write_user_nets(directory: Path) -> str:
+    """A user's package of networks (`user_nets.nets`: `build`, a builder; `SHORT`, a record) written under
+    `directory`, outside the platform's packages; returns its module's name."""
+    package = directory / "user_nets"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text("")
+    (package / "nets.py").write_text(textwrap.dedent(USER_NETS))
+    return "user_nets.nets"

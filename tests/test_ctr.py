@@ -102,11 +102,6 @@ def test_a_spec_exported_before_the_long_history_is_the_previous_ranker() -> Non
     assert isinstance(CtrModel(spec).network, RankerV1)
 
 
-def test_logreg_needs_one_weight_per_id() -> None:
-    with pytest.raises(ValueError, match="sparse dim must be 1"):
-        CtrModel(replace(SPEC, kind="logreg"))
-
-
 def test_scoring_input_without_a_feature_is_a_clear_error(data: Examples) -> None:
     frame = to_frame(data.take(slice(0, 5)), SPEC.numeric_features).drop(columns=["noise"])
     with pytest.raises(ValueError, match=r"lacks columns \['noise'\]"):

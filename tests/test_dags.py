@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -34,6 +35,7 @@ from streaming.events import Event
 from streaming.producer import EventProducer
 from streaming.synthetic import SyntheticConfig, SyntheticGenerator
 from tests.conftest import REPO, run_cli, running_stack, stack_environ, wait_for
+from tests.ctr_data import write_user_nets
 
 MINUTE = 60_000
 STEP_MS = 3_000  # event time between synthetic requests
@@ -157,6 +159,9 @@ def test_the_api_client_asks_again_after_airflows_database_was_locked(monkeypatc
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     data = tmp_path_factory.mktemp("platform")
+    patch = pytest.MonkeyPatch()  # a user's package of networks, importable in the stack's processes
+    patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(data / "nets"), os.environ.get("PYTHONPATH")])))
+    write_user_nets(data / "nets")
     # No scheduled training: unpausing offline_training for the REST test would start a daily run too.
     services = running_stack(data, "kafka,redis,mlflow,airflow,pipeline", FLYWHEEL_GRAPH_ALLOWED_LATENESS_S="0",
                              FLYWHEEL_AIRFLOW_FULL_TRAINING_SCHEDULE="")
@@ -172,6 +177,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         yield Platform(s, environ, start, [], SyntheticGenerator(TRAFFIC))
     finally:
         services.close()  # stops the stack
+        patch.undo()
 
 
 @pytest.fixture(scope="module")
@@ -362,10 +368,12 @@ def test_graph_update_adds_decayed_edges_and_publishes_neighbours(platform: Plat
 @pytest.mark.stack
 def test_offline_training_through_the_rest_api(platform: Platform, first_window) -> None:
     """The way an operator or a CI job starts a run: Airflow's REST API with the configured credentials;
-    the scheduler and the LocalExecutor run it."""
+    the scheduler and the LocalExecutor run it, here of a user's network from a package outside the
+    platform's, named by its import path."""
     s, (start, end) = platform.s, first_window
     client = AirflowClient(s)
-    run_id = client.trigger("offline_training", {"data_start": iso(start), "data_end": iso(end), "kind": "logreg",
+    kind = "user_nets.nets:build"
+    run_id = client.trigger("offline_training", {"data_start": iso(start), "data_end": iso(end), "kind": kind,
                                                  "model_name": "flywheel-ctr-api", "promote": False})
     assert client.wait("offline_training", run_id, timeout_s=600) == "success", client.task_states(
         "offline_training", run_id)
@@ -374,7 +382,7 @@ def test_offline_training_through_the_rest_api(platform: Platform, first_window)
                                                                 "gate": "skipped"}
     assert client.xcom("offline_training", run_id, "train")["version"] == "1"
     tags = version_tags(override(s, "models", name="flywheel-ctr-api"), "1")
-    assert (tags["kind"], tags["data_end"]) == ("logreg", iso(end)) and "gate_decision" not in tags
+    assert (tags["kind"], tags["data_end"]) == (kind, iso(end)) and "gate_decision" not in tags
     assert alias_version(connect(s), "flywheel-ctr-api", CHAMPION) is None
 
 
@@ -393,6 +401,7 @@ def test_a_run_of_a_paused_dag_that_never_began_is_dropped(platform: Platform) -
         client.set_paused(dag, was)
 
 
+@pytest.mark.stack
 def test_a_failed_run_says_why(platform: Platform) -> None:
     """`flywheel trigger` of a run whose task fails prints the task's exception, not only "failed"."""
     empty = {"data_start": "2001-01-01T00:00:00+00:00", "data_end": "2001-02-01T00:00:00+00:00",

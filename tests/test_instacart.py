@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from flywheel.demo.plan import LoopPlan
-from flywheel.demo.sessions import Live
+from streaming.live import Live
 from infra.settings import REPO_ROOT, Settings, load_settings
 from streaming import instacart
 from streaming.history import history_events

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from flywheel.demo.sessions import Live, Session, served_events
+from streaming.live import Live, Session, served_events
 from infra.settings import Settings, load_settings
 from streaming.movielens import Rating, dataset_dir, load_ratings, rating_events, replay_events, sessions
 from streaming.produce import count_landed, event_time_pace, fixed_rate_pace

@@ -45,7 +45,7 @@ from models.sparse import SparseConfig
 from serving import access
 from serving.client import Served, closed_loop, open_loop
 from tests.conftest import FaultTable, running_stack, wait_for
-from tests.ctr_data import synthetic
+from tests.ctr_data import synthetic, write_user_nets
 
 pytestmark = pytest.mark.stack
 SPEC = ModelSpec(numeric_features=NUMERIC_FEATURES, sequence_length=50, sparse=SparseConfig(dim=8, admit_after=1),
@@ -137,32 +137,42 @@ def _ready(url: str) -> None:
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """The stack with its ranking server; the server is up but not ready until @champion exists."""
     tmp = tmp_path_factory.mktemp("serving")
-    for s in running_stack(tmp / "stack", "kafka,redis,mlflow,serving,prometheus", FLYWHEEL_SERVING_CANARY_PERCENT="30",
-                           FLYWHEEL_SERVING_SHADOW_PERCENT="50", FLYWHEEL_SERVING_MAX_INFLIGHT_ROWS="1500",
-                           FLYWHEEL_SERVING_DEFAULT_DEADLINE_MS="500", FLYWHEEL_SERVING_MAX_CANDIDATES="500",
-                           FLYWHEEL_SERVING_WORKERS=str(WORKERS), FLYWHEEL_SERVING_REFUSED_WINDOW_S="10"):
-        url = f"http://127.0.0.1:{s.serving.port}"
-        assert httpx.get(f"{url}/readyz", timeout=5).status_code == 503  # no model yet
-        _write_features(s)
-        keras.utils.set_random_seed(7)
-        model = CtrModel(SPEC)
-        model.fit(_examples(3000, seed=1), progress=False)
-        v1 = _register(s, "v1", model.save(tmp / "v1"))
-        since = model.versions()
-        model.fit(_examples(2000, seed=2), progress=False)  # an incremental run: v2 = v1 + delta
-        model.save_delta(tmp / "v2-delta", since)
-        v2 = _register(s, "v2", model.save(tmp / "v2"), {"parent_version": v1}, delta=tmp / "v2-delta")
-        model.network.set_weights([w * np.nan for w in model.network.get_weights()])
-        bad = _register(s, "bad", model.save(tmp / "bad"))
-        # trained on another dataset's events (a shop's): its type embedding means other behaviors
-        shop = _register(s, "shop", CtrModel(replace(SPEC, dataset="corner-shop", event_types=("view", "cart", "order"))
-                                             ).save(tmp / "shop"))
-        previous = CtrModel(replace(SPEC, kind="ranker-v1", numeric_features=V1_NUMERIC_FEATURES, long_length=0))
-        previous.fit(_examples(2000, seed=3), progress=False)  # the previous architecture: other inputs
-        v1_arch = _register(s, "ranker-v1", previous.save(tmp / "ranker-v1"), {"kind": "ranker-v1"})
-        connect(s).set_registered_model_alias(s.models.name, CHAMPION, v1)
-        wait_for(lambda: _ready(url), timeout_s=120)
-        yield Platform(s, url, {"v1": v1, "v2": v2, "bad": bad, "shop": shop, "ranker-v1": v1_arch}, _server_pid(s))
+    nets = tmp / "nets"
+    own_kind = f"{write_user_nets(nets)}:build"  # a user's network, from a package outside the platform's
+    with pytest.MonkeyPatch.context() as patch:  # importable here and in the stack's processes
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(nets), os.environ.get("PYTHONPATH")])))
+        patch.syspath_prepend(str(nets))
+        for s in running_stack(tmp / "stack", "kafka,redis,mlflow,serving,prometheus",
+                               FLYWHEEL_SERVING_CANARY_PERCENT="30", FLYWHEEL_SERVING_SHADOW_PERCENT="50", FLYWHEEL_SERVING_MAX_INFLIGHT_ROWS="1500",
+                               FLYWHEEL_SERVING_DEFAULT_DEADLINE_MS="500", FLYWHEEL_SERVING_MAX_CANDIDATES="500",
+                               FLYWHEEL_SERVING_WORKERS=str(WORKERS), FLYWHEEL_SERVING_REFUSED_WINDOW_S="10"):
+            url = f"http://127.0.0.1:{s.serving.port}"
+            assert httpx.get(f"{url}/readyz", timeout=5).status_code == 503  # no model yet
+            _write_features(s)
+            keras.utils.set_random_seed(7)
+            model = CtrModel(SPEC)
+            model.fit(_examples(3000, seed=1), progress=False)
+            v1 = _register(s, "v1", model.save(tmp / "v1"))
+            since = model.versions()
+            model.fit(_examples(2000, seed=2), progress=False)  # an incremental run: v2 = v1 + delta
+            model.save_delta(tmp / "v2-delta", since)
+            v2 = _register(s, "v2", model.save(tmp / "v2"), {"parent_version": v1}, delta=tmp / "v2-delta")
+            model.network.set_weights([w * np.nan for w in model.network.get_weights()])
+            bad = _register(s, "bad", model.save(tmp / "bad"))
+            # trained on another dataset's events (a shop's): its type embedding means other behaviors
+            shop = _register(s, "shop", CtrModel(replace(SPEC, dataset="corner-shop",
+                                                         event_types=("view", "cart", "order"))).save(tmp / "shop"))
+            previous = CtrModel(replace(SPEC, kind="ranker-v1", numeric_features=V1_NUMERIC_FEATURES, long_length=0))
+            previous.fit(_examples(2000, seed=3), progress=False)  # the previous architecture: other inputs
+            v1_arch = _register(s, "ranker-v1", previous.save(tmp / "ranker-v1"), {"kind": "ranker-v1"})
+            own = CtrModel(replace(SPEC, kind=own_kind))
+            own.adapt(_examples(2000, seed=4))
+            own.fit(_examples(2000, seed=4), progress=False)
+            own = _register(s, "own", own.save(tmp / "own"), {"kind": own_kind})
+            connect(s).set_registered_model_alias(s.models.name, CHAMPION, v1)
+            wait_for(lambda: _ready(url), timeout_s=120)
+            yield Platform(s, url, {"v1": v1, "v2": v2, "bad": bad, "shop": shop, "ranker-v1": v1_arch, "own": own},
+                           _server_pid(s))
 
 
 def _request(user: int, n: int, **extra) -> dict:
@@ -284,6 +294,22 @@ def _registered_scores_equal(p: Platform, body: dict, out: dict, version: str, n
     offline = mlflow.pyfunc.load_model(f"models:/{p.s.models.name}/{version}").predict(to_frame(ex, numeric))
     np.testing.assert_allclose(out["scores"], offline, rtol=1e-5, atol=1e-6)
     return ex
+
+
+def test_a_users_network_from_its_own_package_is_served_on_the_compiled_path_as_it_scores(platform: Platform
+                                                                                          ) -> None:
+    p = platform
+    own, v1 = p.versions["own"], p.versions["v1"]
+    _set_alias(p, CHAMPION, "own")
+    try:
+        wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {own}), timeout_s=60)
+        body = _request(_champion_user(p), 30)
+        out = httpx.post(f"{p.url}/rank", json=body, timeout=10).json()
+        assert out["model_version"] == own
+        _registered_scores_equal(p, body, out, own, NUMERIC_FEATURES)
+    finally:
+        _set_alias(p, CHAMPION, "v1")
+    wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {v1}), timeout_s=30)
 
 
 def test_a_version_with_other_inputs_is_served_without_code_changes(platform: Platform) -> None:

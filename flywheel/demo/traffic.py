@@ -1,4 +1,4 @@
-"""The live load: the history's sessions after the split (flywheel/demo/sessions.py) as ranking requests
+"""The live load: the history's sessions after the split (streaming/live.py) as ranking requests
 (every `recommend_every`th a recommendation request for the session's user instead), and what the users
 do with the lists they are served (exposures in rank order, their actions on what they are shown) into
 Kafka."""
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from feature_repo.store import feature_store
 from flywheel.demo.plan import LoopPlan
 from flywheel.demo.probes import FreshnessProbes
-from flywheel.demo.sessions import Live, Session
+from streaming.live import Live, Session
 from infra.settings import Settings
 from serving.client import Served, endpoint, open_loop
 from streaming.producer import EventProducer
