@@ -26,11 +26,11 @@ import tensorflow as tf  # noqa: E402
 from contract.examples import PAD, Examples, fit_width  # noqa: E402
 from contract.terms import Terms, token_prefixes  # noqa: E402
 from models.architectures import architecture  # noqa: E402
+from models.networks import EMBEDDED, MASK_OF, TABLE_OF  # noqa: E402
 from models.sparse import DEFAULT_ROW, SparseConfig, SparseTable, TableSnapshot, apply_delta  # noqa: E402
 from streaming.events import dataset_spec, declared_types  # noqa: E402
 
 TABLES = ("user", "item", "category", "attribute")  # behaviors share the item table; attribute: item and user tokens
-EMBEDDED = ("user", "item", "category", "sequence", "long_sequence", "item_tokens", "user_tokens")
 
 
 @dataclass(frozen=True)
@@ -139,9 +139,8 @@ class CtrModel:
                 "category": self.tables["category"].lookup(ex.categories.tolist(), train),
                 "sequence_types": self._types(ex.sequence_types[:, : self.spec.sequence_length]),
                 "long_types": self._types(lists["long_types"])}
-        for name, table in (("sequence", "item"), ("long_sequence", "item"), ("item_tokens", "attribute"),
-                            ("user_tokens", "attribute")):
-            rows[name], rows[_MASKS[name]] = self._rows(table, lists[name], train)
+        for name, mask in MASK_OF.items():
+            rows[name], rows[mask] = self._rows(TABLE_OF[name], lists[name], train)
         return rows
 
     def _dense_inputs(self, rows: dict[str, np.ndarray], ex: Examples) -> dict[str, tf.Tensor]:
@@ -157,7 +156,7 @@ class CtrModel:
 
     def _gathered(self, rows: dict[str, np.ndarray], ex: Examples) -> dict[str, np.ndarray]:
         """The network's inputs from looked-up rows: embeddings gathered, masks and types as they are."""
-        out = {name: self.tables[_TABLE_OF[name]].gather(value) if name in _TABLE_OF else value
+        out = {name: self.tables[TABLE_OF[name]].gather(value) if name in TABLE_OF else value
                for name, value in rows.items()}
         return out | {"numeric": ex.numeric_of(self.spec.numeric_features).astype(np.float32).reshape(len(ex), -1)}
 
@@ -184,9 +183,9 @@ class CtrModel:
         longest = max(1, int((seq[firsts] != PAD).sum(axis=1).max(initial=0)))
         types = self._types(ex.sequence_types[firsts, : self.spec.sequence_length][:, :longest])
         shared = {"sequence_types": types}
-        for name, table in (("sequence", "item"), ("user_tokens", "attribute")):
+        for name in ("sequence", "user_tokens"):  # per owner
             ids = lists[name][firsts][:, :longest] if name == "sequence" else lists[name][firsts]
-            shared[name], shared[_MASKS[name]] = self._rows(table, ids, train=False)
+            shared[name], shared[MASK_OF[name]] = self._rows(TABLE_OF[name], ids, train=False)
         shared["long_types"] = self._types(lists["long_types"][g.long_firsts])
         shared["long_sequence"], shared["long_mask"] = self._rows("item", lists["long_sequence"][g.long_firsts],
                                                                   train=False, distinct=True)
@@ -209,7 +208,7 @@ class CtrModel:
                  "long_sequence": g.lists["long_sequence"][g.long_firsts], "item_tokens": g.lists["item_tokens"]}
         parts: dict[str, list[np.ndarray]] = {name: [] for name in TABLES}
         for name, ids in named.items():
-            parts[_TABLE_OF[name]].append(np.asarray(ids, dtype=object).ravel())
+            parts[TABLE_OF[name]].append(np.asarray(ids, dtype=object).ravel())
         out = {}
         for table, arrays in parts.items():
             ids = pd.unique(np.concatenate(arrays)) if arrays else np.array([], object)
@@ -262,8 +261,8 @@ class CtrModel:
         for name in EMBEDDED:
             used = rows[name]
             g = grad[name][:, : used.shape[1]] if used.ndim == 2 else grad[name]
-            by_table[_TABLE_OF[name]][0].append(used.reshape(-1))
-            by_table[_TABLE_OF[name]][1].append(g.reshape(-1, g.shape[-1]))
+            by_table[TABLE_OF[name]][0].append(used.reshape(-1))
+            by_table[TABLE_OF[name]][1].append(g.reshape(-1, g.shape[-1]))
         for name, (used, g) in by_table.items():
             self.tables[name].apply_gradients(np.concatenate(used), np.concatenate(g))
         return float(loss)
@@ -353,13 +352,6 @@ class CtrModel:
             for name, snap in base.items()})
         model.network.load_weights(delta / "dense.weights.h5")
         return model
-
-
-# The table each embedded input is gathered from, and the mask of each padded list.
-_TABLE_OF = {"user": "user", "item": "item", "category": "category", "sequence": "item", "long_sequence": "item",
-             "item_tokens": "attribute", "user_tokens": "attribute"}
-_MASKS = {"sequence": "sequence_mask", "long_sequence": "long_mask", "item_tokens": "item_token_mask",
-          "user_tokens": "user_token_mask"}
 
 
 def _group_starts(sequences: np.ndarray, user_tokens: np.ndarray) -> np.ndarray:

@@ -1,8 +1,8 @@
 """The dense networks: the ranker, the previous DIN ranker (ranker-v1) and the logistic-regression
 baseline.
 
-All take the same inputs (a dict of tensors), each using what it needs, so one training loop and one
-serving path serve them all:
+All take the same inputs (a dict of tensors; `DENSE_INPUTS` below declares each as a record), each using
+what it needs, so one training loop and one serving path serve them all:
   user, item, category  [B, D]     embeddings gathered from the sparse tables
   sequence              [B, L, D]  embeddings of the user's last L behaviors (item table)
   sequence_mask         [B, L]     1.0 for a real behavior, 0.0 for padding
@@ -24,11 +24,47 @@ function models/architectures.py names for it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import keras
 import numpy as np
 from keras import ops
 
 from models.layers import MLP, MaskedMean, PiecewiseLinear, TargetAttention
+
+
+@dataclass(frozen=True)
+class DenseInput:
+    """One input of the dense networks, as the table above documents it."""
+
+    name: str
+    table: str | None = None  # the sparse table its ids' embeddings are gathered from (None: not embedded)
+    mask: str | None = None  # the input holding its padded list's mask
+    per: str = "row"  # "row": [B, ...]; "owner": [U, ...], a request's group's; "long_owner": [G, ...]
+    sequence_axis: bool = False  # its axis 1 is the recent behaviors' (L: padded to a serving bucket)
+
+
+# Declared once: models/ctr.py builds them (gathers, masks, gradients by table), serving/dense.py slices and
+# pads them by their grouping. The embedded ones' order is their gradients' order.
+DENSE_INPUTS = (
+    DenseInput("user", "user"),
+    DenseInput("item", "item"),
+    DenseInput("category", "category"),
+    DenseInput("sequence", "item", "sequence_mask", "owner", sequence_axis=True),
+    DenseInput("long_sequence", "item", "long_mask", "long_owner"),
+    DenseInput("item_tokens", "attribute", "item_token_mask"),
+    DenseInput("user_tokens", "attribute", "user_token_mask", "owner"),
+    DenseInput("sequence_mask", per="owner", sequence_axis=True),
+    DenseInput("sequence_types", per="owner", sequence_axis=True),
+    DenseInput("long_mask", per="long_owner"),
+    DenseInput("long_types", per="long_owner"),
+    DenseInput("item_token_mask"),
+    DenseInput("user_token_mask", per="owner"),
+    DenseInput("numeric"),
+)
+EMBEDDED = tuple(i.name for i in DENSE_INPUTS if i.table)
+TABLE_OF = {i.name: i.table for i in DENSE_INPUTS if i.table}  # the table each embedded input is gathered from
+MASK_OF = {i.name: i.mask for i in DENSE_INPUTS if i.mask}
 
 
 class Ranker(keras.Model):

@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from models.ctr import CtrModel
+from models.networks import DENSE_INPUTS
 
 log = logging.getLogger(__name__)
 Shape = tuple[int, int]  # (rows, sequence length)
@@ -179,9 +180,9 @@ class DenseRunner:
         self._compiler.shutdown(wait=True, cancel_futures=True)
 
 
-_SEQUENCE_INPUTS = ("sequence", "sequence_mask", "sequence_types")  # [U, L, ...]: one per distinct sequence
-_GROUP_INPUTS = (*_SEQUENCE_INPUTS, "user_tokens", "user_token_mask")  # [U, ...]: one per owner
-_LONG_INPUTS = ("long_sequence", "long_mask", "long_types")  # [G, ...]: one per long_owner
+_SEQUENCE_INPUTS = {i.name for i in DENSE_INPUTS if i.sequence_axis}  # [U, L, ...]: one per distinct sequence
+_GROUP_INPUTS = {i.name for i in DENSE_INPUTS if i.per == "owner"}  # [U, ...]: one per owner
+_LONG_INPUTS = {i.name for i in DENSE_INPUTS if i.per == "long_owner"}  # [G, ...]: one per long_owner
 
 
 def _part(inputs: dict[str, np.ndarray], a: int, b: int) -> dict[str, np.ndarray]:
