@@ -35,6 +35,7 @@ from mlflow.exceptions import MlflowException
 
 from contract.examples import Examples, from_frame
 from infra.settings import MLFLOW_CLIENT_ENV, ModelsSettings, Settings, mlflow_password
+from models.foreign import ForeignModel
 from models.metrics import auc, auc_difference, calibration
 
 log = logging.getLogger(__name__)
@@ -207,10 +208,16 @@ def end_canary(s: Settings) -> None:
         client.delete_registered_model_tag(name, CANARY_TAG)
 
 
-def load_version(s: Settings, version: str) -> CtrModel:
-    """The in-memory model of a registered version (its export, as logged)."""
+def load_version(s: Settings, version: str) -> CtrModel | ForeignModel:
+    """The in-memory model of a registered version: the platform's own (its export, as logged), or a
+    pyfunc of another flavor over the contract's frame (models/foreign.py)."""
     connect(s)
-    return mlflow.pyfunc.load_model(f"models:/{s.models.name}/{version}").unwrap_python_model().model
+    pyfunc = mlflow.pyfunc.load_model(f"models:/{s.models.name}/{version}")
+    try:
+        inner = pyfunc.unwrap_python_model()
+    except MlflowException:  # another flavor (lightgbm, sklearn, ...): no PythonModel inside
+        inner = None
+    return inner.model if isinstance(inner, CtrPyfunc) else ForeignModel(pyfunc, version)
 
 
 def version_tags(s: Settings, version: str) -> dict[str, str]:
@@ -254,7 +261,7 @@ def _guardrail(s: Settings, evaluation: Examples, probabilities: np.ndarray) -> 
     return None
 
 
-def gate(s: Settings, version: str, candidate: CtrModel, evaluation: Examples, window: str,
+def gate(s: Settings, version: str, candidate: CtrModel | ForeignModel, evaluation: Examples, window: str,
          scored: dict[str, np.ndarray] | None = None) -> Decision:
     """Promote `version` to @champion unless a guardrail refuses it, otherwise make it @challenger and
     record why. In order: lineage (a version continuing a parent that is no longer the champion), evidence

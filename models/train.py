@@ -217,7 +217,11 @@ def _warm_start(s: Settings, parent: str, ex: Examples) -> tuple[CtrModel, bool]
             model = None
         if model is not None:
             return model, True
-    return load_version(s, parent), False
+    model = load_version(s, parent)
+    if not isinstance(model, CtrModel):
+        raise ValueError(f"@champion v{parent} is a model of another flavor: incremental training continues only "
+                         "the platform's own (train a full version, or register the next foreign one)")
+    return model, False
 
 
 def gate_version(s: Settings, version: str) -> Decision:

@@ -158,7 +158,8 @@ class Inference:
             self.inflight_rows += rows
         metrics.INFLIGHT_ROWS.inc(rows)
         try:
-            return await self._rank(req, allocation, champion.model.spec.sequence_length, deadline)
+            length = champion.model.spec.sequence_length if champion.runner else self.s.streaming.sequence_length
+            return await self._rank(req, allocation, length, deadline)
         finally:
             with self._admit:
                 self.inflight_rows -= rows

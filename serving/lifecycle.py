@@ -38,6 +38,7 @@ from infra.settings import Settings
 from models import sparse_tier
 from models.ctr import CtrModel, ModelSpec
 from models.embedding_store import MissingVersion
+from models.foreign import ForeignModel
 from models.registry import CHALLENGER, CHAMPION, CONTROL, RegistryError, Routing, connect, load_version, routing
 from serving import metrics
 from serving.dense import DenseRunner
@@ -55,9 +56,9 @@ class ServedModel:
     shared compiled runner."""
 
     version: str
-    model: CtrModel
+    model: CtrModel | ForeignModel
     weights: list[tf.Tensor]
-    runner: DenseRunner
+    runner: DenseRunner | None  # None: a model of another flavor, scored by its own predict
     loaded_by: str  # "full", "delta" or "store" (the sparse tier: rows read per batch)
     tiered: TieredTables | None = None
 
@@ -73,6 +74,9 @@ class ServedModel:
 
     def score(self, ex: Examples) -> np.ndarray:
         """Click probabilities [N]; unknown ids use the default row."""
+        if self.runner is None:  # the generic path: the whole batch through the pyfunc, no XLA
+            with metrics.FOREIGN_SECONDS.time():
+                return self.model.predict(ex)
         return self.runner.run(self.weights, self.inputs(ex))
 
 
@@ -258,7 +262,13 @@ class ModelFollower:
         self.caches[version] = cache
         return served
 
-    def _warmed(self, version: str, model: CtrModel, how: str, tiered: TieredTables | None = None) -> ServedModel:
+    def _warmed(self, version: str, model: CtrModel | ForeignModel, how: str, tiered: TieredTables | None = None
+                ) -> ServedModel:
+        if isinstance(model, ForeignModel):
+            served = ServedModel(version, model, [], None, how)
+            if not np.all(np.isfinite(served.score(self.warm_example))):
+                raise ValueError(f"v{version} gives non-finite scores")
+            return served
         # Any subset of the numeric inputs, in any order, is served (each version takes its own columns);
         # another dataset's event types or inputs are not.
         if reasons := unmet(model.spec.terms):

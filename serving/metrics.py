@@ -22,6 +22,9 @@ LATENCY = Histogram("flywheel_request_seconds", "Ranking request latency in the 
                              1.5, 2.5, 5.0))
 BATCH_ROWS = Histogram("flywheel_batch_rows", "Candidate rows per executed batch.",
                        buckets=(1, 16, 32, 64, 128, 256, 512, 1024, 2048))
+FOREIGN_SECONDS = Histogram("flywheel_foreign_batch_seconds", "A batch scored by a model of another flavor "
+                            "(models/foreign.py: its pyfunc, no XLA).",
+                            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5))
 BATCH_REQUESTS = Histogram("flywheel_batch_requests", "Requests merged into one executed batch.",
                            buckets=(1, 2, 4, 8, 16, 32, 64))
 INFLIGHT_ROWS = Gauge("flywheel_inflight_rows", "Candidate rows admitted and not yet answered (fetching features, "

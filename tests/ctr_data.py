@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from contract.examples import PAD, Examples
+from contract.examples import PAD, Examples, to_frame
+from contract.inputs import NUMERIC_FEATURES
 from models.ctr import ModelSpec
 from models.sparse import SparseConfig
 
@@ -90,3 +91,19 @@ def write_user_nets(directory: Path) -> str:
     (package / "__init__.py").write_text("")
     (package / "nets.py").write_text(textwrap.dedent(USER_NETS))
     return "user_nets.nets"
+
+
+# MLflow's sklearn flavor saves with skops, which loads only the types it is told to trust.
+TRUSTED = ["collections.OrderedDict", "lightgbm.basic.Booster", "lightgbm.sklearn.LGBMClassifier"]
+
+
+def trees_pipeline(train: Examples):
+    """What a data scientist brings: LightGBM on the contract frame's numeric columns (every one of
+    NUMERIC_FEATURES), the rest dropped; a scikit-learn pipeline."""
+    import lightgbm
+    from sklearn.compose import ColumnTransformer
+    from sklearn.pipeline import make_pipeline
+
+    pipeline = make_pipeline(ColumnTransformer([("numeric", "passthrough", list(NUMERIC_FEATURES))]),
+                             lightgbm.LGBMClassifier(n_estimators=30, verbose=-1))
+    return pipeline.fit(to_frame(train, NUMERIC_FEATURES), train.labels)

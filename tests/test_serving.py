@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import keras
 import mlflow
+import mlflow.sklearn
 import numpy as np
 import pandas as pd
 import psutil
@@ -39,13 +40,15 @@ from infra.redis_clients import online_store
 from infra.services import enabled_services
 from infra.settings import Settings
 from models.ctr import CtrModel, ModelSpec
+from models.metrics import auc
 from models.registry import (
-    CHALLENGER, CHAMPION, CONTROL, connect, end_canary, log_model, routing, start_canary, version_tags)
+    CHALLENGER, CHAMPION, CONTROL, alias_version, connect, end_canary, gate, load_version, log_model, routing,
+    start_canary, version_tags)
 from models.sparse import SparseConfig
 from serving import access
 from serving.client import Served, closed_loop, open_loop
 from tests.conftest import FaultTable, running_stack, wait_for
-from tests.ctr_data import synthetic, write_user_nets
+from tests.ctr_data import TRUSTED, synthetic, trees_pipeline, write_user_nets
 
 pytestmark = pytest.mark.stack
 SPEC = ModelSpec(numeric_features=NUMERIC_FEATURES, sequence_length=50, sparse=SparseConfig(dim=8, admit_after=1),
@@ -169,10 +172,14 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
             own.adapt(_examples(2000, seed=4))
             own.fit(_examples(2000, seed=4), progress=False)
             own = _register(s, "own", own.save(tmp / "own"), {"kind": own_kind})
+            with mlflow.start_run(run_name="trees"):  # another flavor, on v1's training set, as a user logs it
+                trees = str(mlflow.sklearn.log_model(
+                    trees_pipeline(_examples(3000, seed=1)), name="model", registered_model_name=s.models.name,
+                    pyfunc_predict_fn="predict_proba", skops_trusted_types=TRUSTED).registered_model_version)
             connect(s).set_registered_model_alias(s.models.name, CHAMPION, v1)
             wait_for(lambda: _ready(url), timeout_s=120)
-            yield Platform(s, url, {"v1": v1, "v2": v2, "bad": bad, "shop": shop, "ranker-v1": v1_arch, "own": own},
-                           _server_pid(s))
+            yield Platform(s, url, {"v1": v1, "v2": v2, "bad": bad, "shop": shop, "ranker-v1": v1_arch, "own": own,
+                                    "trees": trees}, _server_pid(s))
 
 
 def _request(user: int, n: int, **extra) -> dict:
@@ -294,6 +301,40 @@ def _registered_scores_equal(p: Platform, body: dict, out: dict, version: str, n
     offline = mlflow.pyfunc.load_model(f"models:/{p.s.models.name}/{version}").predict(to_frame(ex, numeric))
     np.testing.assert_allclose(out["scores"], offline, rtol=1e-5, atol=1e-6)
     return ex
+
+
+def test_a_model_of_another_flavor_is_gated_against_the_champion_and_served_as_its_pyfunc_scores(platform: Platform
+                                                                                                 ) -> None:
+    p = platform
+    trees, v1 = p.versions["trees"], p.versions["v1"]
+    pyfunc = mlflow.pyfunc.load_model(f"models:/{p.s.models.name}/{trees}")  # a LightGBM pipeline's predict_proba
+    evaluation = _examples(1500, seed=9)
+    try:
+        decision = gate(p.s, trees, load_version(p.s, trees), evaluation, "a test window")
+        assert decision.champion_version == v1 and decision.champion_score is not None, decision
+        own = np.asarray(pyfunc.predict(to_frame(evaluation, NUMERIC_FEATURES)))[:, 1]
+        assert decision.score == pytest.approx(auc(evaluation.labels, own)), decision
+        _set_alias(p, CHAMPION, "trees")
+        wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {trees}), timeout_s=60)
+        body = _request(_champion_user(p), 30)
+        out = httpx.post(f"{p.url}/rank", json=body, timeout=10).json()
+        assert out["model_version"] == trees
+        rows = [{"user_id": body["user_id"], **c} for c in body["candidates"]]
+        store = apply(p.s)
+        frame = pd.DataFrame(store.get_online_features(features=store.get_feature_service("ranking_serving"),
+                                                       entity_rows=rows).to_dict())
+        ex = to_examples(frame, np.full(len(frame), int(time.time() * 1000)), np.zeros(len(frame)),
+                         SPEC.sequence_length)
+        offline = np.asarray(pyfunc.predict(to_frame(ex, NUMERIC_FEATURES)))[:, 1]
+        np.testing.assert_allclose(out["scores"], offline, rtol=1e-5, atol=1e-6)
+        assert _metric(p, "flywheel_foreign_batch_seconds_count") > 0  # its latency apart from the XLA path's
+    finally:
+        client = connect(p.s)
+        if alias_version(client, p.s.models.name, CHALLENGER) == trees:
+            client.delete_registered_model_alias(p.s.models.name, CHALLENGER)
+        end_canary(p.s)
+        _set_alias(p, CHAMPION, "v1")
+    wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {v1}), timeout_s=30)
 
 
 def test_a_users_network_from_its_own_package_is_served_on_the_compiled_path_as_it_scores(platform: Platform
