@@ -314,6 +314,7 @@ def test_a_model_of_another_flavor_is_gated_against_the_champion_and_served_as_i
         assert decision.champion_version == v1 and decision.champion_score is not None, decision
         own = np.asarray(pyfunc.predict(to_frame(evaluation, NUMERIC_FEATURES)))[:, 1]
         assert decision.score == pytest.approx(auc(evaluation.labels, own)), decision
+        _forget_gate(p, trees)  # whatever it decided (a canary, @challenger): served below to every user
         _set_alias(p, CHAMPION, "trees")
         wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {trees}), timeout_s=60)
         body = _request(_champion_user(p), 30)
@@ -329,12 +330,17 @@ def test_a_model_of_another_flavor_is_gated_against_the_champion_and_served_as_i
         np.testing.assert_allclose(out["scores"], offline, rtol=1e-5, atol=1e-6)
         assert _metric(p, "flywheel_foreign_batch_seconds_count") > 0  # its latency apart from the XLA path's
     finally:
-        client = connect(p.s)
-        if alias_version(client, p.s.models.name, CHALLENGER) == trees:
-            client.delete_registered_model_alias(p.s.models.name, CHALLENGER)
-        end_canary(p.s)
+        _forget_gate(p, trees)
         _set_alias(p, CHAMPION, "v1")
     wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {v1}), timeout_s=30)
+
+
+def _forget_gate(p: Platform, version: str) -> None:
+    """No canary, and `version` not @challenger: what a gate's decision left, undone."""
+    end_canary(p.s)
+    client = connect(p.s)
+    if alias_version(client, p.s.models.name, CHALLENGER) == version:
+        client.delete_registered_model_alias(p.s.models.name, CHALLENGER)
 
 
 def test_a_users_network_from_its_own_package_is_served_on_the_compiled_path_as_it_scores(platform: Platform
