@@ -4,8 +4,8 @@ column per numeric feature of NUMERIC_FEATURES) and returns a click probability 
 scikit-learn model wrapped so, or a user's own `mlflow.pyfunc.PythonModel`.
 
 The gate judges it as any version (its `predict` on the evaluation window: the version needs the
-`eval_start` and `eval_end` tags that `flywheel gate` reads); the ranking server scores it on a generic path,
-batched like the others but without XLA (serving/lifecycle.py), its time per batch in
+`eval_start` and `eval_end` tags that `flywheel promote` reads); the ranking server scores it on a generic
+path, batched like the others but without XLA (serving/lifecycle.py), its time per batch in
 `flywheel_foreign_batch_seconds`. Incremental training continues only the platform's own models.
 """
 

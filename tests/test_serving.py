@@ -146,9 +146,10 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(nets), os.environ.get("PYTHONPATH")])))
         patch.syspath_prepend(str(nets))
         for s in running_stack(tmp / "stack", "kafka,redis,mlflow,serving,prometheus",
-                               FLYWHEEL_SERVING_CANARY_PERCENT="30", FLYWHEEL_SERVING_SHADOW_PERCENT="50", FLYWHEEL_SERVING_MAX_INFLIGHT_ROWS="1500",
-                               FLYWHEEL_SERVING_DEFAULT_DEADLINE_MS="500", FLYWHEEL_SERVING_MAX_CANDIDATES="500",
-                               FLYWHEEL_SERVING_WORKERS=str(WORKERS), FLYWHEEL_SERVING_REFUSED_WINDOW_S="10"):
+                               FLYWHEEL_SERVING_CANARY_PERCENT="30", FLYWHEEL_SERVING_SHADOW_PERCENT="50",
+                               FLYWHEEL_SERVING_MAX_INFLIGHT_ROWS="1500", FLYWHEEL_SERVING_DEFAULT_DEADLINE_MS="500",
+                               FLYWHEEL_SERVING_MAX_CANDIDATES="500", FLYWHEEL_SERVING_WORKERS=str(WORKERS),
+                               FLYWHEEL_SERVING_REFUSED_WINDOW_S="10"):
             url = f"http://127.0.0.1:{s.serving.port}"
             assert httpx.get(f"{url}/readyz", timeout=5).status_code == 503  # no model yet
             _write_features(s)
