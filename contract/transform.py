@@ -15,6 +15,7 @@ import pandas as pd
 
 from contract.examples import PAD, Examples
 from contract.inputs import ATTRIBUTES, COUNTS, DECADES, NUMERIC_FEATURES, TOKENS
+from infra.dataset import DAY_MS, AttributeSpec
 
 Columns = pd.DataFrame | Mapping[str, Sequence]
 
@@ -206,6 +207,15 @@ def _sequences(features: Columns, times_ms: np.ndarray, sequence_length: int) ->
     return sequences, types
 
 
+def attribute_input(a: AttributeSpec, values: pd.Series | Sequence, times_ms: np.ndarray) -> np.ndarray:
+    """A numeric attribute's model input for requests at `times_ms`: max(x - origin, 0) * scale, where x is the
+    stored value, or for a date (stored as days since the epoch) its age in days at the request; missing: 0."""
+    x = _numbers(values)
+    if a.kind == "date":  # the same at training (the request's time) and serving (now): no skew by design
+        x = np.where(x != 0, np.asarray(times_ms, np.float64) / DAY_MS - x, 0.0)
+    return np.maximum(x - a.origin, 0.0) * a.scale
+
+
 def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, sequence_length: int) -> Examples:
     """Model inputs from feature rows (a frame as `get_historical_features` returns it, or columns of
     values as the online store holds them) for requests at `times_ms`, with every numeric feature of
@@ -224,8 +234,7 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
         elif name == "interest_category_share":
             numeric[:, j] = _category_shares(categories, features["interest_categories"], features["interest_weights"])
         elif name in ATTRIBUTES:  # the catalog's numbers as the spec scales them (a missing one: 0)
-            a = ATTRIBUTES[name]
-            numeric[:, j] = np.maximum(_numbers(features[name]) - a.origin, 0.0) * a.scale
+            numeric[:, j] = attribute_input(ATTRIBUTES[name], features[name], times_ms)
         else:
             values = _numbers(features[name])
             numeric[:, j] = np.log1p(np.maximum(values, 0.0)) if name in COUNTS else values

@@ -14,13 +14,16 @@ that spec.
 from __future__ import annotations
 
 import math
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
+
+import numpy as np
+import pandas as pd
 
 from feature_repo.definitions import BATCH_VIEWS, ITEM_ATTRIBUTES, USER_PROFILE, BatchView, offline_rows
 from feature_repo.files import view_dir, write_atomic
 from feature_repo.store import apply, feature_store
-from infra.dataset import AttributeSpec, TableSpec
+from infra.dataset import DAY_MS, AttributeSpec, TableSpec
 from infra.settings import Settings
 from streaming.adapters import source_path
 from streaming.history import missing, read_source, source_columns
@@ -57,6 +60,17 @@ def _value(a: AttributeSpec, value: object) -> object:
         return None
     if a.kind == "categorical":
         return str(value)
+    if a.kind == "date":  # days since the epoch (UTC) from a date, a timestamp or ISO text; a number: missing
+        if not isinstance(value, (str, date, np.datetime64)):
+            return None
+        try:
+            when = pd.Timestamp(value)
+        except (TypeError, ValueError):
+            return None
+        if when is pd.NaT:
+            return None
+        when = when.tz_localize("UTC") if when.tzinfo is None else when.tz_convert("UTC")
+        return when.value / 1e6 / DAY_MS
     try:
         number = float(value)
     except (TypeError, ValueError):

@@ -54,7 +54,7 @@ class BatchView:
 
 
 # The catalog's views: one column per attribute the dataset spec declares for its item and user tables.
-SQL_TYPES = {"categorical": STRING, "multi": STRING_ARRAY, "integer": BIGINT, "number": DOUBLE}
+SQL_TYPES = {"categorical": STRING, "multi": STRING_ARRAY, "integer": BIGINT, "number": DOUBLE, "date": DOUBLE}
 
 
 def catalog_view(name: str, table: TableSpec) -> BatchView:

@@ -30,7 +30,9 @@ import tomllib
 ROLES = ("exposure", "positive")  # shown to a user / an action that signals interest
 ENTITIES = ("item", "user")  # the tables a spec declares, each keyed by the entity's id
 # An attribute's kind: a string, a list of strings, an integer or a number.
-KINDS = ("categorical", "multi", "integer", "number")
+KINDS = ("categorical", "multi", "integer", "number", "date")
+NUMERIC_KINDS = ("integer", "number", "date")  # the ranker's numeric inputs
+DAY_MS = 86_400_000
 # A type's name travels to the JVM in a job parameter: no separators, nothing to escape.
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 JVM_SEPARATOR = "|"
@@ -77,12 +79,14 @@ class AttributeSpec:
     separator: str = ""  # multi: the separator of a string column's entries (a list column needs none)
     token: str = ""  # its tokens' prefix ("genre:Drama")
     tokens: str = "value"  # the ranker's tokens: "value" (one per value), "decade" (a number's) or "none"
-    origin: float = 0.0  # integer and number: the model's numeric input is max(x - origin, 0) * scale
+    # integer and number: the model's numeric input is max(x - origin, 0) * scale; date: x is its age in days
+    # at the request's time (a launch date: how old the product is when shown), scale 1/365.25 unless declared
+    origin: float = 0.0
     scale: float = 1.0
 
     @property
     def numeric(self) -> bool:
-        return self.kind in ("integer", "number")
+        return self.kind in NUMERIC_KINDS
 
 
 @dataclass(frozen=True)
@@ -220,19 +224,21 @@ def _attribute(where: str, name: str, raw: Any) -> AttributeSpec:
                         f"letter (at most 64), got {name!r}")
     if a["kind"] not in KINDS:
         raise SpecError(f"{where}.kind: expected one of {', '.join(KINDS)}, got {a['kind']!r}")
-    numeric = a["kind"] in ("integer", "number")
+    numeric = a["kind"] in NUMERIC_KINDS
     tokens = a.get("tokens", "none" if numeric else "value")
-    allowed = ("decade", "none") if numeric else ("value", "none")
+    allowed = ("none",) if a["kind"] == "date" else ("decade", "none") if numeric else ("value", "none")
     if tokens not in allowed:
         raise SpecError(f"{where}.tokens: expected {' or '.join(allowed)} for a {a['kind']} attribute, got {tokens!r}")
     if not numeric and ("origin" in a or "scale" in a):
-        raise SpecError(f"{where}: origin and scale are for integer and number attributes (the numeric inputs)")
+        raise SpecError(f"{where}: origin and scale are for integer, number and date attributes (the numeric "
+                        "inputs)")
     if a.get("origin", 0) < 0:  # a missing value is 0 before the transform: it must stay 0 after it
         raise SpecError(f"{where}.origin: expected a number >= 0, got {a['origin']}")
     if "separator" in a and a["kind"] != "multi":
         raise SpecError(f"{where}.separator: only a multi attribute has a separator")
     return AttributeSpec(name, a["kind"], a.get("column", name), a.get("separator", ""), a.get("token", name),
-                         tokens, float(a.get("origin", 0.0)), float(a.get("scale", 1.0)))
+                         tokens, float(a.get("origin", 0.0)),
+                         float(a.get("scale", 1 / 365.25 if a["kind"] == "date" else 1.0)))
 
 
 def _table(where: str, entity: str, raw: Any) -> TableSpec:

@@ -87,6 +87,8 @@ def _profile_key(a: AttributeSpec, value: object) -> object:
     """A user attribute's value as a profile input: a category, a list's first entry, a number's decade."""
     if a.numeric:
         x = _number(value)
+        if a.kind == "date":  # days since the epoch: its year
+            return None if x != x else 1970 + int(x // 365.25)
         return None if x != x else int(x) // 10 * 10
     return (_values(value) or [None])[0]
 

@@ -3,9 +3,10 @@ before anything starts, with the file, the key and what was expected."""
 
 import json
 import re
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from infra.dataset import SpecError, parse_spec
@@ -347,3 +348,40 @@ def test_the_demo_refuses_a_spec_its_files_do_not_match_before_any_service_start
         assert "Traceback" not in done.stderr, done.stderr
     s = load_settings(environ)
     assert {svc.state for svc in stack.status(s)} == {"stopped"}
+
+
+def test_a_date_attribute_is_read_as_a_calendar_day_and_enters_the_ranker_as_its_age_at_the_request(
+        tmp_path: Path) -> None:
+    """A product's launch date: stored as days since the epoch from whatever the table holds (ISO text, a
+    Parquet date or timestamp), and the ranker's input is how old the product is when it is shown, in years:
+    the same function at training (the request's time) and serving (now)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from contract.transform import attribute_input
+    from feature_repo.catalog import catalog_rows
+
+    spec = shop(tmp_path, SHOP.replace('[tables.item.attributes.tags]',
+                                       '[tables.item.attributes.launched]\nkind = "date"\ncolumn = "launch"\n\n'
+                                       '[tables.item.attributes.tags]'))
+    (tmp_path / "products.csv").write_text("sku,brand,price,tags,launch\nA1,acme,1999,new,2024-01-01\n"
+                                           "B2,,250,,2023-12-31T12:00:00+00:00\nC3,,1,,soon\nD4,,1,,17000\n")
+    pq.write_table(pa.table({"customer": ["c1"], "region": ["north"]}), tmp_path / "customers.parquet")
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(spec)})
+    launched = next(a for a in s.spec.table("item").attributes if a.name == "launched")
+    assert (launched.numeric, launched.tokens, launched.scale) == (True, "none", 1 / 365.25)
+    rows = {r["item_id"]: r["item_launched"] for r in catalog_rows(s, s.spec.table("item"))}
+    jan1 = (datetime(2024, 1, 1, tzinfo=UTC) - datetime(1970, 1, 1, tzinfo=UTC)).days
+    assert rows == {"A1": jan1, "B2": jan1 - 0.5, "C3": None, "D4": None}  # text and bare numbers: missing
+    parquet = tmp_path / "products.parquet"
+    pq.write_table(pa.table({"sku": ["A1"], "brand": ["acme"], "price": [1.0], "tags": ["x"],
+                             "launch": pa.array([date(2024, 1, 1)], pa.date32())}), parquet)
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(shop(
+        tmp_path, spec.read_text().replace('"products.csv"', '"products.parquet"')))})
+    assert catalog_rows(s, s.spec.table("item"))[0]["item_launched"] == jan1
+
+    shown = np.array([datetime(y, m, 1, tzinfo=UTC).timestamp() * 1000 for y, m in ((2025, 1), (2023, 6), (2026, 1))])
+    ages = attribute_input(launched, [jan1, jan1, None], shown)
+    np.testing.assert_allclose(ages, [366 / 365.25, 0.0, 0.0])  # a year on; not launched yet; unknown
+    with pytest.raises(SpecError, match=r"launched.tokens: expected none for a date attribute"):
+        parse_spec(spec.read_text().replace('kind = "date"', 'kind = "date"\ntokens = "decade"'), spec)

@@ -344,32 +344,21 @@ def _forget_gate(p: Platform, version: str) -> None:
         client.delete_registered_model_alias(p.s.models.name, CHALLENGER)
 
 
-def test_a_users_network_from_its_own_package_is_served_on_the_compiled_path_as_it_scores(platform: Platform
-                                                                                          ) -> None:
+@pytest.mark.parametrize("label, numeric", [
+    ("ranker-v1", V1_NUMERIC_FEATURES),  # fewer numeric features, no long history, another network
+    ("own", NUMERIC_FEATURES),  # a user's network, from a package outside the platform's
+])
+def test_a_version_with_other_inputs_or_network_is_served_without_code_changes(platform: Platform, label: str,
+                                                                               numeric: tuple[str, ...]) -> None:
     p = platform
-    own, v1 = p.versions["own"], p.versions["v1"]
-    _set_alias(p, CHAMPION, "own")
+    version, v1 = p.versions[label], p.versions["v1"]
+    _set_alias(p, CHAMPION, label)
     try:
-        wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {own}), timeout_s=60)
+        wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {version}), timeout_s=60)
         body = _request(_champion_user(p), 30)
         out = httpx.post(f"{p.url}/rank", json=body, timeout=10).json()
-        assert out["model_version"] == own
-        _registered_scores_equal(p, body, out, own, NUMERIC_FEATURES)
-    finally:
-        _set_alias(p, CHAMPION, "v1")
-    wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {v1}), timeout_s=30)
-
-
-def test_a_version_with_other_inputs_is_served_without_code_changes(platform: Platform) -> None:
-    p = platform
-    previous, v1 = p.versions["ranker-v1"], p.versions["v1"]
-    _set_alias(p, CHAMPION, "ranker-v1")  # fewer numeric features, no long history, another network
-    try:
-        wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {previous}), timeout_s=60)
-        body = _request(_champion_user(p), 30)
-        out = httpx.post(f"{p.url}/rank", json=body, timeout=10).json()
-        assert out["model_version"] == previous
-        _registered_scores_equal(p, body, out, previous, V1_NUMERIC_FEATURES)
+        assert out["model_version"] == version
+        _registered_scores_equal(p, body, out, version, numeric)
     finally:
         _set_alias(p, CHAMPION, "v1")
     wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {v1}), timeout_s=30)
