@@ -15,7 +15,7 @@ Standard library and the contract only: the CLI and the DAGs read the names with
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from contract.inputs import LONG_HISTORY_FEATURES, NUMERIC_FEATURES, V1_NUMERIC_FEATURES
@@ -43,9 +43,8 @@ class Architecture:
 
     def without_long_history(self) -> Architecture:
         """The same network with none of the long history's inputs (the ablation)."""
-        return Architecture(self.name, self.network, self.description,
-                            tuple(f for f in self.numeric_features if f not in LONG_HISTORY_FEATURES), False,
-                            self.embedding_dim, self.numeric_bins)
+        return replace(self, numeric_features=tuple(f for f in self.numeric_features if f not in LONG_HISTORY_FEATURES),
+                       long_history=False)
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -85,8 +84,7 @@ def architecture(kind: str) -> Architecture:
         if unknown:
             raise ArchitectureError(f"{kind!r} declares numeric features the dataset has not: {', '.join(unknown)} "
                                     f"(it has: {', '.join(NUMERIC_FEATURES)})")
-        return Architecture(kind, found.network, found.description, found.numeric_features, found.long_history,
-                            found.embedding_dim, found.numeric_bins)
+        return replace(found, name=kind)  # the version's spec keeps the path: it resolves wherever it is served
     if not callable(found):
         raise ArchitectureError(f"{kind!r} is a {type(found).__name__}: expected an Architecture or a builder "
                                 "(ModelSpec -> keras.Model)")

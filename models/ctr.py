@@ -83,13 +83,13 @@ class ModelSpec:
 
 class CtrModel:
     def __init__(self, spec: ModelSpec, tables: dict[str, SparseTable] | None = None) -> None:
-        fixed = architecture(spec.kind).embedding_dim
-        if fixed is not None and spec.sparse.dim != fixed:
-            raise ValueError(f"{spec.kind} takes embeddings of dimension {fixed}, not {spec.sparse.dim}")
+        arch = architecture(spec.kind)
+        if arch.embedding_dim is not None and spec.sparse.dim != arch.embedding_dim:
+            raise ValueError(f"{spec.kind} takes embeddings of dimension {arch.embedding_dim}, not {spec.sparse.dim}")
         self.spec = spec
         self._type_ids = {kind: n + 1 for n, kind in enumerate(spec.event_types)}
         self.tables = {name: SparseTable(name, spec.sparse) for name in TABLES} | (tables or {})
-        self.network = architecture(spec.kind).build(spec)
+        self.network = arch.build(spec)
         self.optimizer = keras.optimizers.Adam(spec.learning_rate)
         # Build the variables eagerly: the compiled step must not create any.
         self.network(self._dense_inputs(self._lookup(_empty(spec), train=False), _empty(spec)))
