@@ -13,20 +13,16 @@ that spec.
 
 from __future__ import annotations
 
-import math
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-
-import numpy as np
-import pandas as pd
 
 from feature_repo.definitions import BATCH_VIEWS, ITEM_ATTRIBUTES, USER_PROFILE, BatchView, offline_rows
 from feature_repo.files import view_dir, write_atomic
 from feature_repo.store import apply, feature_store
-from infra.dataset import DAY_MS, AttributeSpec, TableSpec
+from infra.dataset import TableSpec
 from infra.settings import Settings
 from streaming.adapters import source_path
-from streaming.history import missing, read_source, source_columns
+from streaming.history import cell_value, read_source, source_columns
 from streaming.movielens import dataset_dir, load_ratings, load_side_table
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -48,36 +44,6 @@ def write_snapshot(s: Settings, view: BatchView, rows: list[dict], as_of: dateti
 
 class CatalogError(ValueError):
     """A table that does not match its spec; nothing of it was written."""
-
-
-def _value(a: AttributeSpec, value: object) -> object:
-    """One cell as the attribute's kind stores it (a value that does not read as its kind: missing)."""
-    if a.kind == "multi":
-        if isinstance(value, (list, tuple)):
-            return [str(v) for v in value if not missing(v)]
-        return [] if missing(value) else [v for v in str(value).split(a.separator or None) if v]
-    if missing(value):
-        return None
-    if a.kind == "categorical":
-        return str(value)
-    if a.kind == "date":  # days since the epoch (UTC) from a date, a timestamp or ISO text; a number: missing
-        if not isinstance(value, (str, date, np.datetime64)):
-            return None
-        try:
-            when = pd.Timestamp(value)
-        except (TypeError, ValueError):
-            return None
-        if when is pd.NaT:
-            return None
-        when = when.tz_localize("UTC") if when.tzinfo is None else when.tz_convert("UTC")
-        return when.value / 1e6 / DAY_MS
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    if a.kind == "number":
-        return None if math.isnan(number) else number
-    return int(number) if number.is_integer() else None
 
 
 def _source(s: Settings, table: TableSpec) -> list[dict]:
@@ -117,7 +83,7 @@ def catalog_rows(s: Settings, table: TableSpec) -> list[dict]:
     rows = _source(s, table)
     _absent(s, table, set(rows[0]) if rows else set())
     key = f"{table.entity}_id"
-    return [{key: str(r[table.id]), **{table.feature(a): _value(a, r[a.column]) for a in table.attributes}}
+    return [{key: str(r[table.id]), **{table.feature(a): cell_value(a, r[a.column]) for a in table.attributes}}
             for r in rows]
 
 

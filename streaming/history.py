@@ -6,27 +6,37 @@ user, item, type or time, a time that reads as neither a timestamp nor a number,
 refuses (an undeclared type, an id too long, a time outside 1970-2100) is refused with the file and the
 row, so a replay never stops halfway. Ids are read as text ("007" stays "007"); a timestamp without a time
 zone is UTC.
+
+An event without the spec's key (`[events] key`: its category) gets it from the catalog's item table (the
+item's category attribute, its first value), so a history need not copy the item's category into every row;
+an item the catalog does not know keeps none (the key's empty default), counted in the log.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import logging
 import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
+from infra.dataset import DAY_MS, AttributeSpec
 from infra.settings import Settings
 from streaming.adapters import source_path
 from streaming.events import Event, InvalidEvent, validate
 from streaming.movielens import replay_events
+
+
+log = logging.getLogger(__name__)
 
 
 class HistoryError(ValueError):
@@ -86,6 +96,57 @@ def check_history(s: Settings) -> None:
     _absent(s, wanted, present)
 
 
+def item_keys(s: Settings) -> dict[str, str]:
+    """Each item's key as the catalog gives it: the first value of the item table's category attribute ({}:
+    no item table read here, or no category)."""
+    table = next((t for t in s.spec.tables if t.entity == "item"), None)
+    a = table.category_attribute if table is not None else None
+    if a is None or table.source == "movielens":  # MovieLens' replay carries its genres itself
+        return {}
+    path = source_path(s, table.source)
+    if not path.exists():  # the catalog's own check says so where it is loaded (`flywheel demo`'s preflight)
+        log.warning("%s: no item table to take the events' %s from", path, s.spec.key)
+        return {}
+    rows = read_source(path, [table.id]).select([table.id, a.column]).to_pylist()  # read as the catalog reads it
+    keys = {}
+    for row in rows:
+        value = cell_value(a, row[a.column])  # a category (categorical) or its entries (multi)
+        first = (value or [None])[0] if isinstance(value, list) else value
+        if first is not None and not missing(row[table.id]):
+            keys[str(row[table.id])] = first
+    return keys
+
+
+def cell_value(a: AttributeSpec, value: object) -> object:
+    """One cell as the attribute's kind stores it (a value that does not read as its kind: missing)."""
+    if a.kind == "multi":
+        if isinstance(value, (list, tuple)):
+            return [str(v) for v in value if not missing(v)]
+        return [] if missing(value) else [v for v in str(value).split(a.separator or None) if v]
+    if missing(value):
+        return None
+    if a.kind == "categorical":
+        return str(value)
+    if a.kind == "date":  # days since the epoch (UTC) from a date, a timestamp or ISO text; a number: missing
+        if not isinstance(value, (str, date, np.datetime64)):
+            return None
+        try:
+            when = pd.Timestamp(value)
+        except (TypeError, ValueError):
+            return None
+        if when is pd.NaT:
+            return None
+        when = when.tz_localize("UTC") if when.tzinfo is None else when.tz_convert("UTC")
+        return when.value / 1e6 / DAY_MS
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    if a.kind == "number":
+        return None if math.isnan(number) else number
+    return int(number) if number.is_integer() else None
+
+
 def missing(value: object) -> bool:
     """A cell without a value, however its reader gives it (None, "", NaN)."""
     return value is None or value == "" or (isinstance(value, float) and math.isnan(value))
@@ -111,7 +172,8 @@ def history_events(s: Settings, limit: int | None = None, before: int | None = N
     except ValueError as exc:
         raise HistoryError(str(exc)) from None
     _absent(s, wanted, table.column_names)
-    events = []
+    keys = {} if spec.key in h.context else item_keys(s)
+    events, unknown = [], set()
     for n, row in enumerate(table.select(wanted).to_pylist()):
         empty = [f"{k} ({c})" for k, c in fields.items() if missing(row[c])]
         if empty:
@@ -122,14 +184,23 @@ def history_events(s: Settings, limit: int | None = None, before: int | None = N
             raise HistoryError(f"{path} row {n + 1}: time {row[h.time]!r} is neither a timestamp nor a number "
                                f"of {h.time_unit} since the epoch") from None
         user, item = row[h.user], row[h.item]
+        context = {c: row[c] for c in h.context if not missing(row[c])}
+        if keys and spec.key not in context:
+            if item in keys:
+                context[spec.key] = keys[item]
+            else:
+                unknown.add(item)
         event = Event(event_id=f"{spec.name}:{h.source}:{n}", user_id=user, item_id=item, event_type=row[h.type],
                       request_id=row[h.request] if h.request else f"{spec.name}:{user}:{item}:{t_ms}",
-                      event_time=t_ms, context={c: row[c] for c in h.context if not missing(row[c])})
+                      event_time=t_ms, context=context)
         try:  # the checks every consumer applies, now rather than halfway through the replay
             validate(event.to_dict(), spec.type_names)
         except InvalidEvent as exc:
             raise HistoryError(f"{path} row {n + 1}: {exc.reason}") from None
         events.append(event)
+    if unknown:
+        log.warning("%s: %d items the catalog does not know keep no %s (e.g. %s)", path, len(unknown), spec.key,
+                    ", ".join(sorted(unknown)[:3]))
     if h.negatives:
         events += sampled_exposures(events, spec.exposures, h.negatives, spec.key, f"{spec.name}:{h.source}:shown")
     events.sort(key=lambda e: e.event_time)  # stable: a file's order breaks ties

@@ -385,3 +385,32 @@ def test_a_date_attribute_is_read_as_a_calendar_day_and_enters_the_ranker_as_its
     np.testing.assert_allclose(ages, [366 / 365.25, 0.0, 0.0])  # a year on; not launched yet; unknown
     with pytest.raises(SpecError, match=r"launched.tokens: expected none for a date attribute"):
         parse_spec(spec.read_text().replace('kind = "date"', 'kind = "date"\ntokens = "decade"'), spec)
+
+
+def test_a_history_without_the_key_takes_each_items_from_the_catalog(tmp_path: Path, caplog) -> None:
+    """Events rarely carry the item's category: the replay reads it from the item table (its category
+    attribute), and replays the same events as a history that carried it; an item the catalog lacks keeps
+    none, and is counted."""
+    from streaming.history import history_events
+
+    def replay(context: str, header: str, rows: list[str]) -> list:
+        directory = tmp_path / (context.strip('"') or "none")  # a spec and its files of its own
+        directory.mkdir()
+        (directory / "products.csv").write_text("sku,brand,price,tags\nA1,acme,1999,new\nB2,zeta,250,\nC3,,1,\n")
+        spec = shop(directory, SHOP.replace("[[events.types]]", '[events]\nkey = "brand"\n\n[[events.types]]', 1).replace(
+            "[tables.item]", '[events.history]\nsource = "orders.csv"\nuser = "customer"\nitem = "sku"\n'
+            f'type = "action"\ntime = "at"\ntime_unit = "s"\nrequest = "basket"\ncontext = [{context}]\n\n[tables.item]'))
+        (directory / "orders.csv").write_text("\n".join([header, *rows]) + "\n")
+        return list(history_events(load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(spec)})))
+
+    orders = [("c1", "A1", "view", 1_700_000_000, "b1"), ("c1", "A1", "order", 1_700_000_005, "b1"),
+              ("c2", "B2", "view", 1_700_000_010, "b2"), ("c2", "C3", "view", 1_700_000_011, "b2"),
+              ("c2", "Z9", "view", 1_700_000_012, "b2")]
+    brands = {"A1": "acme", "B2": "zeta"}
+    carried = replay('"brand"', "customer,sku,action,at,basket,brand",
+                     [",".join(map(str, (*o, brands.get(o[1], "")))) for o in orders])
+    with caplog.at_level("WARNING"):
+        enriched = replay("", "customer,sku,action,at,basket", [",".join(map(str, o)) for o in orders])
+    assert [e.context for e in enriched] == [{"brand": "acme"}, {"brand": "acme"}, {"brand": "zeta"}, {}, {}]
+    assert enriched == carried  # the stream counts the same (user, brand) pairs either way
+    assert "2 items the catalog does not know keep no brand (e.g. C3, Z9)" in caplog.text
