@@ -22,7 +22,7 @@ from feature_repo.store import apply, feature_store
 from infra.dataset import TableSpec
 from infra.settings import Settings
 from streaming.adapters import source_path
-from streaming.history import cell_value, read_source, source_columns
+from streaming.history import cell_value, read_source, source_columns, write_item_keys
 from streaming.movielens import dataset_dir, load_ratings, load_side_table
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -90,7 +90,8 @@ def catalog_rows(s: Settings, table: TableSpec) -> list[dict]:
 def load_catalog(s: Settings) -> dict[str, int]:
     """The spec's item and user tables as catalog snapshots, every table checked before any is written.
     MovieLens' hold from its first rating, a file's from 1970-01-02: the catalog exists before any behavior,
-    so every label's point-in-time join sees it. Loading it again changes nothing. Returns rows per view."""
+    so every label's point-in-time join sees it. Loading it again changes nothing. The items' keys go to the stream
+job too (`write_item_keys`: live events without the key take it from there). Returns rows per view."""
     views = ((ITEM_ATTRIBUTES, s.spec.table("item")), (USER_PROFILE, s.spec.table("user")))
     rows = {view: catalog_rows(s, table) for view, table in views}
     if any(table.source == "movielens" for _, table in views):
@@ -101,6 +102,7 @@ def load_catalog(s: Settings) -> dict[str, int]:
     for view, _ in views:
         if not snapshot_path(s, view, as_of).exists():
             write_snapshot(s, view, rows[view], as_of)
+    write_item_keys(s)
     return {view.name: len(rows[view]) for view, _ in views}
 
 

@@ -36,6 +36,7 @@ from feature_repo.predictions import logged_features, read_predictions
 from infra.settings import Settings
 from streaming.events import TEST_TRAFFIC
 from streaming.features import LONG_HISTORY_VIEW
+from streaming.history import item_keys
 
 
 DAY_MS = 86_400_000
@@ -75,7 +76,10 @@ def labelled_impressions(s: Settings, window: Window) -> pd.DataFrame:
     out = imps.merge(clicks, on=["request_id", "item_id"], how="left")
     out["label"] = out["label"].fillna(0.0)
     contexts = [json.loads(c) for c in out["context"]]
-    out["category"] = [str(c.get(s.spec.key, "")) for c in contexts]  # the key the stream groups by
+    # The key the stream groups by; an event without it has the catalog's, as the stream job counts it.
+    key, keys = s.spec.key, item_keys(s)
+    out["category"] = [str(c[key]) if c.get(key, "") != "" else keys.get(item, "")
+                       for c, item in zip(contexts, out["item_id"])]
     out = out.loc[np.array([c.get(TEST_TRAFFIC) is not True for c in contexts], bool)]  # load tests teach nothing
     return out[["request_id", "user_id", "item_id", "category", "event_time", "request_time", "label"]].sort_values(
         "event_time", kind="stable").reset_index(drop=True)

@@ -9,14 +9,17 @@ zone is UTC.
 
 An event without the spec's key (`[events] key`: its category) gets it from the catalog's item table (the
 item's category attribute, its first value), so a history need not copy the item's category into every row;
-an item the catalog does not know keeps none (the key's empty default), counted in the log.
+an item the catalog does not know keeps none (the key's empty default), counted in the log. The stream job
+does the same for live events from `write_item_keys`'s file (streaming/java/flywheel/ItemKeys.java).
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import json
 import logging
+import os
 import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -115,6 +118,22 @@ def item_keys(s: Settings) -> dict[str, str]:
         if first is not None and not missing(row[table.id]):
             keys[str(row[table.id])] = first
     return keys
+
+
+def item_keys_path(s: Settings) -> Path:
+    """The catalog's item keys as the stream job reads them (a JSON object, item id to key)."""
+    return s.paths.service_dir("flink") / "item-keys.json"
+
+
+def write_item_keys(s: Settings) -> int:
+    """Write `item_keys` where the stream job reads them, whole or not at all (the job reloads the file when
+    it changes: a catalog loaded while the job runs reaches live events within seconds); the count written."""
+    keys, path = item_keys(s), item_keys_path(s)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(keys))
+    os.replace(partial, path)
+    return len(keys)
 
 
 def cell_value(a: AttributeSpec, value: object) -> object:

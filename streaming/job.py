@@ -10,7 +10,9 @@ No Python in the per-event path: records are parsed and checked once, in the JVM
 twin (streaming/java, the rules and reasons of streaming/events.py), and Flink SQL does the aggregation
 (a row per event by default, one per key per mini-batch with `streaming.mini_batch_ms`). Invalid records
 go to the dead-letter topic with their reason, source topic, partition and offset, and original size; an
-oversized one keeps only its first `kafka.max_event_bytes`.
+oversized one keeps only its first `kafka.max_event_bytes`. An event whose context lacks the spec's key
+takes the item's from the catalog (the file `streaming/history.py: write_item_keys` writes at the job's
+start and at each `flywheel catalog`, read again by the job when it changes).
 
 Late events: nothing waits for a watermark. Windows, totals, category counts and the interest histogram
 are updating aggregates that include a late event in every window it belongs to; the behavior sequence
@@ -40,6 +42,7 @@ from infra.progress import topic_id
 from infra.settings import Settings, get_settings
 from streaming.events import DLQ_OFFSET, DLQ_ORIGINAL_SIZE, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC
 from streaming.features import StreamView, row_schema, topics
+from streaming.history import item_keys_path, write_item_keys
 
 log = logging.getLogger("flywheel.stream-job")
 
@@ -119,12 +122,15 @@ def table_environment(s: Settings, events_topic_id: str) -> StreamTableEnvironme
 
 def _job_parameters(s: Settings, events_topic_id: str) -> str:
     """`pipeline.global-job-parameters`: the spec's event types in order, its exposures ('|'-separated;
-    spec names hold no separator: infra/dataset.py), the context field of the events' key, and the id of
-    the events topic the job reads (the stack's health check compares it with the broker's)."""
-    sep = JVM_SEPARATOR
+    spec names hold no separator: infra/dataset.py), the context field of the events' key, the file of the
+    catalog's item keys (`write_item_keys`), and the id of the events topic the job reads (the stack's
+    health check compares it with the broker's)."""
+    sep, keys = JVM_SEPARATOR, str(item_keys_path(s))
+    if any(c in keys for c in ",:'\""):  # the parameters' own separators: Flink would split the path
+        raise ValueError(f"paths.data_dir: the stream job cannot be given a path with , : ' or \" ({keys})")
     return (f"flywheel.event-types:{sep.join(s.spec.type_names)},"
             f"flywheel.exposure-types:{sep.join(s.spec.exposures)},flywheel.key-field:{s.spec.key},"
-            f"{EVENTS_TOPIC_ID}:{events_topic_id}")
+            f"flywheel.item-keys:{keys},{EVENTS_TOPIC_ID}:{events_topic_id}")
 
 
 def _in(names: tuple[str, ...]) -> str:
@@ -313,6 +319,7 @@ def main() -> None:
     flink_rest.start_front(s)  # the web UI, read-only, also while the job starts
     if s.flink.target == "remote":
         _cancel_running(s)
+    log.info("%d items' %s from the catalog for events without it", write_item_keys(s), s.spec.key)
     # No cyclic collection while the job is planned. Calcite finds its metadata provider in a thread-local
     # that the planner sets on the JVM thread that builds it (FLINK-23020), and py4j serves each of its
     # connections on a JVM thread of its own. A collection run by the front's thread (a health probe's

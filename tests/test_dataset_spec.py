@@ -414,3 +414,30 @@ def test_a_history_without_the_key_takes_each_items_from_the_catalog(tmp_path: P
     assert [e.context for e in enriched] == [{"brand": "acme"}, {"brand": "acme"}, {"brand": "zeta"}, {}, {}]
     assert enriched == carried  # the stream counts the same (user, brand) pairs either way
     assert "2 items the catalog does not know keep no brand (e.g. C3, Z9)" in caplog.text
+
+
+def test_live_events_without_the_key_take_the_catalogs_in_the_stream_jobs_file_and_the_training_labels(
+        tmp_path: Path) -> None:
+    """What the replay does for a history, the stream job (from write_item_keys' file: streaming/java ItemKeys)
+    and the training labels do for live events: the item's key from the catalog, a carried one kept."""
+    from datetime import UTC, datetime
+
+    from feature_repo.event_log import write_batch
+    from models.dataset import Window, labelled_impressions
+    from streaming.consumer import Consumed
+    from streaming.events import Event
+    from streaming.history import item_keys_path, write_item_keys
+
+    (tmp_path / "products.csv").write_text("sku,brand,price,tags\nA1,acme,1999,new\nB2,zeta,250,\nC3,,1,\n")
+    spec = shop(tmp_path, SHOP.replace("[[events.types]]", '[events]\nkey = "brand"\n\n[[events.types]]', 1))
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(spec),
+                       "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path / "data")})
+    assert write_item_keys(s) == 2 and json.loads(item_keys_path(s).read_text()) == {"A1": "acme", "B2": "zeta"}
+    t = 1_700_000_000_000
+    shown = [("A1", {}), ("B2", {"brand": "own"}), ("Z9", {}), ("B2", {})]  # Z9: not in the catalog
+    events = [Event(event_id=f"{kind}-{n}", user_id="u", item_id=item, event_type=kind, request_id=f"r{n}",
+                    event_time=t + 10 * n + (kind == "order"), context=context)
+              for n, (item, context) in enumerate(shown) for kind in ("view", "order")]
+    write_batch(s, [Consumed(e, partition=0, offset=n) for n, e in enumerate(events)])
+    rows = labelled_impressions(s, Window(datetime.fromtimestamp(t / 1000, UTC), datetime.fromtimestamp(t / 1000 + 1, UTC)))
+    assert list(rows["category"]) == ["acme", "own", "", "zeta"] and list(rows["label"]) == [1.0] * 4

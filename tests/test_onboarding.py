@@ -36,7 +36,7 @@ SPEC = """
 name = "corner-shop"
 
 [events]
-key = "brand"  # events carry the product's brand in their context: the stream's per (customer, brand) features
+key = "brand"  # the stream's per (customer, brand) features; the events do not carry it: the catalog's brand
 
 [[events.types]]
 name = "view"
@@ -61,7 +61,6 @@ type = "action"
 time = "at"
 time_unit = "s"
 request = "visit"
-context = ["brand"]
 
 [features]
 windows = ["1h", "1d"]  # a shop's customers come back daily, not every five minutes
@@ -103,7 +102,7 @@ class Shop:
     spec: Path
     products: pd.DataFrame
     customers: pd.DataFrame
-    history: pd.DataFrame
+    history: pd.DataFrame  # with each product's brand, which orders.csv leaves out
 
 
 def write_shop(root: Path, seed: int = 5) -> Shop:
@@ -134,7 +133,7 @@ def write_shop(root: Path, seed: int = 5) -> Shop:
     (root / "dataset.toml").write_text(SPEC)
     products.to_csv(root / "products.csv", index=False)
     customers.to_parquet(root / "customers.parquet", index=False)
-    history.to_csv(root / "orders.csv", index=False)
+    history.drop(columns="brand").to_csv(root / "orders.csv", index=False)  # as a shop's event log: no brand
     return Shop(root / "dataset.toml", products, customers, history)
 
 
@@ -198,10 +197,45 @@ def test_the_shops_history_and_declared_features_are_online(onboarded) -> None:
     # the spec's windows: a day's views, within the user's newest visit day; no five-minute window
     assert 0 < got["user_impressions_1d"] <= (mine.action == "view").sum() and "user_impressions_5m" not in got
     assert set(got["seq_event_types"]) <= {"cart", "order"} and got["seq_item_ids"]
-    # per (customer, brand): the spec's key, which the events carry as context.brand
+    # per (customer, brand): the spec's key, which the events do not carry: counted as if they did
     globex = mine[mine.brand == "globex"]
     assert (got["category_impressions"], got["category_clicks"]) == ((globex.action == "view").sum(),
                                                                      (globex.action == "order").sum())
+
+
+def test_live_events_without_the_brand_are_counted_under_the_catalogs(onboarded) -> None:
+    s, environ, shop, _ = onboarded
+    brand = dict(zip(shop.products.sku, shop.products.brand))
+    walk_in, now = "walk-in", int(datetime.now(UTC).timestamp() * 1000)
+    views, orders = ["p001", "p005", "p002"], ["p005"]  # globex, globex, initech: the shop's client sends no brand
+    with EventProducer(s) as producer:
+        for n, (kind, sku) in enumerate([*(("view", v) for v in views), *(("order", o) for o in orders)]):
+            producer.send(Event(event_id=f"{walk_in}-{kind}-{sku}", user_id=walk_in, item_id=sku, event_type=kind,
+                                request_id=f"{walk_in}-0", event_time=now + n, context={}))
+    store, counts = feature_store(s), ["user_category:category_impressions", "user_category:category_clicks"]
+
+    def counted(category: str) -> tuple:
+        got = online_row(store, counts, {"user_id": walk_in, "category": category})
+        return got["category_impressions"], got["category_clicks"]
+
+    def arrived() -> None:  # per (customer, brand) as if each event had carried its product's brand
+        assert [counted(b) for b in ("globex", "initech")] == [(2, 1), (1, 0)], [brand[v] for v in views]
+    wait_for(arrived, timeout_s=30)
+
+    # a product added to the table and loaded while the stream job runs: its brand reaches the job too
+    products = shop.spec.parent / "products.csv"
+    added = pd.concat([shop.products, pd.DataFrame([{"sku": "p999", "brand": "umbrella", "price": 9.99,
+                                                     "tags": "new"}])])
+    added.to_csv(products, index=False)
+    try:
+        done = run_cli(environ, "catalog")
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        with EventProducer(s) as producer:
+            producer.send(Event(event_id=f"{walk_in}-view-p999", user_id=walk_in, item_id="p999", event_type="view",
+                                request_id=f"{walk_in}-1", event_time=now + 10, context={}))
+        wait_for(lambda: _assert(counted("umbrella") == (1, 0)), timeout_s=30)
+    finally:
+        shop.products.to_csv(products, index=False)
 
 
 def test_the_ranker_is_trained_through_the_dag_on_the_shops_vocabulary_and_served(onboarded) -> None:

@@ -21,7 +21,8 @@ import org.apache.flink.table.functions.TableFunction;
  * The behavior-event schema of streaming/events.py, checked in the JVM: one parse per record, the same
  * rules in the same order and the same reasons, so the stream job and the Python clients agree on what is
  * valid. Emits one row per record: (reason, event_id, user_id, item_id, event_type, event_time, category);
- * reason is null for a valid event, and the other fields are null for an invalid one.
+ * reason is null for a valid event, and the other fields are null for an invalid one. An event whose context
+ * lacks the key takes the item's from the catalog (ItemKeys).
  * tests/test_stream_features.py compares its reasons with streaming.events.decode on a corpus of junk.
  * Rows are emitted in Flink's internal format (RowData): no conversion per record.
  */
@@ -40,6 +41,8 @@ public class ParseEvent extends TableFunction<RowData> {
     static final String EVENT_TYPES = "flywheel.event-types";
     /** The context field whose value is the event's key (the spec's `[events] key`: the item's category). */
     static final String KEY_FIELD = "flywheel.key-field";
+    /** The file of the catalog's item keys, for events without the key (ItemKeys; empty: none). */
+    static final String ITEM_KEYS = "flywheel.item-keys";
     static final Set<String> FIELDS = new TreeSet<>(List.of(
             "schema_version", "event_type", "event_time", "context", "event_id", "user_id", "item_id", "request_id"));
 
@@ -49,11 +52,13 @@ public class ParseEvent extends TableFunction<RowData> {
 
     private List<String> types;
     private String keyField;
+    private ItemKeys itemKeys;
 
     @Override
     public void open(FunctionContext context) {
         types = jobList(context, EVENT_TYPES);
         keyField = jobList(context, KEY_FIELD).get(0);
+        itemKeys = new ItemKeys(context.getJobParameter(ITEM_KEYS, ""));
     }
 
     /** A '|'-separated list the job must pass (the dataset spec's vocabulary: no default here). */
@@ -68,7 +73,7 @@ public class ParseEvent extends TableFunction<RowData> {
     public void eval(byte[] payload, Integer maxBytes) {
         String reason;
         try {
-            collect(parse(payload, maxBytes, types, keyField));
+            collect(parse(payload, maxBytes, types, keyField, itemKeys));
             return;
         } catch (Invalid e) {
             reason = e.getMessage();
@@ -82,7 +87,8 @@ public class ParseEvent extends TableFunction<RowData> {
         }
     }
 
-    static RowData parse(byte[] payload, int maxBytes, List<String> types, String keyField) throws Invalid {
+    static RowData parse(byte[] payload, int maxBytes, List<String> types, String keyField, ItemKeys itemKeys)
+            throws Invalid {
         if (payload == null) {
             throw new Invalid("empty record (null value)");
         }
@@ -162,6 +168,9 @@ public class ParseEvent extends TableFunction<RowData> {
         JsonNode category = context.get(keyField);
         String categoryText = category == null || (category.isTextual() && category.textValue().isEmpty())
                 ? null : category.isBoolean() ? (category.booleanValue() ? "True" : "False") : category.asText();
+        if (categoryText == null) {  // not carried: the catalog's, as the replay does (streaming/history.py)
+            categoryText = itemKeys.get(strings[2]);
+        }
         return GenericRowData.of(null, StringData.fromString(strings[0]), StringData.fromString(strings[1]),
                 StringData.fromString(strings[2]), StringData.fromString(type.textValue()), time.asLong(),
                 StringData.fromString(categoryText));

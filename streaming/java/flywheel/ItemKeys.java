@@ -1,0 +1,69 @@
+package flywheel;
+
+import java.io.IOException;
+import java.nio.file.Files;
+import java.nio.file.NoSuchFileException;
+import java.nio.file.Path;
+import java.nio.file.attribute.FileTime;
+import java.util.HashMap;
+import java.util.Map;
+
+import org.apache.flink.shaded.jackson2.com.fasterxml.jackson.databind.JsonNode;
+import org.apache.flink.shaded.jackson2.com.fasterxml.jackson.databind.ObjectMapper;
+
+/**
+ * The catalog's key of each item (streaming/history.py: write_item_keys, a JSON object item id -> key), for
+ * events that do not carry the key in their context. The file is read again when it changes, looked at no
+ * more than once every RECHECK_MS, so a catalog loaded while the job runs reaches live events within
+ * seconds; a file that cannot be read keeps the keys last read (the error logged once per change).
+ */
+final class ItemKeys {
+    static final long RECHECK_MS = 2_000L;
+    private static final ObjectMapper JSON = new ObjectMapper();
+    private static final org.slf4j.Logger LOG = org.slf4j.LoggerFactory.getLogger(ItemKeys.class);
+
+    private final Path path;
+    private Map<String, String> keys = Map.of();
+    private FileTime loaded;
+    private long checkedAt = Long.MIN_VALUE;
+
+    /** `path` empty: no catalog, no key for any item. */
+    ItemKeys(String path) {
+        this.path = path == null || path.isEmpty() ? null : Path.of(path);
+    }
+
+    /** The item's key, or null when the catalog has none for it. */
+    String get(String item) {
+        long now = System.currentTimeMillis();
+        if (path != null && now - checkedAt >= RECHECK_MS) {
+            checkedAt = now;
+            reload();
+        }
+        return keys.get(item);
+    }
+
+    private void reload() {
+        FileTime modified;
+        try {
+            modified = Files.getLastModifiedTime(path);
+        } catch (NoSuchFileException e) {
+            return;  // no item table yet: the events keep no key
+        } catch (IOException e) {
+            LOG.warn("item keys {}: {}", path, e.toString());
+            return;
+        }
+        if (modified.equals(loaded)) return;
+        loaded = modified;
+        try {
+            JsonNode node = JSON.readTree(path.toFile());
+            Map<String, String> read = new HashMap<>(node.size() * 2);
+            for (Map.Entry<String, JsonNode> entry : node.properties()) {
+                read.put(entry.getKey(), entry.getValue().asText());
+            }
+            keys = read;
+            LOG.info("item keys {}: {} items", path, read.size());
+        } catch (IOException | RuntimeException e) {
+            LOG.warn("item keys {}: not read, the {} read before kept: {}", path, keys.size(), e.toString());
+        }
+    }
+}
