@@ -25,7 +25,7 @@ final class ItemKeys {
     private final Path path;
     private Map<String, String> keys = Map.of();
     private FileTime loaded;
-    private long checkedAt = Long.MIN_VALUE;
+    private long checkedAt;  // 0: the first get reads the file
 
     /** `path` empty: no catalog, no key for any item. */
     ItemKeys(String path) {
