@@ -36,7 +36,7 @@ from infra.dataset import DAY_MS, AttributeSpec
 from infra.settings import Settings
 from streaming.adapters import source_path
 from streaming.events import Event, InvalidEvent, validate
-from streaming.movielens import replay_events
+from streaming.movielens import dataset_dir, load_side_table, replay_events
 
 
 log = logging.getLogger(__name__)
@@ -104,13 +104,15 @@ def item_keys(s: Settings) -> dict[str, str]:
     no item table read here, or no category)."""
     table = next((t for t in s.spec.tables if t.entity == "item"), None)
     a = table.category_attribute if table is not None else None
-    if a is None or table.source == "movielens":  # MovieLens' replay carries its genres itself
+    if a is None:
         return {}
-    path = source_path(s, table.source)
+    movielens = table.source == "movielens"
+    path = dataset_dir(s) / "ml-100k.item" if movielens else source_path(s, table.source)
     if not path.exists():  # the catalog's own check says so where it is loaded (`flywheel demo`'s preflight)
         log.warning("%s: no item table to take the events' %s from", path, s.spec.key)
         return {}
-    rows = read_source(path, [table.id]).select([table.id, a.column]).to_pylist()  # read as the catalog reads it
+    # read as the catalog reads it (feature_repo/catalog.py)
+    rows = load_side_table(path) if movielens else read_source(path, [table.id]).select([table.id, a.column]).to_pylist()
     keys = {}
     for row in rows:
         value = cell_value(a, row[a.column])  # a category (categorical) or its entries (multi)
