@@ -49,6 +49,7 @@ from serving import metrics
 from serving.inference import Inference, NotReady, RankRequest, Shed
 from serving.recommend import Recommender
 from serving.supervisor import ConnectionShares, listening_socket
+from streaming.history import ItemKeyFile, item_keys_path
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,8 @@ log = logging.getLogger(__name__)
 class CandidateIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     item_id: str = Field(min_length=1, max_length=256)
-    category: str = Field("", max_length=256, description="The item's category; empty -> category features "
-                                                            "defaulted.")
+    category: str = Field("", max_length=256, description="The item's category; empty -> the catalog's (an item "
+                                                            "it lacks: category features defaulted).")
 
 
 class RankIn(BaseModel):
@@ -125,6 +126,8 @@ async def _watch_answers(recent: metrics.RecentAnswers) -> None:
 
 def create_app(s: Settings, inference: Inference) -> FastAPI:
     recommender = Recommender(s, inference)
+    # A candidate sent without its category: the catalog's, as the stream counts its events (write_item_keys).
+    keys = ItemKeyFile(item_keys_path(s))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -175,7 +178,12 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             metrics.REQUESTS.labels("-", "413").inc()
             return JSONResponse({"reason": "too_many_candidates", "detail": f"{len(body.candidates)} candidates; "
                                  f"at most {s.serving.max_candidates} per request"}, status_code=413)
-        req = RankRequest(body.user_id, body.candidates, body.tier, body.deadline_ms)
+        candidates = body.candidates
+        if not all(c.category for c in candidates):
+            candidates = [c if c.category else CandidateIn.model_construct(item_id=c.item_id,
+                                                                           category=keys.get(c.item_id))
+                          for c in candidates]
+        req = RankRequest(body.user_id, candidates, body.tier, body.deadline_ms)
         if body.request_id:
             req.request_id = body.request_id
         try:

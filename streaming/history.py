@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -112,7 +113,8 @@ def item_keys(s: Settings) -> dict[str, str]:
         log.warning("%s: no item table to take the events' %s from", path, s.spec.key)
         return {}
     # read as the catalog reads it (feature_repo/catalog.py)
-    rows = load_side_table(path) if movielens else read_source(path, [table.id]).select([table.id, a.column]).to_pylist()
+    rows = (load_side_table(path) if movielens
+            else read_source(path, [table.id]).select([table.id, a.column]).to_pylist())
     keys = {}
     for row in rows:
         value = cell_value(a, row[a.column])  # a category (categorical) or its entries (multi)
@@ -136,6 +138,35 @@ def write_item_keys(s: Settings) -> int:
     partial.write_text(json.dumps(keys))
     os.replace(partial, path)
     return len(keys)
+
+
+class ItemKeyFile:
+    """`write_item_keys`' file as a reader sees it (the ranking server: candidates sent without their
+    category), read again when it changes, looked at no more than once every `recheck_s` (as the stream
+    job's streaming/java/flywheel/ItemKeys.java does); a file not there or not readable: the keys read before."""
+
+    def __init__(self, path: Path, recheck_s: float = 2.0) -> None:
+        self.path, self.recheck_s = path, recheck_s
+        self.keys: dict[str, str] = {}
+        self._version: tuple[int, int, int] | None = None  # the file's (mtime, inode, size): a replace changes it
+        self._checked = -math.inf
+
+    def get(self, item: str) -> str:
+        """The item's key, or "" when the catalog has none for it."""
+        now = time.monotonic()
+        if now - self._checked >= self.recheck_s:
+            self._checked = now
+            self._reload()
+        return self.keys.get(item, "")
+
+    def _reload(self) -> None:
+        try:
+            st = self.path.stat()
+            if (st.st_mtime_ns, st.st_ino, st.st_size) != self._version:
+                self.keys, self._version = json.loads(self.path.read_text()), (st.st_mtime_ns, st.st_ino, st.st_size)
+        except (OSError, ValueError) as exc:
+            if not isinstance(exc, FileNotFoundError):
+                log.warning("item keys %s not read, the %d read before kept: %s", self.path, len(self.keys), exc)
 
 
 def cell_value(a: AttributeSpec, value: object) -> object:

@@ -426,18 +426,27 @@ def test_live_events_without_the_key_take_the_catalogs_in_the_stream_jobs_file_a
     from models.dataset import Window, labelled_impressions
     from streaming.consumer import Consumed
     from streaming.events import Event
-    from streaming.history import item_keys_path, write_item_keys
+    from streaming.history import ItemKeyFile, item_keys_path, write_item_keys
 
     (tmp_path / "products.csv").write_text("sku,brand,price,tags\nA1,acme,1999,new\nB2,zeta,250,\nC3,,1,\n")
     spec = shop(tmp_path, SHOP.replace("[[events.types]]", '[events]\nkey = "brand"\n\n[[events.types]]', 1))
     s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(spec),
                        "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path / "data")})
+    reader = ItemKeyFile(item_keys_path(s), recheck_s=0)  # the ranking server's, for candidates without it
+    assert reader.get("A1") == "" and not item_keys_path(s).exists()
     assert write_item_keys(s) == 2 and json.loads(item_keys_path(s).read_text()) == {"A1": "acme", "B2": "zeta"}
+    assert (reader.get("A1"), reader.get("B2"), reader.get("C3")) == ("acme", "zeta", "")
+    (tmp_path / "products.csv").write_text("sku,brand,price,tags\nA1,acme,1999,new\nC3,cirrus,1,\n")  # a table loaded again
+    write_item_keys(s)
+    assert (reader.get("A1"), reader.get("B2"), reader.get("C3")) == ("acme", "", "cirrus")
+    (tmp_path / "products.csv").write_text("sku,brand,price,tags\nA1,acme,1999,new\nB2,zeta,250,\n")
+    write_item_keys(s)
     t = 1_700_000_000_000
     shown = [("A1", {}), ("B2", {"brand": "own"}), ("Z9", {}), ("B2", {})]  # Z9: not in the catalog
     events = [Event(event_id=f"{kind}-{n}", user_id="u", item_id=item, event_type=kind, request_id=f"r{n}",
                     event_time=t + 10 * n + (kind == "order"), context=context)
               for n, (item, context) in enumerate(shown) for kind in ("view", "order")]
     write_batch(s, [Consumed(e, partition=0, offset=n) for n, e in enumerate(events)])
-    rows = labelled_impressions(s, Window(datetime.fromtimestamp(t / 1000, UTC), datetime.fromtimestamp(t / 1000 + 1, UTC)))
+    window = Window(datetime.fromtimestamp(t / 1000, UTC), datetime.fromtimestamp(t / 1000 + 1, UTC))
+    rows = labelled_impressions(s, window)
     assert list(rows["category"]) == ["acme", "own", "", "zeta"] and list(rows["label"]) == [1.0] * 4

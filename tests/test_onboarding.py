@@ -250,6 +250,9 @@ def test_the_ranker_is_trained_through_the_dag_on_the_shops_vocabulary_and_serve
     brand = dict(zip(shop.products.sku, shop.products.brand))
     body = answered(api, {"user_id": "c000", "candidates": [{"item_id": i, "category": brand[i]} for i in brand]})
     assert body["model_version"] == "1" and not body["defaulted"], body
+    # a client that sends no brand: the catalog's, so the same features and scores
+    unbranded = answered(api, {"user_id": "c000", "candidates": [{"item_id": i} for i in brand]})
+    assert unbranded["scores"] == pytest.approx(body["scores"], abs=1e-6) and not unbranded["defaulted"], unbranded
     scores = dict(zip(brand, body["scores"]))
     liked = [p for i, p in scores.items() if brand[i] == "acme"]  # c000 is of the north: acme
     others = [p for i, p in scores.items() if brand[i] != "acme"]

@@ -4,8 +4,10 @@ import java.io.IOException;
 import java.nio.file.Files;
 import java.nio.file.NoSuchFileException;
 import java.nio.file.Path;
-import java.nio.file.attribute.FileTime;
+import java.nio.file.attribute.BasicFileAttributes;
+import java.util.Arrays;
 import java.util.HashMap;
+import java.util.List;
 import java.util.Map;
 
 import org.apache.flink.shaded.jackson2.com.fasterxml.jackson.databind.JsonNode;
@@ -15,7 +17,7 @@ import org.apache.flink.shaded.jackson2.com.fasterxml.jackson.databind.ObjectMap
  * The catalog's key of each item (streaming/history.py: write_item_keys, a JSON object item id -> key), for
  * events that do not carry the key in their context. The file is read again when it changes, looked at no
  * more than once every RECHECK_MS, so a catalog loaded while the job runs reaches live events within
- * seconds; a file that cannot be read keeps the keys last read (the error logged once per change).
+ * seconds; a file that cannot be read keeps the keys last read (logged).
  */
 final class ItemKeys {
     static final long RECHECK_MS = 2_000L;
@@ -24,7 +26,7 @@ final class ItemKeys {
 
     private final Path path;
     private Map<String, String> keys = Map.of();
-    private FileTime loaded;
+    private List<Object> loaded;
     private long checkedAt;  // 0: the first get reads the file
 
     /** `path` empty: no catalog, no key for any item. */
@@ -43,17 +45,18 @@ final class ItemKeys {
     }
 
     private void reload() {
-        FileTime modified;
+        List<Object> version;  // the file's modification time, inode and size: a replace changes them
         try {
-            modified = Files.getLastModifiedTime(path);
+            BasicFileAttributes attributes = Files.readAttributes(path, BasicFileAttributes.class);
+            version = Arrays.asList(attributes.lastModifiedTime(), attributes.fileKey(), attributes.size());
         } catch (NoSuchFileException e) {
             return;  // no item table yet: the events keep no key
         } catch (IOException e) {
             LOG.warn("item keys {}: {}", path, e.toString());
             return;
         }
-        if (modified.equals(loaded)) return;
-        loaded = modified;
+        if (version.equals(loaded)) return;
+        loaded = version;
         try {
             JsonNode node = JSON.readTree(path.toFile());
             Map<String, String> read = new HashMap<>(node.size() * 2);

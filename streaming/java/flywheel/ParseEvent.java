@@ -52,7 +52,7 @@ public class ParseEvent extends TableFunction<RowData> {
 
     private List<String> types;
     private String keyField;
-    private ItemKeys itemKeys;
+    private transient ItemKeys itemKeys;  // opened on the task: not part of the serialized function
 
     @Override
     public void open(FunctionContext context) {
