@@ -4,9 +4,11 @@
 Chronological split: everything before `--split` (default: the spec's `[demo] split`) trains (the
 two-tower model, the item neighbours, popularity); each user with positives on both sides is then asked
 for K items, judged against the next `--next` items they acted on positively after the split. Items a
-user touched before the split are never candidates. The sources are judged beside the baselines a
+user touched before the split are never candidates, unless the spec says items repeat (`[events] repeats`:
+groceries), where they are what the repeat source lists. The sources are judged beside the baselines a
 practitioner tries first, on the same split in the same run (models/baselines.py; popularity of all time,
-of the last 30 days, decayed).
+of the last 30 days, decayed; where items repeat, each user's own items by count, then popularity).
+Its last line, for scripts: `retrieval (NAME): merged R, two-tower T, best baseline BASELINE B`.
 No stack needed: `make bench-retrieval` (another dataset: `FLYWHEEL_DATASET_SPEC=datasets/instacart/
 dataset.toml make bench-retrieval`). Prints Markdown for docs/benchmarks.md.
 """
@@ -39,6 +41,7 @@ from streaming.history import history_events
 
 WEIGHT_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)  # each source's weight in the merge, tuned on the validation window
 PRIOR_GRID = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0)  # the popularity prior's weight, judged on the validation window
+REPEAT_GRID = (7.0, 14.0, 30.0, 60.0, 120.0, 365.0)  # the repeat source's half-life (days), judged alike
 
 
 Row = tuple[str, str, float, float]  # (user, item, time s, weight: the spec's for a positive, else 0)
@@ -60,9 +63,9 @@ class Window:
     positives: list[Row]  # before the cut, in time order
 
     @classmethod
-    def of(cls, rows: list[Row], cut: float, end: float, next_n: int, length: int) -> Window:
+    def of(cls, rows: list[Row], cut: float, end: float, next_n: int, length: int, repeats: bool) -> Window:
         kept = [r for r in rows if r[2] < end]
-        split = Split.at(((u, i, t, w > 0) for u, i, t, w in kept), cut, next_n, length)
+        split = Split.at(((u, i, t, w > 0) for u, i, t, w in kept), cut, next_n, length, repeats)
         return cls(cut, sum(r[2] < cut for r in kept), split, [r for r in kept if r[2] < cut and r[3] > 0])
 
     @property
@@ -71,17 +74,31 @@ class Window:
         return [(i, t) for _, i, t, _ in self.positives]
 
     def unseen(self, ranked: list[str], n: int) -> dict[str, list[str]]:
-        return {u: [i for i in ranked if i not in self.split.seen[u]][:n] for u in self.split.users}
+        """`ranked`'s first n items each judged user may be given (`Split.excluded`)."""
+        return {u: [i for i in ranked if i not in self.split.excluded(u)][:n] for u in self.split.users}
+
+    def own(self, half_life_s: float | None) -> dict[str, list[str]]:
+        """Each judged user's own positives before the cut, by their count decayed with `half_life_s` (None:
+        not decayed), most first."""
+        by_user: dict[str, list[tuple[str, float]]] = {u: [] for u in self.split.users}
+        for u, i, t, _ in self.positives:
+            if u in by_user:
+                by_user[u].append((i, t))
+        return {u: recently_popular(acted, half_life_s) if half_life_s else popular(i for i, _ in acted)
+                for u, acted in by_user.items()}
 
 
 def fixed_lists(s: Settings, w: Window, n: int) -> dict[str, dict[str, list[str]]]:
-    """The graph's and popularity's top n per judged user of window `w`, as /recommend finds them (no seed)."""
+    """The graph's, popularity's and the repeat source's top n per judged user of window `w`, as /recommend
+    finds them (no seed)."""
     split, half_life = w.split, s.graph.half_life_days * 86_400
     neighbours = co_interaction(((u, i, weight * 2 ** (-(w.cut - t) / half_life)) for u, i, t, weight in w.positives),
                                 keep=s.graph.neighbours)
-    return {"graph": {u: neighbours_of(split.recent[u][-s.retrieval.graph_seeds:], neighbours, n, split.seen[u])
+    own = w.own(s.retrieval.repeat_half_life_days * 86_400)
+    return {"graph": {u: neighbours_of(split.recent[u][-s.retrieval.graph_seeds:], neighbours, n, split.excluded(u))
                       for u in split.users},
-            "popularity": w.unseen(recently_popular(w.clicked, s.retrieval.popularity_half_life_days * 86_400), n)}
+            "popularity": w.unseen(recently_popular(w.clicked, s.retrieval.popularity_half_life_days * 86_400), n),
+            "repeat": {u: [i for i in own[u] if i not in split.excluded(u)][:n] for u in split.users}}
 
 
 @dataclass
@@ -117,10 +134,12 @@ def merged(lists: dict[str, dict[str, list[str]]], users: list[str], k: int, wei
 
 
 def tuned_weights(runs: list[dict[str, dict[str, list[str]]]], split: Split, k: int) -> dict[str, float]:
-    """The merge weights (WEIGHT_GRID per source) of the best mean recall@k over the runs."""
+    """The merge weights (WEIGHT_GRID per source that lists anything; 1 for one that never does, as the
+    repeat source where items do not repeat) of the best mean recall@k over the runs."""
+    listing = [name for name in SOURCES if any(lists[name][u] for lists in runs for u in split.users)]
     best, best_recall = dict.fromkeys(SOURCES, 1.0), -1.0
-    for values in itertools.product(WEIGHT_GRID, repeat=len(SOURCES)):
-        weights = dict(zip(SOURCES, values))
+    for values in itertools.product(WEIGHT_GRID, repeat=len(listing)):
+        weights = dict.fromkeys(SOURCES, 1.0) | dict(zip(listing, values))
         recall = float(np.mean([judge(merged(lists, split.users, k, weights), split, k)[0] for lists in runs]))
         if recall > best_recall + 1e-9:
             best, best_recall = weights, recall
@@ -151,16 +170,22 @@ def main() -> None:
     history = behavior(s)
     items = catalog_rows(s, s.spec.table("item"))  # the catalog's rows, as the DAG's training reads them
     profiles = Profiles.build(catalog_rows(s, s.spec.table("user")), s.spec.table("user"))
-    test = Window.of(history, split_s, float("inf"), args.next, r.sequence_length)
-    validation = Window.of(history, split_s - args.validation_days * 86_400, split_s, args.next, r.sequence_length)
+    test = Window.of(history, split_s, float("inf"), args.next, r.sequence_length, s.spec.repeats)
+    validation = Window.of(history, split_s - args.validation_days * 86_400, split_s, args.next, r.sequence_length,
+                           s.spec.repeats)
     users, served = test.split.users, source_weights(s.retrieval.source_weights)
     x = Interactions(test.split.clicks)
+    excluded = {u: test.split.excluded(u) for u in users}
     fixed = {"test": fixed_lists(s, test, n), "validation": fixed_lists(s, validation, n)}
     baselines = {"popularity (decayed, the popularity source)": fixed["test"]["popularity"],
                  "popularity (all time)": test.unseen(popular(i for i, _ in test.clicked), n),
                  "popularity (last 30 days)": test.unseen(popular(i for i, t in test.clicked if t >= split_s - 30 * 86_400), n),
-                 "EASE": x.lists(ease(x.x), users, n, test.split.seen),
-                 "item-kNN": x.lists(item_knn(x.x), users, n, test.split.seen)}
+                 "EASE": x.lists(ease(x.x), users, n, excluded),
+                 "item-kNN": x.lists(item_knn(x.x), users, n, excluded)}
+    if s.spec.repeats:  # what a grocer tries first: each customer's usual items, then the popular ones
+        everyone = popular(i for i, _ in test.clicked)
+        baselines["own items by count, then popularity (all time)"] = {
+            u: list(dict.fromkeys([*mine, *everyone]))[:n] for u, mine in test.own(None).items()}
     baseline_scores = {name: judge(lists, test.split, k) for name, lists in baselines.items()}
     trained, validation_runs, uniform = [], [], []
     for seed in range(args.seeds):  # the two-tower model's initialisation moves its figures: several seeds
@@ -213,8 +238,18 @@ def main() -> None:
     for name, runs, split in (("validation", validation_runs, validation.split), ("test", trained, test.split)):
         print(f"| {name} | " + " | ".join(f"{np.mean([judge(t.lists[w], split, k)[0] for t in runs]):.4f}"
                                           for w in PRIOR_GRID) + " |")
+    if s.spec.repeats:
+        print(f"\n\nThe repeat source's recall@{k} by its half-life in days, on validation (the setting's choice) "
+              "and on the test:\n")
+        print("| half-life | " + " | ".join(f"{h:g}" for h in REPEAT_GRID) + " |")
+        print("|---|" + "---:|" * len(REPEAT_GRID))
+        for name, w in (("validation", validation), ("test", test)):
+            print(f"| {name} | " + " | ".join(f"{judge(w.own(h * 86_400), w.split, k)[0]:.4f}" for h in REPEAT_GRID)
+                  + " |")
     if args.ann:
         ann_table(last.model, test.split, n, PopularityPrior.of(r))
+    print(f"\nretrieval ({s.spec.name}): merged {np.mean(rows['merged (as served)'], axis=0)[0]:.4f}, two-tower "
+          f"{np.mean(rows['two-tower'], axis=0)[0]:.4f}, best baseline {best} {baseline_scores[best][0]:.4f}")
 
 
 def ann_table(model: TwoTower, split: Split, n: int, prior: PopularityPrior, queries: int = 2000) -> None:

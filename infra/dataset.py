@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
@@ -136,6 +136,13 @@ class DatasetSpec:
     # repository (licensed data fetched at run time); None: the files are beside the spec.
     adapter: str | None = None
     demo: DemoSpec = DemoSpec()
+    # Whether a user's next positives may be items they had before (groceries, music: true) or not (movies):
+    # `/recommend` leaves a user's own items out only where they may not, and the candidate sources and
+    # the judged benchmark follow it (`[events] repeats`).
+    repeats: bool = False
+    # Settings this dataset was tuned with (`[settings.<section>]`: the merge's weights that its validation
+    # window chose, say), under the config file and the environment (infra/settings.py SPEC_SECTIONS).
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
 
     @functools.cached_property
     def window_buckets(self) -> tuple[tuple[str, int, int], ...]:
@@ -170,7 +177,8 @@ class DatasetSpec:
     def digest(self) -> str:
         """Identifies what the spec declares (not how the file is laid out)."""
         declared = ((self.name, self.event_types, self.tables) + ((self.key,) if self.key != "category" else ())
-                    + ((self.windows,) if self.windows != DEFAULT_WINDOWS else ()))  # MovieLens' as before
+                    + ((self.windows,) if self.windows != DEFAULT_WINDOWS else ())  # MovieLens' as before
+                    + (("repeats",) if self.repeats else ()))
         return hashlib.sha256(repr(declared).encode()).hexdigest()[:16]
 
     def source_path(self, source: str) -> Path:
@@ -305,9 +313,13 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{path}: not TOML: {exc}") from None
-    top = _check(str(path), raw, {"dataset": dict, "events": dict, "tables": dict}, {"features": dict, "demo": dict})
+    top = _check(str(path), raw, {"dataset": dict, "events": dict, "tables": dict},
+                 {"features": dict, "demo": dict, "settings": dict})
+    for section, values in top.get("settings", {}).items():
+        if not isinstance(values, dict):
+            raise SpecError(f"{path} [settings].{section}: expected a table of settings, got {type(values).__name__}")
     dataset = _check(f"{path} [dataset]", top["dataset"], {"name": str}, {"adapter": str})
-    events = _check(f"{path} [events]", top["events"], {"types": list}, {"history": dict, "key": str})
+    events = _check(f"{path} [events]", top["events"], {"types": list}, {"history": dict, "key": str, "repeats": bool})
     key = events.get("key", "category")
     if not NAME.fullmatch(key):
         raise SpecError(f"{path} [events].key: expected a context field name of letters, digits, '_' or '-' "
@@ -322,7 +334,8 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
                        tuple(_table(f"{path} [tables.{e}]", e, tables[e]) for e in ENTITIES),
                        _history(f"{path} [events.history]", events["history"]) if "history" in events else None,
                        key, adapter=dataset.get("adapter"),
-                       demo=_demo(f"{path} [demo]", top["demo"]) if "demo" in top else DemoSpec())
+                       demo=_demo(f"{path} [demo]", top["demo"]) if "demo" in top else DemoSpec(),
+                       repeats=events.get("repeats", False), settings=top.get("settings", {}))
     if "features" in top:
         spec = replace(spec, windows=_windows(f"{path} [features]", top["features"]))
     if not spec.exposures:

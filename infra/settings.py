@@ -428,9 +428,13 @@ class RetrievalSettings:
     # it follows what is popular now; 7 days: the best of 3, 7, 14, 30 and 60 on the 28 days before
     # `make bench-retrieval`'s split (docs/benchmarks.md, issue 40).
     popularity_half_life_days: float = 7.0
-    # The merge's weight of each source (> 0; models/recall.py SOURCES' order: two-tower, graph, popularity):
-    # the weights `make bench-retrieval` tunes on its validation window (docs/benchmarks.md, issue 40).
-    source_weights: tuple[float, ...] = (4.0, 1.0, 0.25)
+    # The repeat source (a spec with `[events] repeats`): each user's own positives weighted 2^(-age /
+    # half-life), at most `repeat_items` of them kept per user (the heaviest).
+    repeat_half_life_days: float = 30.0
+    repeat_items: int = 200
+    # The merge's weight of each source (> 0; models/recall.py SOURCES' order: two-tower, graph, popularity,
+    # repeat): the weights `make bench-retrieval` tunes on its validation window (docs/benchmarks.md).
+    source_weights: tuple[float, ...] = (4.0, 1.0, 0.25, 4.0)
     key_prefix: str = "retrieval"  # Redis keys of the index, the user embeddings, recent positives
     poll_interval_s: float = 1.0  # the near-line embedder's look at the retrieval @champion
 
@@ -658,6 +662,7 @@ def load_settings(environ: dict[str, str] | None = None, config_file: Path | Non
         if not configured and not config_file.exists():
             config_file = None
     file_values = _read_toml(config_file) if config_file is not None else {}
+    file_values = _layered(_spec_values(file_values, environ), file_values)
     profile = environ.get(f"{ENV_PREFIX}STACK_PROFILE", file_values.get("stack", {}).get("profile", ""))
     if profile:
         file_values = _layered(_profile_values(profile), file_values)
@@ -703,6 +708,25 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 def profiles() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
+
+
+# The sections a dataset spec may tune (`[settings.<section>]`): how its models learn and serve, not where
+# services run or their credentials.
+SPEC_SECTIONS = ("models", "retrieval", "graph", "streaming", "canary")
+
+
+def _spec_values(file_values: dict[str, Any], environ: dict[str, str]) -> dict[str, Any]:
+    """The settings the dataset spec carries (none where the spec cannot be read: checked below, whole)."""
+    spec = _section(DatasetSettings, "dataset", file_values.get("dataset", {}), environ).spec
+    try:
+        values = load_spec(spec).settings
+    except SpecError:
+        return {}
+    bad = sorted(set(values) - set(SPEC_SECTIONS))
+    if bad:
+        raise SettingsError(f"dataset.spec: {spec} [settings]: a spec may tune {', '.join(SPEC_SECTIONS)}, "
+                            f"not {', '.join(bad)}")
+    return values
 
 
 def _profile_values(name: str) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 Sources: the two-tower model's best items by its score plus a popularity prior (models/retrieval.py;
 `PopularityPrior`, and `IndexFrame`, how one cosine search serves that sum), item neighbours of the user's recent
 positives (the behavior graph's co-interaction score, models/graph.py), and popularity, the fallback for
-a user the other two know nothing of (decayed: it follows what is popular now). Merged by weighted
+a user the other two know nothing of (decayed: it follows what is popular now), and, where the spec says a
+user's next positives may be items they had before, the user's own positives by their decayed count
+(`recently_popular` of theirs alone: a grocery customer's staples). Merged by weighted
 reciprocal-rank fusion: an item's score is the sum over the sources that list it of the source's weight
 / (60 + its rank there), so an item two sources agree on rises, and no source's score scale has to be
 comparable to another's (`retrieval.source_weights`; `make bench-retrieval` tunes them on a validation
@@ -22,7 +24,9 @@ import numpy as np
 from infra.settings import RetrievalSettings
 
 RRF_K = 60  # the usual constant of reciprocal-rank fusion (Cormack et al., 2009)
-SOURCES = ("two-tower", "graph", "popularity")  # the candidate sources, in `retrieval.source_weights`' order
+# The candidate sources, in `retrieval.source_weights`' order. "repeat": the user's own positives by their
+# decayed count, for data whose users come back to what they had (`[events] repeats`); empty otherwise.
+SOURCES = ("two-tower", "graph", "popularity", "repeat")
 
 
 def top_k(scores: np.ndarray, item_ids: Sequence[str], k: int, exclude: Set[str] = frozenset()) -> list[str]:

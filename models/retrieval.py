@@ -303,13 +303,19 @@ class Split:
     clicks: list[tuple[str, str]]  # (user, item) positives before the cut, in time order
     times: list[float]  # each click's time (seconds)
     cut: float  # seconds
-    seen: dict[str, set[str]]  # every item a user touched before the cut: never a candidate
+    seen: dict[str, set[str]]  # every item a user touched before the cut
     recent: dict[str, list[str]]  # each user's last positives before the cut, newest last
     test: dict[str, list[str]]  # each judged user's next positives after the cut
     users: list[str]  # the judged users: positives on both sides
+    repeats: bool = False  # the spec's `[events] repeats`: a user's own items may be what they want next
+
+    def excluded(self, user: str) -> set[str]:
+        """What a list for `user` must leave out: every item they touched before, unless items repeat."""
+        return set() if self.repeats else self.seen.get(user, set())
 
     @classmethod
-    def at(cls, behavior: Iterable[tuple[str, str, int, bool]], cut: int, next_n: int, length: int) -> Split:
+    def at(cls, behavior: Iterable[tuple[str, str, int, bool]], cut: int, next_n: int, length: int,
+           repeats: bool = False) -> Split:
         """From (user, item, time s, positive) rows in time order, split at time `cut` (s)."""
         clicks, times, seen, test = [], [], defaultdict(set), defaultdict(list)
         for user, item, t, positive in behavior:
@@ -321,7 +327,8 @@ class Split:
             elif positive and len(test[user]) < next_n and item not in test[user]:
                 test[user].append(item)
         recent = recent_clicks(clicks, length)
-        return cls(clicks, times, cut, dict(seen), recent, dict(test), sorted(u for u in test if u in recent))
+        return cls(clicks, times, cut, dict(seen), recent, dict(test), sorted(u for u in test if u in recent),
+                   repeats)
 
 
 def judge(lists: dict[str, Sequence[str]], split: Split, k: int) -> tuple[float, float]:
@@ -333,12 +340,12 @@ def judge(lists: dict[str, Sequence[str]], split: Split, k: int) -> tuple[float,
 
 def two_tower_lists(model: TwoTower, split: Split, k: int, prior: PopularityPrior) -> dict[str, list[str]]:
     """Each judged user's top k by the model, from their recent positives, plus the items' popularity prior
-    at the cut (as served), never an item seen before."""
+    at the cut (as served), never an item the split excludes."""
     if not split.users:
         return {}
     users = model.user_embeddings(split.users, [split.recent[u] for u in split.users])
     now = decayed(zip((i for _, i in split.clicks), split.times), prior.half_life_s)
     scores = (users @ model.item_embeddings().T / model.temperature
               + prior.values(now, model.catalogue.item_ids, split.cut)[None, :])
-    return {u: top_k(scores[row], model.catalogue.item_ids, k, split.seen.get(u, set()))
+    return {u: top_k(scores[row], model.catalogue.item_ids, k, split.excluded(u))
             for row, u in enumerate(split.users)}

@@ -94,17 +94,17 @@ def split_of(s: Settings, start: datetime, cut: datetime, end: datetime) -> Spli
     """The window's behavior split at `cut`, times in seconds."""
     ms = [int(t.timestamp() * 1000) for t in (start, cut, end)]
     rows = ((u, i, t / 1000, positive) for u, i, t, positive in behavior(s, ms[0], ms[2]))
-    return Split.at(rows, ms[1] / 1000, s.retrieval.gate_next, s.retrieval.sequence_length)
+    return Split.at(rows, ms[1] / 1000, s.retrieval.gate_next, s.retrieval.sequence_length, s.spec.repeats)
 
 
 def baseline_lists(s: Settings, split: Split, k: int) -> dict[str, dict[str, list[str]]]:
-    """Per judged user, the top k unseen items of item popularity (positives before the cut, decayed as the
+    """Per judged user, the top k items (of those the split does not exclude) of item popularity (positives before the cut, decayed as the
     popularity source serves them) and of item co-occurrence (the items most often positive with the user's
     `retrieval.graph_seeds` newest positives by the same users: the behavior graph's neighbours, unweighted)."""
     ranked = recently_popular(zip((i for _, i in split.clicks), split.times),
                               s.retrieval.popularity_half_life_days * 86_400)
     neighbours = co_interaction(((u, i, 1.0) for u, i in split.clicks), keep=s.graph.neighbours)
-    seen = {u: split.seen.get(u, set()) for u in split.users}
+    seen = {u: split.excluded(u) for u in split.users}
     return {"popularity": {u: list(islice((i for i in ranked if i not in seen[u]), k)) for u in split.users},
             "co-occurrence": {u: neighbours_of(split.recent[u][-s.retrieval.graph_seeds:], neighbours, k, seen[u])
                               for u in split.users}}

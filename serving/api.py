@@ -89,7 +89,9 @@ class RecommendIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     user_id: str = Field(min_length=1, max_length=256)
     k: int = Field(20, ge=1, le=100, description="Items to return.")
-    exclude_seen: bool = Field(True, description="Leave out every item the user already clicked (or bought).")
+    exclude_seen: bool | None = Field(None, description="Leave out every item the user already clicked (or bought); "
+                                                         "default: unless the dataset's items repeat "
+                                                         "(its spec's [events] repeats).")
     tier: Literal["high", "normal", "low"] = "normal"
     deadline_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
     request_id: str | None = Field(None, min_length=1, max_length=128)
@@ -211,7 +213,8 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         except ValidationError as exc:
             return invalid(exc.errors(include_input=False))
         try:
-            out = await recommender.recommend(body.user_id, body.k, body.exclude_seen, body.tier, body.deadline_ms,
+            exclude = not s.spec.repeats if body.exclude_seen is None else body.exclude_seen
+            out = await recommender.recommend(body.user_id, body.k, exclude, body.tier, body.deadline_ms,
                                               body.request_id)
         except NotReady as exc:
             return refuse("not_ready", str(exc), started)

@@ -105,6 +105,10 @@ class Keys:
     def clicked(self, user_id: str) -> str:
         return f"{self.prefix}:clicked:{user_id}"
 
+    def repeated(self, user_id: str) -> str:
+        """The user's own positives, decayed (`[events] repeats` only): the repeat source."""
+        return f"{self.prefix}:repeated:{user_id}"
+
 
 def redis_client(s: Settings, timeout_s: float | None = None) -> OnlineClient:
     return online_store(s, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
@@ -276,8 +280,14 @@ class Embedder:
         pipe.hset(k.recent, mapping={u: json.dumps(items) for u, items in recent.items()})
         for user, item, _ in acted:
             pipe.sadd(k.clicked(user), item)
+        r = self.s.retrieval
         count_popular(pipe, k.popular, [(item, t) for _, item, t in acted if t is not None],
-                      self.s.retrieval.popularity_half_life_days * 86_400)
+                      r.popularity_half_life_days * 86_400)
+        if self.s.spec.repeats:  # each user's own, the heaviest `repeat_items` kept
+            for user, item, t in acted:
+                if t is not None:
+                    count_popular(pipe, k.repeated(user), [(item, t)], r.repeat_half_life_days * 86_400)
+                    pipe.zremrangebyrank(k.repeated(user), 0, -r.repeat_items - 1)
         pipe.execute()
         if self.model is not None:
             self._embed(self.model, self.version, recent)

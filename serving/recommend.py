@@ -3,10 +3,12 @@
     candidates  two-tower: the items nearest the user's near-line embedding in the retrieval version's
                 ANN index (one VSIM); graph: item neighbours (the behavior graph's `item_neighbours`
                 feature) of the user's newest positives; popularity: the live positives, decayed by their
-                age (models/recall.py), the fallback that answers a user nobody knows anything of
+                age (models/recall.py), the fallback that answers a user nobody knows anything of; repeat
+                (a spec whose items repeat): the user's own positives, decayed alike
     merge       weighted reciprocal-rank fusion (`retrieval.source_weights`) of each source's top
                 `retrieval.per_source` (models/recall.py),
-                de-duplicated, the user's own positives left out (`exclude_seen`), at most
+                de-duplicated, the user's own positives left out (`exclude_seen`: by default unless the
+                spec says items repeat), at most
                 `retrieval.candidates`
     rank        the ranking path of `POST /rank` (features, batching, the @champion ranker, shedding),
                 the best k served and logged to the prediction log with their sources
@@ -81,16 +83,16 @@ class Recommender:
         recent = json.loads(recent) if recent else []
         n = 2 * r.per_source  # room for the user's own positives, left out below
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zrevrange(k.popular, 0, n - 1)
+        pipe.zrevrange(k.popular, 0, n - 1).zrevrange(k.repeated(user_id), 0, n - 1)
         if current and vector:
             pipe.execute_command("VSIM", k.items(current), "FP32", vector, "COUNT", n)
-        popular, *nearest = pipe.execute()
+        popular, repeated, *nearest = pipe.execute()
         seeds = list(dict.fromkeys(reversed(recent)))[: r.graph_seeds]  # newest first, each once
         rows = self.neighbours.read(("item_id",), [(i,) for i in seeds], NEIGHBOURS) if seeds else []
         graph = {i: list(zip(ids or [], scores or [])) for i, (ids, scores) in zip(seeds, rows)}
         found = {"two-tower": [i.decode() for i in nearest[0]] if nearest else [],
                  "graph": neighbours_of(seeds, graph, n),
-                 "popularity": [i.decode() for i in popular]}
+                 "popularity": [i.decode() for i in popular], "repeat": [i.decode() for i in repeated]}
         # Only the candidates are looked up in the user's clicked set: the cost does not grow with history.
         listed = list(dict.fromkeys(i for items in found.values() for i in items))
         exclude = set()

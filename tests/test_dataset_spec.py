@@ -152,7 +152,7 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    (("[dataset]", "[datasets]"), "unknown key 'datasets' (expected: dataset, events, tables, features, demo)"),
+    (("[dataset]", "[datasets]"), "unknown key 'datasets' (expected: dataset, events, tables, features, demo, settings)"),
     (('kind = "categorical"', 'kind = "text"'), "[tables.item].attributes.brand.kind: expected one of categorical"),
     (('kind = "categorical"', 'kind = "categorical"\nseparator = ","'), "brand.separator: only a multi attribute"),
     (('kind = "categorical"', 'kind = "categorical"\ntokens = "decade"'),
@@ -450,3 +450,33 @@ def test_live_events_without_the_key_take_the_catalogs_in_the_stream_jobs_file_a
     window = Window(datetime.fromtimestamp(t / 1000, UTC), datetime.fromtimestamp(t / 1000 + 1, UTC))
     rows = labelled_impressions(s, window)
     assert list(rows["category"]) == ["acme", "own", "", "zeta"] and list(rows["label"]) == [1.0] * 4
+
+
+def test_whether_items_repeat_is_declared_by_the_data(tmp_path: Path) -> None:
+    """Groceries are bought again, films are not watched twice: the bundled specs say which, a bad value is
+    refused, and the default is films'."""
+    assert not load_settings({"FLYWHEEL_CONFIG": "/dev/null"}).spec.repeats
+    from infra.settings import REPO_ROOT
+    instacart = REPO_ROOT / "datasets" / "instacart" / "dataset.toml"
+    assert parse_spec(instacart.read_text(), instacart).repeats
+    keyed = SHOP.replace("[[events.types]]", "[events]\nrepeats = true\n\n[[events.types]]", 1)
+    assert parse_spec(keyed, shop(tmp_path)).repeats
+    assert parse_spec(keyed, shop(tmp_path)).digest != parse_spec(SHOP, shop(tmp_path)).digest
+    with pytest.raises(SpecError, match=r"\[events\].repeats: expected bool, got str 'yes'"):
+        parse_spec(keyed.replace("repeats = true", 'repeats = "yes"'), shop(tmp_path))
+
+
+def test_a_spec_carries_the_settings_its_data_was_tuned_with_under_the_config_and_environment(tmp_path: Path) -> None:
+    tuned = SHOP + '\n[settings.retrieval]\nsource_weights = [1.0, 1.0, 1.0, 8.0]\npopularity_prior = 0.0\n'
+    environ = {"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(shop(tmp_path, tuned))}
+    r = load_settings(environ).retrieval
+    assert (r.source_weights, r.popularity_prior, r.dim) == ((1.0, 1.0, 1.0, 8.0), 0.0, 32)  # the rest: defaults
+    config = tmp_path / "flywheel.toml"
+    config.write_text("[retrieval]\npopularity_prior = 2.0\n")
+    r = load_settings(environ | {"FLYWHEEL_CONFIG": str(config), "FLYWHEEL_RETRIEVAL_SOURCE_WEIGHTS": "2,2,2,2"}
+                      ).retrieval
+    assert (r.source_weights, r.popularity_prior) == ((2.0, 2.0, 2.0, 2.0), 2.0)  # the deployment's word wins
+    (tmp_path / "bad").mkdir()
+    bad = shop(tmp_path / "bad", SHOP + '\n[settings.kafka]\nbootstrap_servers = "elsewhere:9092"\n')
+    with pytest.raises(SettingsError, match=r"\[settings\]: a spec may tune models, .*, not kafka"):
+        load_settings(environ | {"FLYWHEEL_DATASET_SPEC": str(bad)})

@@ -123,9 +123,9 @@ def test_the_merge_favours_agreement_and_names_the_sources() -> None:
     assert named["y"] == ["two-tower", "graph"] and named["x"] == ["two-tower", "popularity"]
     assert len(merged) == 3 and len({m[0] for m in merged}) == 3
     # weighted: popularity's first place outweighs two sources' agreement
-    weights = source_weights((1.0, 1.0, 4.0))
+    weights = source_weights((1.0, 1.0, 4.0, 1.0))
     assert [m[0] for m in merge({"two-tower": ["x", "y"], "graph": ["y"], "popularity": ["p"]}, 2, weights)] == ["p", "y"]
-    for bad in ((1.0, 1.0), (1.0, 1.0, 0.0)):  # one per source, none switched off
+    for bad in ((1.0, 1.0, 1.0), (1.0, 1.0, 0.0, 1.0)):  # one per source, none switched off
         with pytest.raises(ValueError, match="one weight"):
             source_weights(bad)
 
@@ -157,6 +157,11 @@ def test_the_split_judges_each_users_next_positives_and_never_what_they_saw() ->
     assert split.clicks == [("a", "1"), ("b", "3")] and split.seen == {"a": {"1", "2"}, "b": {"3"}}
     assert split.test == {"a": ["4"], "c": ["6"]} and split.users == ["a"]  # c has nothing before the cut
     assert judge({"a": ["9", "4"]}, split, k=2) == (1.0, 1 / np.log2(3))
+    assert split.excluded("a") == {"1", "2"} and split.excluded("c") == set()
+    # where items repeat (groceries), a user's own items are candidates, and may be what they want next
+    again = Split.at([*rows, ("a", "1", 14, True)], cut=10, next_n=5, length=20, repeats=True)
+    assert again.test["a"] == ["4", "1"] and again.excluded("a") == set()
+    assert judge({"a": ["1", "4"]}, again, k=2)[0] == 1.0
 
 
 def test_the_towers_inputs_are_the_specs_attributes(tmp_path) -> None:
