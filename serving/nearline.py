@@ -24,7 +24,10 @@ Keys (prefix `retrieval.key_prefix`):
     {p}:v{V}:users       hash: user id -> user-tower embedding (float32 bytes, as a query) of version V
     {p}:v{V}:categories  hash: item id -> its category (the ranker's user x category features)
     {p}:recent           hash: user id -> JSON list of their recent positive items, newest last
-    {p}:clicked:{user}   set: every item the user acted on positively (never recommended again)
+    {p}:clicked:{user}   set: every item the user acted on positively (not recommended again, unless
+                         the spec says items repeat)
+    {p}:repeated:{user}  sorted set (a spec whose items repeat): the user's own items as `popular:decayed`
+                         holds everyone's, the heaviest `retrieval.repeat_items` kept: the repeat source
     {p}:popular:decayed  sorted set: per item, log2 of its positive actions' decayed weights' sum
                          (models/recall.py `recently_popular`: the popularity source follows time)
 
