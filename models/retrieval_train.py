@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from itertools import islice
@@ -98,16 +99,24 @@ def split_of(s: Settings, start: datetime, cut: datetime, end: datetime) -> Spli
 
 
 def baseline_lists(s: Settings, split: Split, k: int) -> dict[str, dict[str, list[str]]]:
-    """Per judged user, the top k items (of those the split does not exclude) of item popularity (positives before the cut, decayed as the
-    popularity source serves them) and of item co-occurrence (the items most often positive with the user's
-    `retrieval.graph_seeds` newest positives by the same users: the behavior graph's neighbours, unweighted)."""
+    """Per judged user, the top k items (of those the split does not exclude) of item popularity (positives
+    before the cut, decayed as the popularity source serves them), of item co-occurrence (the items most often
+    positive with the user's `retrieval.graph_seeds` newest positives by the same users: the behavior graph's
+    neighbours, unweighted) and, where items repeat, of the user's own items by count, then popularity."""
     ranked = recently_popular(zip((i for _, i in split.clicks), split.times),
                               s.retrieval.popularity_half_life_days * 86_400)
     neighbours = co_interaction(((u, i, 1.0) for u, i in split.clicks), keep=s.graph.neighbours)
     seen = {u: split.excluded(u) for u in split.users}
-    return {"popularity": {u: list(islice((i for i in ranked if i not in seen[u]), k)) for u in split.users},
-            "co-occurrence": {u: neighbours_of(split.recent[u][-s.retrieval.graph_seeds:], neighbours, k, seen[u])
-                              for u in split.users}}
+    lists = {"popularity": {u: list(islice((i for i in ranked if i not in seen[u]), k)) for u in split.users},
+             "co-occurrence": {u: neighbours_of(split.recent[u][-s.retrieval.graph_seeds:], neighbours, k, seen[u])
+                               for u in split.users}}
+    if split.repeats:  # a grocer's first try
+        own: dict[str, Counter] = defaultdict(Counter)
+        for u, i in split.clicks:
+            own[u][i] += 1
+        lists["own-items"] = {u: list(islice(dict.fromkeys([*(i for i, _ in own[u].most_common()), *ranked]), k))
+                              for u in split.users}
+    return lists
 
 
 def build_model(s: Settings, split: Split) -> TwoTower:

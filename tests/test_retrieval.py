@@ -281,3 +281,18 @@ def test_the_near_line_index_follows_the_live_popularity(redis_stack: Settings) 
     index.reprice({tail})
     assert index.frame != frame and served(users[0])[0] == tail  # every item redrawn around the priors now
     assert all(set(served(u)) == set(exact(u)) for u in users)
+
+
+def test_the_gates_baselines_follow_the_datas_repeat_rule() -> None:
+    """Where items repeat, the retrieval gate also records the grocer's baseline (a user's own items by count,
+    then the popular ones) and no baseline leaves a user's own items out; where they do not, none lists them."""
+    from infra.settings import Settings
+    from models.retrieval_train import baseline_lists
+
+    rows = [("a", "milk", 1, True), ("a", "eggs", 2, True), ("a", "milk", 3, True), ("b", "tea", 4, True),
+            ("b", "milk", 5, True), ("c", "tea", 6, True), ("a", "milk", 20, True), ("b", "tea", 21, True)]
+    groceries = baseline_lists(Settings(), Split.at(rows, cut=10, next_n=5, length=20, repeats=True), k=3)
+    assert groceries["own-items"] == {"a": ["milk", "eggs", "tea"], "b": ["tea", "milk", "eggs"]}
+    assert "milk" in groceries["popularity"]["a"]
+    films = baseline_lists(Settings(), Split.at(rows, cut=10, next_n=5, length=20), k=3)
+    assert "own-items" not in films and films["popularity"] == {"a": ["tea"], "b": ["eggs"]}
