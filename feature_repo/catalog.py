@@ -90,8 +90,8 @@ def catalog_rows(s: Settings, table: TableSpec) -> list[dict]:
 def load_catalog(s: Settings) -> dict[str, int]:
     """The spec's item and user tables as catalog snapshots, every table checked before any is written.
     MovieLens' hold from its first rating, a file's from 1970-01-02: the catalog exists before any behavior,
-    so every label's point-in-time join sees it. Loading it again changes nothing. The items' keys go to the stream
-job too (`write_item_keys`: live events without the key take it from there). Returns rows per view."""
+    so every label's point-in-time join sees it. Loading it again changes nothing. The items' keys go to the
+    stream job too (`write_item_keys`: live events without the key take it from there). Returns rows per view."""
     views = ((ITEM_ATTRIBUTES, s.spec.table("item")), (USER_PROFILE, s.spec.table("user")))
     rows = {view: catalog_rows(s, table) for view, table in views}
     if any(table.source == "movielens" for _, table in views):

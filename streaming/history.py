@@ -134,7 +134,7 @@ def write_item_keys(s: Settings) -> int:
     it changes: a catalog loaded while the job runs reaches live events within seconds); the count written."""
     keys, path = item_keys(s), item_keys_path(s)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
+    partial = path.with_name(f".{path.name}.{os.getpid()}")  # the job's start and a `flywheel catalog` may overlap
     partial.write_text(json.dumps(keys))
     os.replace(partial, path)
     return len(keys)
