@@ -27,7 +27,7 @@ from feature_repo.event_log import read_event_log, write_batch
 from feature_repo.store import apply
 from infra import stack
 from infra.redis_clients import graph_store
-from infra.settings import Settings, get_settings, load_settings, override
+from infra.settings import RANKER, RegisteredModel, Settings, get_settings, load_settings, override
 from models import graph
 from streaming.consumer import Consumed
 from streaming.movielens import replay_events
@@ -99,11 +99,11 @@ def training_benchmark(start: datetime, split: datetime) -> None:
     from models.train import train_full, train_incremental
 
     s = get_settings()
-    name = f"{s.models.name}-bench-dags"
-    bench = override(s, "models", name=name, experiment=name)
-    full = train_full(bench, Window(start, split), progress=False)
+    name = f"{s.ranker.name}-bench-dags"
+    bench = RegisteredModel(name, name, RANKER)
+    full = train_full(s, Window(start, split), progress=False, model=bench)
     started = time.perf_counter()
-    baseline = train_incremental(bench, promote=False, progress=False)
+    baseline = train_incremental(s, promote=False, progress=False, model=bench)
     in_process = time.perf_counter() - started
     if baseline is None:
         print("Incremental: no new examples after the split; nothing to time.")

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 from datetime import UTC, datetime
 
 import psutil
 
-from infra.settings import get_settings
+from infra.settings import RANKER, RegisteredModel, get_settings
 from models.dataset import Window
 from models.metrics import RANKING_BASELINES, best_baseline
 from models.train import train_full, train_incremental
@@ -31,7 +30,7 @@ def main() -> None:
     parser.add_argument("--end", default="1998-03-01")
     args = parser.parse_args()
     s = get_settings()
-    s = replace(s, models=replace(s.models, name=f"{s.models.name}-bench", experiment=f"{s.models.experiment}-bench"))
+    bench = RegisteredModel(f"{s.ranker.name}-bench", f"{s.ranker.experiment}-bench", RANKER)
     start, split, end = (datetime.fromisoformat(d).replace(tzinfo=UTC) for d in (args.start, args.split, args.end))
     rows = []
     # The ranker last: the incremental run continues the @champion, which the ablation (not promoted)
@@ -40,10 +39,10 @@ def main() -> None:
                                      ("ranker (long history off)", "ranker", False), ("ranker", "ranker", True)):
         started = time.perf_counter()
         out = train_full(s, Window(start, split), kind=kind, progress=False, long_history=long_history,
-                         promote=name != "ranker (long history off)", baselines=name == "ranker")
+                         promote=name != "ranker (long history off)", baselines=name == "ranker", model=bench)
         rows.append((name, out, time.perf_counter() - started))
     started = time.perf_counter()
-    inc = train_incremental(s, until=end, progress=False)
+    inc = train_incremental(s, until=end, progress=False, model=bench)
     inc_seconds = time.perf_counter() - started
 
     cpu = f"{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"

@@ -69,7 +69,7 @@ def main() -> None:
                          s.streaming.sequence_length)
     live_scores = model.predict(frozen)
 
-    print(f"v{version} of {s.models.name}, trained on [{start.date()}, {end.date()}); test part from {eval_start}")
+    print(f"v{version} of {s.ranker.name}, trained on [{start.date()}, {end.date()}); test part from {eval_start}")
     print("| data | week | AUC | items |\n|---|---|---|---|")
     for week, value, n in by_week(ex.labels[test], test_scores, times[test], end_ms):
         print(f"| test part | {week} | {value:.4f} | {n:,} |")

@@ -88,13 +88,13 @@ def _world(s: Settings, tmp: Path) -> tuple[CtrModel, str, str]:
     model = CtrModel(SPEC)
     model.fit(_examples(20_000, rng), progress=False)
     connect(s)
-    mlflow.set_experiment(s.models.experiment)
+    mlflow.set_experiment(s.ranker.experiment)
     versions = []
     for label in ("v1", "v2"):
         with mlflow.start_run(run_name=label):
             versions.append(log_model(s, model.save(tmp / label), {"kind": "ranker"}))
         model.fit(_examples(5_000, rng), progress=False)
-    connect(s).set_registered_model_alias(s.models.name, CHAMPION, versions[0])
+    connect(s).set_registered_model_alias(s.ranker.name, CHAMPION, versions[0])
     return model, versions[0], versions[1]
 
 
@@ -253,7 +253,7 @@ def swap_times(s: Settings, server: Server, v1: str, v2: str) -> tuple[float, fl
         for version in (v2, v1):
             time.sleep(2)
             moved = time.monotonic()
-            client.set_registered_model_alias(s.models.name, CHAMPION, version)
+            client.set_registered_model_alias(s.ranker.name, CHAMPION, version)
             while not any(t >= moved and v == version for t, v in seen):
                 time.sleep(0.05)
             out.append(min(t for t, v in seen if t >= moved and v == version) - moved)

@@ -102,7 +102,7 @@ def _world(s: Settings, tmp: Path, users: int, items: int, zipf: float) -> tuple
     model = CtrModel(SPEC)
     model.fit(_examples(20_000, rng), progress=False)
     connect(s)
-    mlflow.set_experiment(s.models.experiment)
+    mlflow.set_experiment(s.ranker.experiment)
     off = override(s, "sparse_tier", enabled=False)  # registered only: v1's rows are written below
     versions = []
     for label in ("v1", "v2"):
@@ -167,7 +167,7 @@ def _quiet(s: Settings) -> None:
 def _serve(s: Settings, server: Server, version: str, load: list[dict], rate: float, seconds: float
            ) -> list[float]:
     client = connect(s)
-    client.set_registered_model_alias(s.models.name, CHAMPION, version)
+    client.set_registered_model_alias(s.ranker.name, CHAMPION, version)
     deadline = time.monotonic() + 120
     while sum(1 for line in httpx.get(f"{server.url}/metrics", timeout=5).text.splitlines()
               if line.startswith("flywheel_model_version{") and 'route="champion"' in line
@@ -280,7 +280,7 @@ def main() -> None:
         loads = [[_request(rng, args.users, args.items, args.zipf) for _ in range(int(args.rate * (args.seconds + 3)))]
                  for _ in range(args.rounds + 1)]
         _quiet(s)
-        connect(s).set_registered_model_alias(s.models.name, CHAMPION, v1)
+        connect(s).set_registered_model_alias(s.ranker.name, CHAMPION, v1)
         server = Server(s)
         try:
             latencies: dict[str, list[float]] = {v1: [], v2: []}  # every request's, pooled over the rounds
@@ -295,7 +295,7 @@ def main() -> None:
                         cache["all"] += moved["rows"]
                         each = 1000 * moved["read_s"] / max(moved["reads"], 1)
                         print(f"    store reads {moved['reads']:.0f}, {each:.2f} ms each", flush=True)
-            connect(s).set_registered_model_alias(s.models.name, CHAMPION, v1)
+            connect(s).set_registered_model_alias(s.ranker.name, CHAMPION, v1)
             _serve(s, server, v1, loads[-1], args.rate, 3)
             rss = _workers_rss(server.s)
             delta_s = _delta(s, server, v1, args.delta_rows)

@@ -15,7 +15,7 @@ from airflow.sdk import Param, dag, task
 
 from infra.settings import setting_from_environ
 from promotion import gate_if_asked  # dags/ is on sys.path
-from task_settings import task_settings
+from task_settings import task_model
 
 
 @dag(
@@ -41,16 +41,16 @@ def incremental_training():
         from feature_repo.event_log import last_write
         from models.registry import champion_watermark
 
-        s = task_settings(params)
+        s, model = task_model(params)
         # Most runs of a quiet stack find nothing new: decide that before importing TensorFlow, the
         # bulk of a run's CPU. Events after the watermark reach the log after it too.
-        champion, written = champion_watermark(s), last_write(s)
+        champion, written = champion_watermark(s, model), last_write(s)
         if champion is not None and (written is None or written < champion[1]):
             raise AirflowSkipException(f"nothing logged since @champion v{champion[0]}'s data watermark")
 
         from models.train import train_incremental
 
-        outcome = train_incremental(s, promote=False, progress=False)
+        outcome = train_incremental(s, promote=False, progress=False, model=model)
         if outcome is None:
             raise AirflowSkipException("too few new labelled impressions or clicks since the champion's data watermark "
                                         "to train a version and judge it (the task log says how many)")

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from airflow.sdk import Param, dag, task
 
 from infra.settings import setting_from_environ
-from task_settings import task_settings  # dags/ is on sys.path
+from task_settings import task_model  # dags/ is on sys.path
 
 
 @dag(
@@ -34,16 +34,16 @@ def model_rollback():
         from models.registry import rollback
 
         who = f"airflow:{getattr(dag_run, 'triggering_user_name', None) or 'unknown'}"
-        s = task_settings(params)
-        old, new = rollback(s, params["reason"], params["version"], who=who)
+        s, model = task_model(params)
+        old, new = rollback(s, params["reason"], params["version"], who=who, model=model)
         return {"from": old, "to": new}
 
     @task
     def verify(moved: dict, params=None) -> str:
         from models.registry import CHAMPION, alias_version, connect
 
-        s = task_settings(params)
-        serving = alias_version(connect(s), s.models.name, CHAMPION)
+        s, model = task_model(params)
+        serving = alias_version(connect(s), model.name, CHAMPION)
         if serving != moved["to"]:
             raise RuntimeError(f"@champion is v{serving}, not v{moved['to']} as the rollback set it")
         return serving

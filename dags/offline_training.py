@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 
 from airflow.sdk import Param, dag, task
 from promotion import gate_if_asked  # dags/ is on sys.path
-from task_settings import moment, task_settings
+from task_settings import moment, task_model
 
 from infra.settings import setting_from_environ
 
@@ -53,13 +53,13 @@ def offline_training():
         from models.dataset import NoImpressions, Window
         from models.train import train_full
 
-        s = task_settings(params)
+        s, model = task_model(params)
         end = moment(params["data_end"]) if params["data_end"] else data_interval_end or datetime.now(UTC)
         start = (moment(params["data_start"]) if params["data_start"]
                  else end - timedelta(days=s.airflow.full_training_days))
         try:
             outcome = train_full(s, Window(start, end), kind=params["kind"], promote=False, progress=False,
-                                 baselines=params.get("baselines", False))
+                                 baselines=params.get("baselines", False), model=model)
         except NoImpressions as exc:
             if params["data_start"] or params["data_end"]:
                 raise

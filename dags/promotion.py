@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from airflow.sdk import task
 
-from task_settings import task_settings  # dags/ is on sys.path
+from task_settings import task_model  # dags/ is on sys.path
 
 
 def gate_if_asked(trained) -> None:
@@ -23,6 +23,7 @@ def gate_if_asked(trained) -> None:
 
         from models.train import gate_version
 
-        return asdict(gate_version(task_settings(params), trained["version"]))
+        s, model = task_model(params)
+        return asdict(gate_version(s, trained["version"], model))
 
     trained >> promotion_asked() >> gate(trained)

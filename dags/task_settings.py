@@ -7,13 +7,18 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from infra.settings import Settings, get_settings, override
+from infra.settings import RegisteredModel, Settings, get_settings
 
 
-def task_settings(params: dict | None = None) -> Settings:
-    """The process's settings, for the registered model the run names (`model_name`), if it names one."""
+def task_settings() -> Settings:
+    """The process's settings."""
+    return get_settings()
+
+
+def task_model(params: dict | None) -> tuple[Settings, RegisteredModel]:
+    """The settings and the registered model the run names (`model_name`; the ranker where it names none)."""
     s = get_settings()
-    return override(s, "models", name=params["model_name"]) if params and params.get("model_name") else s
+    return s, s.registered_model((params or {}).get("model_name"))
 
 
 def moment(text: str) -> datetime:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import click
 
 from infra import process
-from infra.settings import Settings, SettingsError, get_settings, override
+from infra.settings import RegisteredModel, Settings, SettingsError, get_settings
 
 if TYPE_CHECKING:
     from streaming.produce import ProduceReport
@@ -471,9 +471,9 @@ _MODEL = click.option("--model", "model_name", default=None,
                             "retrieval.name, flywheel-retrieval).")
 
 
-def _model_settings(model_name: str | None) -> Settings:
+def _registered(model_name: str | None) -> tuple[Settings, RegisteredModel]:
     s = _settings()
-    return override(s, "models", name=model_name) if model_name else s
+    return s, s.registered_model(model_name)
 
 
 @main.command()
@@ -484,7 +484,8 @@ def rollback(why: str, target: str, model_name: str | None) -> None:
     """Move @champion back to the previous champion (or a given version)."""
     from models.registry import rollback as run
 
-    old, new = _models_call(run, _model_settings(model_name), why, target)
+    s, model = _registered(model_name)
+    old, new = _models_call(run, s, why, target, model=model)
     click.echo(f"@champion: v{old} -> v{new}")
 
 
@@ -591,7 +592,8 @@ def versions(model_name: str | None) -> None:
     """Registered versions, newest first, with aliases, lineage and gate decisions."""
     from models.registry import list_versions
 
-    rows = _models_call(list_versions, _model_settings(model_name))
+    s, model = _registered(model_name)
+    rows = _models_call(list_versions, s, model)
     if not rows:
         click.echo("no registered versions")
     for r in rows:

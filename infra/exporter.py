@@ -32,7 +32,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from infra.progress import LATENCY_BUCKETS, Progress, consumer_lag, state_path
-from infra.settings import Settings, get_settings, mlflow_password
+from infra.settings import RANKER, Settings, get_settings, mlflow_password
 
 log = logging.getLogger("flywheel.exporter")
 
@@ -198,7 +198,7 @@ class RedisCollector(Collector):
 
 
 class RegistryCollector(Collector):
-    """The aliases of the registered models (the ranker's and the retrieval model's), as MLflow says them."""
+    """The aliases of the registered models the settings declare, as MLflow says them."""
 
     def __init__(self, s: Settings) -> None:
         self.s = s
@@ -209,7 +209,8 @@ class RegistryCollector(Collector):
         samples: list[tuple[list[str], float]] = []
         numbers: list[tuple[list[str], float]] = []
         freshness: list[tuple[list[str], float]] = []
-        for model in (self.s.models.name, self.s.retrieval.name):
+        for registered in self.s.registered_models:
+            model = registered.name
             try:
                 answer = self.http.get("/api/2.0/mlflow/registered-models/get", params={"name": model})
             except httpx.HTTPError as exc:
@@ -221,7 +222,7 @@ class RegistryCollector(Collector):
             for alias in answer.json()["registered_model"].get("aliases", []):
                 samples.append(([model, alias["alias"], str(alias["version"])], 1.0))
                 numbers.append(([model, alias["alias"]], float(alias["version"])))
-                if model == self.s.models.name:
+                if registered.role == RANKER:
                     freshness.extend(self._freshness(model, alias["alias"], str(alias["version"])))
         yield _gauge("flywheel_registry_alias_version", "The version number each alias points at (versions over "
                      "time on a graph).", ["model", "alias"], numbers)

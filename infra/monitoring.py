@@ -45,7 +45,7 @@ class Alert:
 def alerts(s: Settings) -> list[Alert]:
     stall, deadline_s = s.stack.stall_after_s, s.serving.default_deadline_ms / 1000
     served = 'flywheel_model_version{route="champion"} == 1'
-    champion = f'flywheel_registry_alias{{model="{s.models.name}", alias="champion"}}'
+    champion = f'flywheel_registry_alias{{model="{s.ranker.name}", alias="champion"}}'
     return [
         Alert("FlywheelTargetDown", "up == 0", "scrape target {{ $labels.job }} ({{ $labels.instance }}) "
               "is down: Prometheus' /targets page says why", for_s=30),

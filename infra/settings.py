@@ -565,6 +565,21 @@ class PrometheusSettings:
         return _host_port(self.exporter_url, default_port=9464)
 
 
+RANKER, RETRIEVAL = "ranker", "retrieval"  # the roles of a registered model: what trains and gates it
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    """One model under its name in the MLflow registry: its versions, aliases (@champion, @challenger,
+    @control) and canary. Passed to whatever registers, gates, follows or rolls back its versions; the
+    declared ones are `Settings.ranker` and `Settings.retriever`, and `Settings.registered_model` finds one by
+    name."""
+
+    name: str
+    experiment: str  # where its training runs are logged
+    role: str  # RANKER or RETRIEVAL
+
+
 @dataclass(frozen=True)
 class Settings:
     paths: PathSettings = field(default_factory=PathSettings)
@@ -591,6 +606,29 @@ class Settings:
     def spec(self) -> DatasetSpec:
         """The dataset spec at `dataset.spec` (read once per process)."""
         return load_spec(self.dataset.spec)
+
+    @property
+    def ranker(self) -> RegisteredModel:
+        """The ranking model `/rank` serves (`models.name`)."""
+        return RegisteredModel(self.models.name, self.models.experiment, RANKER)
+
+    @property
+    def retriever(self) -> RegisteredModel:
+        """The two-tower retrieval model `/recommend` recalls with (`retrieval.name`)."""
+        return RegisteredModel(self.retrieval.name, self.retrieval.experiment, RETRIEVAL)
+
+    @property
+    def registered_models(self) -> tuple[RegisteredModel, ...]:
+        """Every model this deployment declares: what the exporter reports and `registered_model` finds."""
+        return self.ranker, self.retriever
+
+    def registered_model(self, name: str | None) -> RegisteredModel:
+        """The declared model called `name` (None: the ranker). Another name is a ranker of that name, logged to
+        the ranker's experiment: a run may train and gate a model of its own (a benchmark's, a user's trial)."""
+        if not name:
+            return self.ranker
+        declared = {m.name: m for m in self.registered_models}
+        return declared.get(name) or RegisteredModel(name, self.models.experiment, RANKER)
 
 
 def peer_port(port: int) -> int:

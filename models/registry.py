@@ -34,7 +34,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from contract.examples import Examples, from_frame
-from infra.settings import MLFLOW_CLIENT_ENV, ModelsSettings, Settings, mlflow_password
+from infra.settings import MLFLOW_CLIENT_ENV, ModelsSettings, RegisteredModel, Settings, mlflow_password
 from models.foreign import ForeignModel
 from models.metrics import auc, auc_difference, calibration
 
@@ -95,41 +95,42 @@ class CtrPyfunc(mlflow.pyfunc.PythonModel):
 
 
 def log_model(s: Settings, export_dir: Path, tags: dict[str, str], delta_dir: Path | None = None,
-              base: str | None = None) -> str:
+              base: str | None = None, model: RegisteredModel | None = None) -> str:
     """Log the export as the active run's pyfunc model and register it; returns the new version. `base`: the
     export is a delta (`CtrModel.save_delta`) of that version, which loading resolves first. With the
     sparse tier on, its tables (only `delta_dir`'s rows where the store holds its parent) are written to
     the embedding store too; a version the store refuses is tagged `sparse_tier_refused` and raises."""
     import tensorflow as tf
 
+    name = (model or s.ranker).name
     if base is not None:
-        (export_dir / BASE_FILE).write_text(f"models:/{s.models.name}/{base}\n")
+        (export_dir / BASE_FILE).write_text(f"models:/{name}/{base}\n")
         tags = tags | {"sparse_base": base}
 
     info = mlflow.pyfunc.log_model(
         name="model", python_model=CtrPyfunc(), artifacts={"model": str(export_dir)},
         pip_requirements=[f"tensorflow-cpu=={tf.__version__}", f"mlflow=={mlflow.__version__}"],
-        registered_model_name=s.models.name)
+        registered_model_name=name)
     version = str(info.registered_model_version)
     client = connect(s)
     for key, value in tags.items():
-        client.set_model_version_tag(s.models.name, version, key, value)
+        client.set_model_version_tag(name, version, key, value)
     if s.sparse_tier.enabled:
         from models import sparse_tier  # Kafka and Redis clients: only where the tier is on
 
-        newest = sorted((int(v.version) for v in client.search_model_versions(f"name='{s.models.name}'")),
+        newest = sorted((int(v.version) for v in client.search_model_versions(f"name='{name}'")),
                         reverse=True)[: s.sparse_tier.keep_versions]
-        keep = set(aliases(client, s.models.name).values()) | {str(v) for v in newest}
+        keep = set(aliases(client, name).values()) | {str(v) for v in newest}
         try:
-            sparse_tier.publish(s, version, tags.get("parent_version", ""), export_dir, delta_dir, keep)
+            sparse_tier.publish(s, version, tags.get("parent_version", ""), export_dir, delta_dir, keep, model)
         except sparse_tier.StoreFull as exc:
-            client.set_model_version_tag(s.models.name, version, "sparse_tier_refused", str(exc))
+            client.set_model_version_tag(name, version, "sparse_tier_refused", str(exc))
             raise
         except (redis.RedisError, sparse_tier.MissingVersion) as exc:  # the store away, or its parent gone from it:
             # servers load this version whole, as without the tier
             log.warning("v%s not written to the embedding store (%s: %s); servers will load it whole", version,
                         type(exc).__name__, exc)
-            client.set_model_version_tag(s.models.name, version, "sparse_tier_error", f"{type(exc).__name__}: {exc}")
+            client.set_model_version_tag(name, version, "sparse_tier_error", f"{type(exc).__name__}: {exc}")
     return version
 
 
@@ -186,10 +187,10 @@ def routing(client: MlflowClient, name: str) -> Routing:
     return Routing(named, share if applies else 100.0, version or None)
 
 
-def start_canary(s: Settings, version: str, previous: str) -> None:
+def start_canary(s: Settings, version: str, previous: str, model: RegisteredModel | None = None) -> None:
     """`version` is about to become @champion in place of `previous`: @control keeps serving the users
     outside the first share. A canary already running keeps its @control, the last version that passed one."""
-    client, name = connect(s), s.models.name
+    client, name = connect(s), (model or s.ranker).name
     if alias_version(client, name, CONTROL) is None:
         client.set_registered_model_alias(name, CONTROL, previous)
     client.set_registered_model_tag(name, CANARY_TAG, canary_tag(version, s.canary.ramp_percent[0]))
@@ -198,21 +199,21 @@ def start_canary(s: Settings, version: str, previous: str) -> None:
                                  f"serving {s.canary.ramp_percent[0]:g}% of users; @control serves the others")
 
 
-def end_canary(s: Settings) -> None:
+def end_canary(s: Settings, model: RegisteredModel | None = None) -> None:
     """Every user to @champion: @control and the share removed (a canary ramped, or a rollback)."""
-    client, name = connect(s), s.models.name
-    model = client.get_registered_model(name)
-    if CONTROL in model.aliases:
+    client, name = connect(s), (model or s.ranker).name
+    held = client.get_registered_model(name)
+    if CONTROL in held.aliases:
         client.delete_registered_model_alias(name, CONTROL)
-    if CANARY_TAG in model.tags:
+    if CANARY_TAG in held.tags:
         client.delete_registered_model_tag(name, CANARY_TAG)
 
 
-def load_version(s: Settings, version: str) -> CtrModel | ForeignModel:
+def load_version(s: Settings, version: str, model: RegisteredModel | None = None) -> CtrModel | ForeignModel:
     """The in-memory model of a registered version: the platform's own (its export, as logged), or a
     pyfunc of another flavor over the contract's frame (models/foreign.py)."""
     connect(s)
-    pyfunc = mlflow.pyfunc.load_model(f"models:/{s.models.name}/{version}")
+    pyfunc = mlflow.pyfunc.load_model(f"models:/{(model or s.ranker).name}/{version}")
     try:
         inner = pyfunc.unwrap_python_model()
     except MlflowException:  # another flavor (lightgbm, sklearn, ...): no PythonModel inside
@@ -220,14 +221,15 @@ def load_version(s: Settings, version: str) -> CtrModel | ForeignModel:
     return inner.model if isinstance(inner, CtrPyfunc) else ForeignModel(pyfunc, version)
 
 
-def version_tags(s: Settings, version: str) -> dict[str, str]:
-    return dict(connect(s).get_model_version(s.models.name, version).tags)
+def version_tags(s: Settings, version: str, model: RegisteredModel | None = None) -> dict[str, str]:
+    return dict(connect(s).get_model_version((model or s.ranker).name, version).tags)
 
 
-def champion_watermark(s: Settings) -> tuple[str, datetime] | None:
+def champion_watermark(s: Settings, model: RegisteredModel | None = None) -> tuple[str, datetime] | None:
     """@champion's version and the end of the data it was trained on (None: no champion yet)."""
-    version = alias_version(connect(s), s.models.name, CHAMPION)
-    return None if version is None else (version, datetime.fromisoformat(version_tags(s, version)["data_end"]))
+    version = alias_version(connect(s), (model or s.ranker).name, CHAMPION)
+    return None if version is None else (version,
+                                         datetime.fromisoformat(version_tags(s, version, model)["data_end"]))
 
 
 @dataclass(frozen=True)
@@ -262,7 +264,7 @@ def _guardrail(s: Settings, evaluation: Examples, probabilities: np.ndarray) -> 
 
 
 def gate(s: Settings, version: str, candidate: CtrModel | ForeignModel, evaluation: Examples, window: str,
-         scored: dict[str, np.ndarray] | None = None) -> Decision:
+         scored: dict[str, np.ndarray] | None = None, model: RegisteredModel | None = None) -> Decision:
     """Promote `version` to @champion unless a guardrail refuses it, otherwise make it @challenger and
     record why. In order: lineage (a version continuing a parent that is no longer the champion), evidence
     (too few examples or clicks in `evaluation` to judge anything), calibration (mean predicted CTR out
@@ -270,8 +272,8 @@ def gate(s: Settings, version: str, candidate: CtrModel | ForeignModel, evaluati
     one-sided significance `gate_alpha` by DeLong's test), floor (worse, by the same test, than the last
     version that passed a canary or the first champion (`floor_version`), or than a constant score). A
     difference the window cannot tell from noise does not hold back a fresher model. `scored`: versions' scores of `evaluation` the caller has
-    (an incremental run's parent's), not loaded again."""
-    client, name, m = connect(s), s.models.name, s.models
+    (an incremental run's parent's), not loaded again. `model`: whose version it is (the ranker by default)."""
+    client, name, m = connect(s), (model or s.ranker).name, s.models
     probabilities = candidate.predict(evaluation)
     candidate_auc = auc(evaluation.labels, probabilities)  # fails before any alias moves
     champion = alias_version(client, name, CHAMPION)
@@ -287,7 +289,7 @@ def gate(s: Settings, version: str, candidate: CtrModel | ForeignModel, evaluati
     else:
         def scores(v: str) -> np.ndarray:
             known = (scored or {}).get(v)
-            return known if known is not None else load_version(s, v).predict(evaluation)
+            return known if known is not None else load_version(s, v, model).predict(evaluation)
 
         said = []
         if champion is None:
@@ -313,7 +315,7 @@ def gate(s: Settings, version: str, candidate: CtrModel | ForeignModel, evaluati
                     break
         reason = "; ".join(said)
     return decide(s, version, guardrail, reason, candidate_auc, champion, champion_auc,
-                  {"gate_auc": f"{candidate_auc:.6f}"}, canary=s.canary.enabled)
+                  {"gate_auc": f"{candidate_auc:.6f}"}, canary=s.canary.enabled, model=model)
 
 
 def _versus(m: ModelsSettings, labels: np.ndarray, candidate: np.ndarray, reference: np.ndarray, what: str) -> tuple[bool, str]:
@@ -340,11 +342,13 @@ def floor_version(client: MlflowClient, name: str) -> str | None:
 
 
 def decide(s: Settings, version: str, guardrail: str | None, reason: str, score: float, champion: str | None,
-           champion_score: float | None, tags: dict[str, str], canary: bool = False) -> Decision:
-    """Record a gate's decision on `version` of `s.models.name` (tags: decision, reason, guardrail, the
-    champion it replaces) and move the alias: @champion unless a guardrail refused it, else @challenger.
-    `canary`: a promotion that replaces a champion starts a canary (start_canary) before @champion moves."""
-    client, name = connect(s), s.models.name
+           champion_score: float | None, tags: dict[str, str], canary: bool = False,
+           model: RegisteredModel | None = None) -> Decision:
+    """Record a gate's decision on `version` of `model` (the ranker by default; tags: decision, reason,
+    guardrail, the champion it replaces) and move the alias: @champion unless a guardrail refused it, else
+    @challenger. `canary`: a promotion that replaces a champion starts a canary (start_canary) before @champion
+    moves."""
+    client, name = connect(s), (model or s.ranker).name
     promoted = guardrail is None
     if guardrail:
         reason = f"{guardrail} guardrail: {reason}"
@@ -355,19 +359,20 @@ def decide(s: Settings, version: str, guardrail: str | None, reason: str, score:
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, value)
     if promoted and canary and champion not in (None, version):
-        start_canary(s, version, champion)  # before @champion moves: no poll sees the new one serve everyone
+        start_canary(s, version, champion, model)  # before @champion moves: no poll sees the new one serve everyone
     client.set_registered_model_alias(name, CHAMPION if promoted else CHALLENGER, version)
     if promoted and alias_version(client, name, CHALLENGER) == version:
         client.delete_registered_model_alias(name, CHALLENGER)
     return Decision(version, promoted, reason, score, champion, champion_score, guardrail)
 
 
-def rollback(s: Settings, why: str, to: str = "previous", who: str | None = None) -> tuple[str, str]:
-    """Move @champion back to the champion before it (or to version `to`), recording who and why.
-    Returns (from version, to version)."""
+def rollback(s: Settings, why: str, to: str = "previous", who: str | None = None,
+             model: RegisteredModel | None = None) -> tuple[str, str]:
+    """Move @champion of `model` (the ranker by default) back to the champion before it (or to version `to`),
+    recording who and why. Returns (from version, to version)."""
     if not why.strip():
         raise RegistryError("a rollback needs a reason")
-    client, name = connect(s), s.models.name
+    client, name = connect(s), (model or s.ranker).name
     current = alias_version(client, name, CHAMPION)
     if current is None:
         raise RegistryError(f"{name} has no @champion to roll back")
@@ -379,7 +384,7 @@ def rollback(s: Settings, why: str, to: str = "previous", who: str | None = None
     except MlflowException:
         raise RegistryError(f"{name} has no version {target}") from None
     client.set_registered_model_alias(name, CHAMPION, target)
-    end_canary(s)  # the version rolled back to serves everyone
+    end_canary(s, model)  # the version rolled back to serves everyone
     for key, value in {"rolled_back_to": target, "rolled_back_by": who or getpass.getuser(),
                        "rolled_back_reason": why, "rolled_back_at": datetime.now(UTC).isoformat()}.items():
         client.set_model_version_tag(name, current, key, value)
@@ -388,10 +393,10 @@ def rollback(s: Settings, why: str, to: str = "previous", who: str | None = None
     return current, target
 
 
-def list_versions(s: Settings) -> list[dict[str, str]]:
-    """Every version, newest first, with its aliases, kind, window, parent, gate decision, AUC, rollback and
-    canary (its decision, else its status)."""
-    client, name = connect(s), s.models.name
+def list_versions(s: Settings, model: RegisteredModel | None = None) -> list[dict[str, str]]:
+    """Every version of `model` (the ranker by default), newest first, with its aliases, kind, window, parent,
+    gate decision, AUC, rollback and canary (its decision, else its status)."""
+    client, name = connect(s), (model or s.ranker).name
     try:
         aliases = client.get_registered_model(name).aliases  # alias -> version
         versions = client.search_model_versions(f"name='{name}'")

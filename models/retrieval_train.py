@@ -33,7 +33,7 @@ import tensorflow as tf
 from feature_repo.definitions import ITEM_ATTRIBUTES, TIMESTAMP_FIELD, USER_PROFILE, BatchView
 from feature_repo.event_log import read_event_log
 from feature_repo.files import view_dir
-from infra.settings import Settings, override
+from infra.settings import Settings
 from models.recall import PopularityPrior, co_interaction, neighbours_of, recently_popular
 from models.registry import CHAMPION, Decision, alias_version, connect, decide
 from models.retrieval import Catalogue, Profiles, Split, TwoTower, judge, two_tower_lists
@@ -152,7 +152,7 @@ class RetrievalPyfunc(mlflow.pyfunc.PythonModel):
 
 def load_retrieval(s: Settings, version: str) -> TwoTower:
     connect(s)
-    return mlflow.pyfunc.load_model(f"models:/{s.retrieval.name}/{version}").unwrap_python_model().model
+    return mlflow.pyfunc.load_model(f"models:/{s.retriever.name}/{version}").unwrap_python_model().model
 
 
 def train_retrieval(s: Settings, start: datetime, end: datetime, seed: int = 7) -> RetrievalOutcome:
@@ -170,7 +170,7 @@ def train_retrieval(s: Settings, start: datetime, end: datetime, seed: int = 7) 
     recall, ndcg = judge(two_tower_lists(model, split, r.gate_k, PopularityPrior.of(r)), split, r.gate_k)
     baselines = {name: dict(zip(("recall", "ndcg"), judge(lists, split, r.gate_k)))
                  for name, lists in baseline_lists(s, split, r.gate_k).items()}
-    mlflow.set_experiment(r.experiment)
+    mlflow.set_experiment(s.retriever.experiment)
     with mlflow.start_run(run_name="two-tower"), tempfile.TemporaryDirectory() as tmp:
         mlflow.log_params({"data_start": start.isoformat(), "data_end": end.isoformat(), "eval_start": cut.isoformat(),
                            "dim": r.dim, "sequence_length": r.sequence_length, "epochs": r.epochs,
@@ -185,13 +185,13 @@ def train_retrieval(s: Settings, start: datetime, end: datetime, seed: int = 7) 
         info = mlflow.pyfunc.log_model(
             name="model", python_model=RetrievalPyfunc(), artifacts={"model": str(Path(tmp) / "model")},
             pip_requirements=[f"tensorflow-cpu=={tf.__version__}", f"mlflow=={mlflow.__version__}"],
-            registered_model_name=r.name)
+            registered_model_name=s.retriever.name)
     version = str(info.registered_model_version)
     client = connect(s)
     for key, value in {"kind": "two-tower", "data_start": start.isoformat(), "data_end": end.isoformat(),
                        "eval_start": cut.isoformat(), "eval_end": end.isoformat(),
                        "gate_recall": f"{recall:.6f}"}.items():
-        client.set_model_version_tag(r.name, version, key, value)
+        client.set_model_version_tag(s.retriever.name, version, key, value)
     return RetrievalOutcome(version, recall, ndcg, len(split.users), len(split.clicks), time.perf_counter() - started,
                             baselines)
 
@@ -199,14 +199,14 @@ def train_retrieval(s: Settings, start: datetime, end: datetime, seed: int = 7) 
 def gate_retrieval(s: Settings, version: str) -> Decision:
     """Promote `version` to the retrieval @champion, or make it @challenger, by recall@K on its own
     evaluation window against the champion's on the same window."""
-    r, client = s.retrieval, connect(s)
-    tags = client.get_model_version(r.name, version).tags
+    r, name, client = s.retrieval, s.retriever.name, connect(s)
+    tags = client.get_model_version(name, version).tags
     start, cut, end = (datetime.fromisoformat(tags[k]) for k in ("data_start", "eval_start", "data_end"))
     split = split_of(s, start, cut, end)
     window = f"{len(split.users)} users' next positives in [{tags['eval_start']}, {tags['eval_end']})"
     prior = PopularityPrior.of(r)
     recall, _ = judge(two_tower_lists(load_retrieval(s, version), split, r.gate_k, prior), split, r.gate_k)
-    champion, champion_recall, guardrail = alias_version(client, r.name, CHAMPION), None, None
+    champion, champion_recall, guardrail = alias_version(client, name, CHAMPION), None, None
     if champion == version:
         reason = f"v{version} is already the champion"
     elif len(split.users) < r.gate_min_users:
@@ -220,8 +220,8 @@ def gate_retrieval(s: Settings, version: str) -> Decision:
         guardrail = "recall" if worse else None
         reason = (f"recall@{r.gate_k} {recall:.4f} vs champion v{champion}'s {champion_recall:.4f} on {window}: "
                   f"{'worse' if worse else 'not worse'} beyond the tolerance {r.max_recall_drop}")
-    return decide(override(s, "models", name=r.name), version, guardrail, reason, recall, champion,
-                  champion_recall, {"gate_recall": f"{recall:.6f}"})
+    return decide(s, version, guardrail, reason, recall, champion, champion_recall, {"gate_recall": f"{recall:.6f}"},
+                  model=s.retriever)
 
 
 def retrieval_window(s: Settings, end: datetime | None) -> tuple[datetime, datetime]:

@@ -23,7 +23,7 @@ import numpy as np
 
 from contract.examples import PAD, Examples
 from infra.redis_clients import embedding_store
-from infra.settings import Settings
+from infra.settings import RegisteredModel, Settings
 from models.ctr import TABLES, CtrModel, ModelSpec, load_snapshot
 from models.embedding_store import EmbeddingStore, MissingVersion, StoreFull, TableRows, TableState, VersionInfo
 from models.sparse import SparseTable
@@ -50,9 +50,10 @@ class DeltaPart(msgspec.Struct, frozen=True):
     announced_ms: int
 
 
-def store(s: Settings, **options: object) -> EmbeddingStore:
+def store(s: Settings, model: RegisteredModel | None = None, **options: object) -> EmbeddingStore:
+    """The embedding store's view of `model`'s versions (the ranker by default)."""
     client = embedding_store(s, **options)
-    return EmbeddingStore(client, s.models.name, s.sparse_tier.key_prefix, s.sparse_tier.max_lineage)
+    return EmbeddingStore(client, (model or s.ranker).name, s.sparse_tier.key_prefix, s.sparse_tier.max_lineage)
 
 
 def export_rows(directory: Path) -> dict[str, TableRows]:
@@ -66,13 +67,13 @@ def export_rows(directory: Path) -> dict[str, TableRows]:
     return out
 
 
-def pull(s: Settings, version: str, ex: Examples) -> CtrModel | None:
+def pull(s: Settings, version: str, ex: Examples, model: RegisteredModel | None = None) -> CtrModel | None:
     """`version` continued from the embedding store: its dense weights and the rows `ex` touches, with their
     training state; nothing else is read. Training on `ex` then changes what training the whole version on it
     would. None (with the reason logged) where the store cannot give it: the version or its training state is
     not there, its lineage is at `max_lineage` (the next version is written whole, which needs every row), or
     its spec evicts rows (eviction sweeps every row)."""
-    emb = store(s)
+    emb = store(s, model)
     try:
         lineage = emb.lineage(version)
         if lineage[0].depth + 1 >= emb.max_lineage:
@@ -96,12 +97,12 @@ def pull(s: Settings, version: str, ex: Examples) -> CtrModel | None:
 
 
 def publish(s: Settings, version: str, parent: str, export_dir: Path, delta_dir: Path | None,
-            keep: set[str]) -> VersionInfo:
+            keep: set[str], model: RegisteredModel | None = None) -> VersionInfo:
     """Write the version's tables (its delta when it has one and the store holds its parent) and compact the
     store to the lineages of `keep` and this version; announce the delta. Raises StoreFull when Redis
     refuses the rows."""
     spec = (export_dir / "spec.json").read_text()
-    emb = store(s)
+    emb = store(s, model)
     started = time.perf_counter()
 
     def full() -> dict[str, TableRows]:
@@ -128,7 +129,7 @@ def write(s: Settings, emb: EmbeddingStore, version: str, parent: str, dim: int,
 
         def send(planned: VersionInfo, rows: dict[str, TableRows]) -> None:
             if rows:
-                sent.append(pool.submit(announce, s, planned, rows))
+                sent.append(pool.submit(announce, s, planned, rows, emb.model))
 
         info = emb.write(version, parent, dim, spec, dense, delta=delta, full=full, on_delta=send)
         for future in sent:
@@ -140,9 +141,10 @@ def write(s: Settings, emb: EmbeddingStore, version: str, parent: str, dim: int,
     return info
 
 
-def announce(s: Settings, info: VersionInfo, tables: dict[str, TableRows]) -> int:
-    """Send the delta's rows to every serving worker; returns the messages sent. Best effort: a worker that
-    misses it reads the rows from the store (its cache of the version starts empty)."""
+def announce(s: Settings, info: VersionInfo, tables: dict[str, TableRows], model: str | None = None) -> int:
+    """Send the delta's rows of `model`'s version (the ranker's by default) to every serving worker; returns the
+    messages sent. Best effort: a worker that misses it reads the rows from the store (its cache of the version
+    starts empty)."""
     size = s.sparse_tier.delta_part_rows
     ensure_topics(s, [s.sparse_tier.deltas_topic])
     parts = [(name, a) for name, rows in tables.items() for a in range(0, max(len(rows.ids), 1), size)]
@@ -152,7 +154,7 @@ def announce(s: Settings, info: VersionInfo, tables: dict[str, TableRows]) -> in
     for n, (name, a) in enumerate(parts):
         rows = tables[name]
         ids = rows.ids[a:a + size]
-        body = DeltaPart(s.models.name, info.version, info.parent, name, n, len(parts), info.dim,
+        body = DeltaPart(model or s.ranker.name, info.version, info.parent, name, n, len(parts), info.dim,
                          ids.astype(str).tolist(), np.ascontiguousarray(rows.values[a:a + size], "<f4").tobytes(),
                          rows.removed.astype(str).tolist() if a == 0 else [], now)
         while True:

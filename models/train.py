@@ -24,7 +24,7 @@ import mlflow
 import numpy as np
 
 from contract.examples import Examples
-from infra.settings import Settings
+from infra.settings import RegisteredModel, Settings
 from models import plots
 from models.architectures import architecture
 from models.ctr import CtrModel, ModelSpec
@@ -81,17 +81,19 @@ def _iso(t: datetime) -> str:
 
 
 def train_full(s: Settings, window: Window, kind: str | None = None, promote: bool = True,
-               progress: bool = True, long_history: bool = True, baselines: bool = False) -> TrainOutcome:
-    """A new version of architecture `kind` (None: `models.architecture`). `baselines`: also the test AUC
-    of item popularity (`test_auc_popularity`) and of the logistic baseline trained on the same parts
-    (`test_auc_logreg`): what the version must beat, on the same split."""
+               progress: bool = True, long_history: bool = True, baselines: bool = False,
+               model: RegisteredModel | None = None) -> TrainOutcome:
+    """A new version of `model` (the ranker by default) of architecture `kind` (None: `models.architecture`).
+    `baselines`: also the test AUC of item popularity (`test_auc_popularity`) and of the logistic baseline
+    trained on the same parts (`test_auc_logreg`): what the version must beat, on the same split."""
+    registered = model or s.ranker
     kind = architecture(kind or s.models.architecture).name  # an unknown one fails before any work
     connect(s)  # fail before any work when the registry is unreachable
     ex, times = training_set(s, window, s.streaming.sequence_length)
     train, validation, test, spans = chronological_split(ex, times)
     for part, what in ((train, "train split"), (validation, "validation split"), (test, "test split")):
         check_labels(part, f"{what} of {window}")
-    mlflow.set_experiment(s.models.experiment)
+    mlflow.set_experiment(registered.experiment)
     with mlflow.start_run(run_name=f"full-{kind}"), tempfile.TemporaryDirectory() as tmp:
         model = CtrModel(model_spec(s, kind, long_history))
         model.adapt(train)
@@ -113,8 +115,10 @@ def train_full(s: Settings, window: Window, kind: str | None = None, promote: bo
                                       "eval_end": spans["test"].split(" .. ")[1], "parent_version": "",
                                       **_terms_tags(model.spec),
                                       **({"best_baseline": f"{strongest[0]} {strongest[1]:.4f} (test AUC "
-                                                           f"{metrics['test_auc']:.4f})"} if strongest else {})})
-    decision = gate(s, version, model, test, f"test window {spans['test']}") if promote else None
+                                                           f"{metrics['test_auc']:.4f})"} if strongest else {})},
+                            model=registered)
+    decision = (gate(s, version, model, test, f"test window {spans['test']}", model=registered) if promote
+                else None)
     return TrainOutcome(version, decision, metrics, window, samples_per_s)
 
 
@@ -150,12 +154,14 @@ def baseline_aucs(s: Settings, train: Examples, validation: Examples, test: Exam
 
 
 def train_incremental(s: Settings, until: datetime | None = None, promote: bool = True,
-                      progress: bool = True) -> TrainOutcome | None:
-    """Continue `@champion` on the events since its data watermark. Returns None (and trains nothing)
-    when the newest 20% of them, the gate's evaluation window, is too small to judge a version on."""
-    champion = champion_watermark(s)
+                      progress: bool = True, model: RegisteredModel | None = None) -> TrainOutcome | None:
+    """Continue `@champion` of `model` (the ranker by default) on the events since its data watermark. Returns
+    None (and trains nothing) when the newest 20% of them, the gate's evaluation window, is too small to judge
+    a version on."""
+    registered = model or s.ranker
+    champion = champion_watermark(s, registered)
     if champion is None:
-        raise ValueError(f"{s.models.name} has no @champion to continue from: run full training first")
+        raise ValueError(f"{registered.name} has no @champion to continue from: run full training first")
     parent, watermark = champion
     window = Window(watermark, until or datetime.now(UTC))
     try:
@@ -171,10 +177,10 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
         return None
     check_labels(train, f"new events {window}")
     check_labels(evaluation, f"evaluation part of {window}")
-    model, pulled = _warm_start(s, parent, ex)
+    model, pulled = _warm_start(s, parent, ex, registered)
     scored = {parent: model.predict(evaluation)} if promote else {}  # the gate's champion, before any step
     base_versions = model.versions()
-    mlflow.set_experiment(s.models.experiment)
+    mlflow.set_experiment(registered.experiment)
     with mlflow.start_run(run_name=f"incremental-{model.spec.kind}"), tempfile.TemporaryDirectory() as tmp:
         mlflow.log_params({"kind": model.spec.kind, "parent_version": parent, "data_start": _iso(window.start),
                            "data_end": _iso(window.end), "warm_start": "store" if pulled else "registry",
@@ -195,13 +201,13 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
             "kind": model.spec.kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
             "eval_start": eval_span[0], "eval_end": eval_span[1], "parent_version": parent,
             "sparse_delta": f"runs:/{mlflow.active_run().info.run_id}/delta", **_terms_tags(model.spec)},
-            delta_dir=delta, base=parent if pulled else None)
-    decision = (gate(s, version, model, evaluation, f"newest 20% of {window}", scored)
+            delta_dir=delta, base=parent if pulled else None, model=registered)
+    decision = (gate(s, version, model, evaluation, f"newest 20% of {window}", scored, registered)
                 if promote else None)
     return TrainOutcome(version, decision, metrics, window, samples_per_s)
 
 
-def _warm_start(s: Settings, parent: str, ex: Examples) -> tuple[CtrModel, bool]:
+def _warm_start(s: Settings, parent: str, ex: Examples, registered: RegisteredModel) -> tuple[CtrModel, bool]:
     """The model an incremental run on `ex` starts from, and whether it came from the embedding store (only
     the rows `ex` touches, with their training state) rather than the registry (the parent whole)."""
     if s.sparse_tier.enabled:
@@ -210,27 +216,28 @@ def _warm_start(s: Settings, parent: str, ex: Examples) -> tuple[CtrModel, bool]
         from models import sparse_tier  # Redis and Kafka clients: only where the tier is on
 
         try:
-            model = sparse_tier.pull(s, parent, ex)
+            model = sparse_tier.pull(s, parent, ex, registered)
         except redis.RedisError as exc:
             log.warning("v%s not continued from the embedding store (%s: %s): loading it whole", parent,
                         type(exc).__name__, exc)
             model = None
         if model is not None:
             return model, True
-    model = load_version(s, parent)
+    model = load_version(s, parent, registered)
     if not isinstance(model, CtrModel):
         raise ValueError(f"@champion v{parent} is a model of another flavor: incremental training continues only "
                          "the platform's own (train a full version, or register the next foreign one)")
     return model, False
 
 
-def gate_version(s: Settings, version: str) -> Decision:
-    """Run the promotion gate for a registered version on its recorded evaluation window."""
-    tags = version_tags(s, version)
+def gate_version(s: Settings, version: str, model: RegisteredModel | None = None) -> Decision:
+    """Run the promotion gate for a registered version of `model` (the ranker by default) on its recorded
+    evaluation window."""
+    tags = version_tags(s, version, model)
     window = Window(datetime.fromisoformat(tags["eval_start"]),
                     datetime.fromisoformat(tags["eval_end"]) + timedelta(milliseconds=1))
     ex, _ = training_set(s, window, s.streaming.sequence_length)
-    return gate(s, version, load_version(s, version), ex, f"its evaluation window {window}")
+    return gate(s, version, load_version(s, version, model), ex, f"its evaluation window {window}", model=model)
 
 
 def _terms_tags(spec: ModelSpec) -> dict[str, str]:

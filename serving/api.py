@@ -261,7 +261,7 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         # Snapshots first (one C-level copy each): the follower thread may change these meanwhile.
         served, warm = list(follower.served.items()), list(follower.warm.items())
         runners, refused = list(follower.runners.items()), dict(follower.refused)
-        return {"model_name": s.models.name, "worker": os.getpid(),
+        return {"model_name": follower.model.name, "worker": os.getpid(),
                 "serving": {route: (m.version if m else None) for route, m in served},
                 "champion_percent": follower.champion_percent,
                 "warm": [v for v, _ in warm], "loaded_by": {v: m.loaded_by for v, m in warm}, "refused": refused,

@@ -53,7 +53,7 @@ import numpy as np
 import pandas as pd
 
 from infra.progress import replace_text, state_path
-from infra.settings import CanarySettings, Settings, get_settings
+from infra.settings import CanarySettings, RegisteredModel, Settings, get_settings
 from models.registry import (
     CANARY_TAG, CHAMPION, CONTROL, RAMPED, canary_tag, connect, end_canary, rollback, routing)
 from serving.outcomes import RANK, clicked_outcomes, endpoints, list_aucs
@@ -237,8 +237,8 @@ def read_state(s: Settings) -> State | None:
 
 
 class Analyst:
-    def __init__(self, s: Settings) -> None:
-        self.s = s
+    def __init__(self, s: Settings, model: RegisteredModel | None = None) -> None:
+        self.s, self.model = s, model or s.ranker  # the registered model whose canaries it judges
         self.state = read_state(s) or State()
         self.state.rollback_failing, self._said, self._served_at = 0, ("", 0.0), 0.0
         self._client, self._moot = None, False
@@ -251,7 +251,7 @@ class Analyst:
 
     def look(self) -> None:
         """One look: judge the canary running, if any, and act on the verdict."""
-        s, name = self.s, self.s.models.name
+        s, name = self.s, self.model.name
         client = self.client()
         try:
             found = routing(client, name)
@@ -303,15 +303,15 @@ class Analyst:
         """Whether `version`'s canary began under PROMOTING_S ago, undecided, and @champion is yet to reach it."""
         if version is None or version == champion:
             return False
-        tags = dict(self.client().get_model_version(self.s.models.name, version).tags)
+        tags = dict(self.client().get_model_version(self.model.name, version).tags)
         started = _ms(tags.get("canary_started_at"))
         return ("canary_decision" not in tags and started is not None
                 and time.time() * 1000 - started < PROMOTING_S * 1000)
 
     def _roll_back(self, champion: str, control: str, reason: str) -> None:
         try:
-            rollback(self.s, f"canary analysis: {reason}", to=control, who=WHO)
-            self.client().set_model_version_tag(self.s.models.name, champion, "canary_decision",
+            rollback(self.s, f"canary analysis: {reason}", to=control, who=WHO, model=self.model)
+            self.client().set_model_version_tag(self.model.name, champion, "canary_decision",
                                                   f"rolled back to v{control}: {reason}")
         except Exception as exc:  # noqa: BLE001 - the registry down: tried again at the next look, and alerted
             self.state.rollback_failing += 1
@@ -325,7 +325,7 @@ class Analyst:
         self.state.rollback_failing, self.state.error = 0, ""
 
     def _ramp(self, champion: str, percent: float, reason: str) -> None:
-        client, name = self.client(), self.s.models.name
+        client, name = self.client(), self.model.name
         steps = [p for p in self.s.canary.ramp_percent if p > percent]
         if steps:
             client.set_registered_model_tag(name, CANARY_TAG, canary_tag(champion, steps[0]))
@@ -333,7 +333,7 @@ class Analyst:
             client.set_model_version_tag(name, champion, "canary_status", f"ramped to {steps[0]:g}% of users: {reason}")
             log.info("v%s ramped to %g%% of users: %s", champion, steps[0], reason)
             return
-        end_canary(self.s)
+        end_canary(self.s, self.model)
         client.set_model_version_tag(name, champion, "canary_decision", f"{RAMPED}: {reason}")
         log.info("v%s ramped to all traffic: %s", champion, reason)
 
@@ -353,7 +353,7 @@ def main() -> None:
     s = get_settings()
     analyst, stopping = Analyst(s), []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    log.info("judging the canaries of %s every %gs (alpha %g, ramp %s%%)", s.models.name, s.canary.interval_s,
+    log.info("judging the canaries of %s every %gs (alpha %g, ramp %s%%)", analyst.model.name, s.canary.interval_s,
              s.canary.alpha, "/".join(f"{p:g}" for p in s.canary.ramp_percent))
     while not stopping:
         try:

@@ -243,7 +243,7 @@ class Inference:
         self.predictions.write(req.user_id, {
             "request_id": req.request_id, "user_id": req.user_id, "items": [c.item_id for c in candidates],
             "categories": [c.category for c in candidates], "scores": scores.tolist(),
-            "model_name": self.s.models.name, "model_version": version, "route": route, "shadow": shadow,
+            "model_name": self.follower.model.name, "model_version": version, "route": route, "shadow": shadow,
             "tier": req.tier, "served_at": int(time.time() * 1000), "features": snapshot} | extra)
 
     # --- the executors --------------------------------------------------------------------------

@@ -1,12 +1,11 @@
-"""Following the MLflow aliases: versions are loaded and warmed in the background, then swapped in
-atomically between batches; recent versions stay warm so a rollback swaps back at once.
+"""The ranker's versions in a ranking worker: following its MLflow aliases (serving/aliases.py), versions are
+loaded and warmed in the background, then swapped in atomically between batches; recent versions stay warm so a
+rollback swaps back at once.
 
-A version that fails to load or warm (missing artifact, a spec the server cannot feed, non-finite
-scores) is refused: logged, counted, retried only every RETRY_REFUSED_S, and the current one keeps
-serving. A fetch that fails while the registry does not answer is an outage, not a bad version: retried
-at the next poll that is answered. An incremental version whose parent is loaded is built from the
-parent plus its sparse delta (`sparse_delta` tag): only the changed rows are downloaded, and nothing is
-compiled.
+A version that fails to load or warm (missing artifact, a spec the server cannot feed, non-finite scores) is
+refused, counted in `flywheel_model_refused_total`, and the current one keeps serving. An incremental version
+whose parent is loaded is built from the parent plus its sparse delta (`sparse_delta` tag): only the changed
+rows are downloaded, and nothing is compiled.
 
 Once the first champion serves, what the worker holds (the libraries, that version) is frozen out of
 the cyclic GC (`gc.freeze`, no collection: nothing waits on it): its full collections otherwise walked
@@ -16,37 +15,33 @@ the cyclic GC (`gc.freeze`, no collection: nothing waits on it): its full collec
 from __future__ import annotations
 
 import gc
-import json
 import logging
-import os
 import tempfile
 import threading
-import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
 import numpy as np
 import redis
 import tensorflow as tf
-from mlflow import MlflowClient
 
 from contract.examples import Examples
 from contract.terms import unmet
-from infra.settings import Settings
+from infra.settings import RegisteredModel, Settings
 from models import sparse_tier
 from models.ctr import CtrModel, ModelSpec
 from models.embedding_store import MissingVersion
 from models.foreign import ForeignModel
-from models.registry import CHALLENGER, CHAMPION, CONTROL, RegistryError, Routing, connect, load_version, routing
+from models.registry import CHALLENGER, CHAMPION, CONTROL, load_version
 from serving import metrics
+from serving.aliases import AliasFollower
 from serving.dense import DenseRunner
 from serving.sparse_tier import Breaker, DeltaListener, RowCache, TieredTables, settle
 
 log = logging.getLogger(__name__)
 ROUTES = (CHAMPION, CHALLENGER, CONTROL)  # @control: the champion before, during the new one's canary
-RETRY_REFUSED_S = 300.0  # a refused version is tried again this long after (a cause may have been transient)
 READ_SHARED_S = 0.1  # how often a worker reads the aliases another worker polled (a file read)
 
 
@@ -86,157 +81,68 @@ def shape_key(spec: ModelSpec) -> tuple:
             spec.token_length)
 
 
-class ModelFollower:
-    """Holds the served versions of @champion, @challenger and @control and keeps them current, with the
-    champion's share of users while @control serves (`champion_percent`)."""
+class ModelFollower(AliasFollower[ServedModel]):
+    """Holds the served versions of the ranker's @champion, @challenger and @control and keeps them current,
+    with the champion's share of users while @control serves (`champion_percent`). The server's workers share
+    one registry poll per `serving.poll_interval_s` through the file `shared`."""
 
-    def __init__(self, s: Settings, warm_example: Examples, shared: Path | None = None) -> None:
-        self.s = s
-        # The server's workers share one registry poll per `serving.poll_interval_s` through this file
-        # (each call costs the MLflow server ~20 ms of CPU): whichever worker finds it older polls and
-        # rewrites it; the others read it.
-        self.shared = shared
+    def __init__(self, s: Settings, warm_example: Examples, shared: Path | None = None,
+                 model: RegisteredModel | None = None) -> None:
+        super().__init__(s, model or s.ranker, ROUTES, s.serving.poll_interval_s, shared)
         self.warm_example = warm_example  # a few real-looking rows every new version must score
         self.runners: dict[tuple, DenseRunner] = {}
-        self.served: dict[str, ServedModel | None] = dict.fromkeys(ROUTES)
         self.warm: OrderedDict[str, ServedModel] = OrderedDict()  # version -> model, most recent last
-        self.champion_percent = 100.0
-        self.refused: dict[str, str] = {}  # version -> why
-        self._refused_at: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._client: MlflowClient | None = None
-        # The registry as the last poll found it: None until the first poll; an error while it is unreachable
-        # (the routes keep the versions they serve: an outage is not an alias change).
-        self.registry_reachable: bool | None = None
-        self.registry_error = ""
-        self.registry_since = time.time()
         # The sparse tier: versions read from the embedding store, each with its cache of hot rows.
         self.caches: dict[str, RowCache] = {}
         self.deltas: DeltaListener | None = None
         if s.sparse_tier.enabled:
             timeout = s.sparse_tier.timeout_ms / 1000
-            self.store = sparse_tier.store(s, socket_timeout=5, socket_connect_timeout=5)  # swaps: meta, dense weights
-            self.batch_store = sparse_tier.store(s, socket_timeout=timeout, socket_connect_timeout=timeout)
+            self.store = sparse_tier.store(s, self.model, socket_timeout=5, socket_connect_timeout=5)  # swaps
+            self.batch_store = sparse_tier.store(s, self.model, socket_timeout=timeout, socket_connect_timeout=timeout)
             self.breaker = Breaker(s.sparse_tier.retry_after_s)
-            self.deltas = DeltaListener(s, self.caches)
-
-    # --- what the executors read (one attribute read: a swap is atomic) -------------------------
-
-    def current(self, route: str) -> ServedModel | None:
-        return self.served[route]
+            self.deltas = DeltaListener(s, self.caches, self.model.name)
 
     @property
     def ready(self) -> bool:
         return self.served[CHAMPION] is not None
 
-    # --- following ------------------------------------------------------------------------------
+    # --- the follower's hooks: metrics ----------------------------------------------------------
 
-    def _registry(self) -> MlflowClient:
-        if self._client is None:  # connecting costs the registry a call: once, not every poll
-            self._client = connect(self.s)
-        return self._client
-
-    def _routing(self) -> Routing:
-        """The registry's aliases and the champion's share, at most `serving.poll_interval_s` old: one
-        registry call, or the shared file when another worker made it recently."""
-        if self.shared is not None:
-            try:
-                if time.time() - self.shared.stat().st_mtime < self.s.serving.poll_interval_s:
-                    return Routing(**json.loads(self.shared.read_text()))
-            except (OSError, ValueError, TypeError):  # absent, mid-replace, or written by an older version
-                pass
-        asked_at = time.time()
-        found = routing(self._registry(), self.s.models.name)
-        if self.shared is not None:
-            tmp = self.shared.with_name(f"{self.shared.name}.{os.getpid()}")
-            tmp.write_text(json.dumps(asdict(found)))
-            os.utime(tmp, (asked_at, asked_at))  # the answer's age counts from the question
-            try:  # a slow answer must not replace one another worker asked for later (a rollback undone)
-                newer = self.shared.stat().st_mtime > asked_at
-            except OSError:
-                newer = False
-            if newer:
-                tmp.unlink()
-            else:
-                tmp.replace(self.shared)
-        return found
-
-    def _registry_state(self, error: str | None) -> None:
-        """Record a poll's outcome; log once per change of reachability, not once per poll."""
-        reachable = error is None
-        self.registry_error = error or ""
-        if reachable == self.registry_reachable:
+    def swapped(self, alias: str, served: ServedModel | None, seconds: float) -> None:
+        metrics.set_version(alias, served.version if served else None)
+        if served is None:
+            log.info("@%s removed", alias)
             return
-        now = time.time()
-        if reachable and self.registry_reachable is False:
-            log.info("registry reachable again after %.0fs; following the aliases", now - self.registry_since)
-        elif not reachable:
-            routes = {r: (m.version if m else None) for r, m in self.served.items()}
-            log.warning("registry unreachable (%s); serving the last known aliases %s until it answers", error, routes)
-        self.registry_reachable, self.registry_since = reachable, now
+        metrics.MODEL_SWAPS.labels(alias).inc()
+        metrics.SWAP_SECONDS.observe(seconds)
+        metrics.WORKER_READY.set(int(self.ready))
+        log.info("@%s now v%s (%s, %.2fs)", alias, served.version, served.loaded_by, seconds)
+
+    def refusing(self, version: str, alias: str) -> None:
+        metrics.MODEL_REFUSED.inc()
+        super().refusing(version, alias)
+
+    def reachability(self, reachable: bool) -> None:
         metrics.REGISTRY_REACHABLE.set(int(reachable))
 
-    def poll_once(self) -> None:
-        """Read the aliases; load, warm and swap in any version that changed."""
-        found = self._routing()
-        named = found.aliases
-        self.champion_percent = found.champion_percent
-        for route in ROUTES:
-            version = named.get(route)
-            current = self.served[route]
-            if version == (current.version if current else None):
-                continue
-            if version is None:
-                if route == CHAMPION:  # never stop serving: keep the last champion
-                    log.warning("@%s was removed; still serving v%s", route, current.version)
-                    continue
-                self.served[route] = None  # canary and shadow traffic stop
-                metrics.set_version(route, None)
-                log.info("@%s removed", route)
-                continue
-            if time.monotonic() - self._refused_at.get(version, -RETRY_REFUSED_S) < RETRY_REFUSED_S:
-                continue
-            started = time.monotonic()
-            try:
-                model = self._obtain(version)
-            except Exception as exc:  # noqa: BLE001 - any failure refuses the version, never the server
-                if not self._registry_answers():  # an outage mid-fetch: the version is not at fault
-                    raise RegistryError(f"v{version} not fetched, the registry does not answer: {exc}") from exc
-                self.refused[version] = f"{type(exc).__name__}: {exc}"
-                self._refused_at[version] = time.monotonic()
-                metrics.MODEL_REFUSED.inc()
-                log.error("refused v%s for @%s: %s; still serving %s", version, route, self.refused[version],
-                          f"v{current.version}" if current else "nothing")
-                continue
-            self.served[route] = model  # the swap: batches started after this use the new version
-            metrics.MODEL_SWAPS.labels(route).inc()
-            metrics.SWAP_SECONDS.observe(time.monotonic() - started)
-            metrics.set_version(route, version)
-            metrics.WORKER_READY.set(int(self.ready))
-            log.info("@%s now v%s (%s, %.2fs)", route, version, model.loaded_by, time.monotonic() - started)
+    # --- obtaining a version ----------------------------------------------------------------------
 
-    def _registry_answers(self) -> bool:
-        try:
-            self._registry().get_registered_model(self.s.models.name)
-        except Exception:  # noqa: BLE001 - whatever the client raises, it did not answer
-            return False
-        return True
-
-    def _obtain(self, version: str) -> ServedModel:
+    def obtain(self, version: str) -> ServedModel:
         if version in self.warm:
             self.warm.move_to_end(version)
             return self.warm[version]
         served = self._from_store(version) if self.deltas is not None else None
         if served is None:
-            tags = dict(self._registry().get_model_version(self.s.models.name, version).tags)
+            tags = dict(self.registry().get_model_version(self.model.name, version).tags)
             parent = self.warm.get(tags.get("parent_version", ""))
             if parent is not None and parent.tiered is None and tags.get("sparse_delta"):
                 with tempfile.TemporaryDirectory() as tmp:
                     delta = Path(mlflow.artifacts.download_artifacts(tags["sparse_delta"], dst_path=tmp))
                     model, how = parent.model.with_delta(delta), "delta"
             else:
-                model, how = load_version(self.s, version), "full"
+                model, how = load_version(self.s, version, self.model), "full"
             served = self._warmed(version, model, how)
         self.warm[version] = served
         serving = {m.version for m in self.served.values() if m is not None}
@@ -297,13 +203,13 @@ class ModelFollower:
                 wait = shared_every if self.shared is not None else self.s.serving.poll_interval_s
                 try:
                     self.poll_once()
-                    self._registry_state(None)
+                    self.registry_state(None)
                     if self.ready and not frozen:
                         gc.freeze()  # moves the tracked objects aside (list splices): no pause
                         frozen = True
                 except Exception as exc:  # noqa: BLE001 - the registry being down must not stop serving
                     metrics.REGISTRY_ERRORS.inc()
-                    self._registry_state(f"{type(exc).__name__}: {exc}")
+                    self.registry_state(f"{type(exc).__name__}: {exc}")
                     wait = self.s.serving.poll_interval_s
                 self._stop.wait(wait)
 

@@ -42,7 +42,9 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -52,7 +54,8 @@ from infra.progress import ProgressReport
 from infra.redis_clients import OnlineClient, online_store
 from infra.settings import Settings, get_settings
 from models.recall import IndexFrame, PopularityPrior, query_vectors
-from models.registry import CHAMPION, alias_version, connect
+from models.registry import CHAMPION
+from serving.aliases import AliasFollower
 from streaming.consumer import commit_written
 from streaming.features import row_schema, topics
 
@@ -176,15 +179,33 @@ class ItemIndex:
         self.write(items)
 
 
+@dataclass(frozen=True)
+class Indexed:
+    """A retrieval version made current: its two-tower model and its item index."""
+
+    version: str
+    model: Any  # models.retrieval.TwoTower (TensorFlow loads with the first version, not with this module)
+    index: ItemIndex
+
+
+class RetrievalFollower(AliasFollower[Indexed]):
+    """The retrieval model's @champion, made current by `switch` when it moves (serving/aliases.py: a version
+    that cannot be switched in is refused and the current one stays)."""
+
+    def __init__(self, s: Settings, switch: Callable[[str], Indexed]) -> None:
+        super().__init__(s, s.retriever, (CHAMPION,), s.retrieval.poll_interval_s)
+        self._switch = switch
+
+    def obtain(self, version: str) -> Indexed:
+        return self._switch(version)
+
+
 class Embedder:
     def __init__(self, s: Settings, max_records: int = 10_000) -> None:
         self.s, self.max_records = s, max_records
         self.keys = Keys(s.retrieval.key_prefix)
         self.redis = redis_client(s)
-        self.registry = connect(s)
-        self.model = None  # the TwoTower of `self.version`
-        self.version: str | None = None
-        self.index: ItemIndex | None = None  # the current version's
+        self.follower = RetrievalFollower(s, self.switch)
         self.fields = tuple(name for name, _ in row_schema(topics()[SEQUENCE_TOPIC]))
         self.consumer = Consumer(s.kafka.stream_consumer(GROUP))
         self.consumer.subscribe([SEQUENCE_TOPIC])
@@ -192,23 +213,22 @@ class Embedder:
 
     # --- following the retrieval @champion ------------------------------------------------------
 
+    @property
+    def current(self) -> Indexed | None:
+        return self.follower.current(CHAMPION)
+
     def follow(self) -> None:
         """Switch to the retrieval @champion if it moved (at most every `retrieval.poll_interval_s`)."""
         if time.monotonic() - self._followed_at < self.s.retrieval.poll_interval_s:
             return
         self._followed_at = time.monotonic()
         try:
-            champion = alias_version(self.registry, self.s.retrieval.name, CHAMPION)
+            self.follower.poll_once()
+            self.follower.registry_state(None)
         except Exception as exc:  # noqa: BLE001 - the registry away: keep serving the version we have
-            log.warning("retrieval @champion not read: %s", exc)
-            return
-        if champion is not None and champion != self.version:
-            try:
-                self.switch(champion)
-            except Exception:  # a version that cannot be loaded: the current one stays
-                log.exception("retrieval v%s not switched in; v%s stays", champion, self.version)
+            self.follower.registry_state(f"{type(exc).__name__}: {exc}")
 
-    def switch(self, version: str) -> None:
+    def switch(self, version: str) -> Indexed:
         """Index version `version`, embed every known user with it, then make it current."""
         # TensorFlow loads here, not with the module: readers of the keys (the demo's probe) never need it.
         from models.retrieval_train import load_retrieval
@@ -233,9 +253,9 @@ class Embedder:
         previous = self.redis.get(k.current)
         self.redis.set(k.current, version)
         self._drop_older(keep={version, previous.decode() if previous else version})
-        self.model, self.version, self.index = model, version, index
         log.info("retrieval v%s current: %d items indexed, %d users embedded in %.1fs", version, len(vectors),
                  len(users), time.perf_counter() - started)
+        return Indexed(version, model, index)
 
     def _drop_older(self, keep: set[str]) -> None:
         for key in self.redis.scan_iter(f"{self.keys.prefix}:v*"):
@@ -292,9 +312,9 @@ class Embedder:
                     count_popular(pipe, k.repeated(user), [(item, t)], r.repeat_half_life_days * 86_400)
                     pipe.zremrangebyrank(k.repeated(user), 0, -r.repeat_items - 1)
         pipe.execute()
-        if self.model is not None:
-            self._embed(self.model, self.version, recent)
-            self.index.reprice({item for _, item, t in acted if t is not None})
+        if (current := self.current) is not None:
+            self._embed(current.model, current.version, recent)
+            current.index.reprice({item for _, item, t in acted if t is not None})
 
     def close(self) -> None:
         self.consumer.close()

@@ -250,8 +250,9 @@ class TieredTables:
 class DeltaListener:
     """Builds the caches of announced versions from the caches of their parents (see the module's doc)."""
 
-    def __init__(self, s: Settings, caches: dict[str, RowCache]) -> None:
+    def __init__(self, s: Settings, caches: dict[str, RowCache], model: str | None = None) -> None:
         self.s, self.caches = s, caches  # version -> cache: the follower's, shared
+        self.model = model or s.ranker.name  # the registered model whose deltas it applies
         self.prepared: dict[str, RowCache] = {}  # complete: every part applied
         self._building: dict[str, tuple[RowCache, set[int]]] = {}
         self._stop = threading.Event()
@@ -299,7 +300,7 @@ class DeltaListener:
             consumer.close()
 
     def apply(self, part: DeltaPart) -> None:
-        if part.model != self.s.models.name:
+        if part.model != self.model:
             return
         building = self._building.get(part.version)
         if building is None:

@@ -1,6 +1,7 @@
-"""The server's workers share one registry poll through a file (serving/lifecycle.py): an answer that
-comes back late must not replace one another worker asked for later, or a rollback is undone for a poll
-interval (a worker would swap back to the version just rolled back from)."""
+"""Following a registered model's aliases (serving/aliases.py), for the ranker's workers and the retrieval
+model's embedder alike. The server's workers share one registry poll through a file: an answer that comes back
+late must not replace one another worker asked for later, or a rollback is undone for a poll interval (a worker
+would swap back to the version just rolled back from)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from infra.settings import load_settings
 from models.registry import RegistryError, Routing
-from serving import lifecycle
+from serving import aliases, lifecycle, nearline
 
 
 def test_a_slow_registry_answer_does_not_replace_a_later_one(tmp_path: Path, monkeypatch) -> None:
@@ -30,7 +31,7 @@ def test_a_slow_registry_answer_does_not_replace_a_later_one(tmp_path: Path, mon
             return Routing({"champion": "2", "control": "1"}, 50.0, "2")
         return Routing({"champion": "1"})
 
-    monkeypatch.setattr(lifecycle, "routing", registry_routing)
+    monkeypatch.setattr(aliases, "routing", registry_routing)
     late = threading.Thread(target=slow._routing)
     late.start()
     assert asked.wait(10)
@@ -54,13 +55,31 @@ class _Registry:
         return object()
 
 
-def test_a_registry_outage_mid_fetch_does_not_refuse_the_version(tmp_path: Path, monkeypatch) -> None:
+def _ranker(s):
+    return lifecycle.ModelFollower(s, None, None)
+
+
+def _retrieval(s):
+    return nearline.RetrievalFollower(s, switch=None)
+
+
+@pytest.mark.parametrize("make", [_ranker, _retrieval], ids=["ranker", "retrieval"])
+def test_a_registry_outage_mid_fetch_does_not_refuse_the_version(make, monkeypatch) -> None:
     """A version whose artifacts cannot be fetched because the registry went away is tried again at the
-    next answered poll (not refused for RETRY_REFUSED_S); one that fails with the registry up is refused."""
-    s = load_settings({}, config_file=None)
-    follower, registry = lifecycle.ModelFollower(s, None, None), _Registry()
+    next answered poll (not refused for RETRY_REFUSED_S); one that fails with the registry up is refused, and
+    the version before keeps serving: the same for the ranker's workers and the retrieval model's embedder."""
+    s = load_settings({"FLYWHEEL_MODELS_NAME": "ranks", "FLYWHEEL_RETRIEVAL_NAME": "recalls"}, config_file=None)
+    follower, registry = make(s), _Registry()
     follower._client = registry
-    monkeypatch.setattr(lifecycle, "routing", lambda client, name: Routing({"champion": "3"}))
+    asked: list[str] = []
+
+    def routing_of(answer: dict[str, str]):
+        def routing(client, name: str) -> Routing:
+            asked.append(name)
+            return Routing(answer)
+        return routing
+
+    monkeypatch.setattr(aliases, "routing", routing_of({"champion": "3"}))
 
     def obtain(version: str) -> object:
         if registry.down:
@@ -68,7 +87,7 @@ def test_a_registry_outage_mid_fetch_does_not_refuse_the_version(tmp_path: Path,
         if version == "4":
             raise ValueError("non-finite scores")
         return SimpleNamespace(version=version, loaded_by="full")
-    monkeypatch.setattr(follower, "_obtain", obtain)
+    monkeypatch.setattr(follower, "obtain", obtain)
     registry.down = True
     with pytest.raises(RegistryError):
         follower.poll_once()
@@ -76,6 +95,8 @@ def test_a_registry_outage_mid_fetch_does_not_refuse_the_version(tmp_path: Path,
     registry.down = False
     follower.poll_once()
     assert follower.served["champion"].version == "3"
-    monkeypatch.setattr(lifecycle, "routing", lambda client, name: Routing({"champion": "4"}))
+    monkeypatch.setattr(aliases, "routing", routing_of({"champion": "4"}))
     follower.poll_once()
     assert follower.served["champion"].version == "3" and "non-finite" in follower.refused["4"]
+    # Each follows its own registered model, by the name its settings give.
+    assert set(asked) == {"ranks" if make is _ranker else "recalls"}

@@ -118,7 +118,8 @@ def test_a_rollback_that_fails_is_tried_again_at_each_look_and_counted_until_it_
     s = load_settings(stack_environ(tmp_path / "data"))
     tries, tagged = [], []
 
-    def rollback(s, why: str, to: str, who: str) -> tuple[str, str]:
+    def rollback(s, why: str, to: str, who: str, model) -> tuple[str, str]:
+        assert model == s.ranker  # the analyst's model, named to the registry call
         tries.append((why, to, who))
         if len(tries) < 3:
             raise RegistryError("MLflow at ... is unreachable (ConnectError)")

@@ -381,7 +381,7 @@ def test_offline_training_through_the_rest_api(platform: Platform, first_window)
     assert client.task_states("offline_training", run_id) == {"train": "success", "promotion_asked": "success",
                                                                 "gate": "skipped"}
     assert client.xcom("offline_training", run_id, "train")["version"] == "1"
-    tags = version_tags(override(s, "models", name="flywheel-ctr-api"), "1")
+    tags = version_tags(s, "1", s.registered_model("flywheel-ctr-api"))
     assert (tags["kind"], tags["data_end"]) == (kind, iso(end)) and "gate_decision" not in tags
     assert alias_version(connect(s), "flywheel-ctr-api", CHAMPION) is None
 

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.settings import SettingsError, load_settings, to_environ
+from infra.settings import RANKER, RETRIEVAL, RegisteredModel, SettingsError, load_settings, to_environ
 
 
 def test_defaults_bind_every_service_to_loopback(tmp_path: Path) -> None:
@@ -163,3 +163,16 @@ def test_status_of_a_stack_that_never_started_shows_no_password_and_makes_none(
         get_settings.cache_clear()
     assert f"login: admin / no password: the stack of {tmp_path / 'never-started'} never started" in out
     assert not list(tmp_path.rglob("admin-password"))  # a UI login printed for a stack it is not
+
+
+def test_a_registered_model_is_named_once_and_found_by_name() -> None:
+    """What registers, gates, follows or rolls back a version is handed its model; the names come from the
+    settings alone, and a run may name a model of its own (a benchmark's), trained and gated as a ranker."""
+    s = load_settings({"FLYWHEEL_MODELS_NAME": "shop-ranker", "FLYWHEEL_MODELS_EXPERIMENT": "shop",
+                       "FLYWHEEL_RETRIEVAL_NAME": "shop-recall"}, config_file=None)
+    assert (s.ranker.name, s.ranker.experiment, s.ranker.role) == ("shop-ranker", "shop", RANKER)
+    assert (s.retriever.name, s.retriever.role) == ("shop-recall", RETRIEVAL)
+    assert s.registered_models == (s.ranker, s.retriever)
+    assert s.registered_model(None) == s.registered_model("shop-ranker") == s.ranker
+    assert s.registered_model("shop-recall") == s.retriever
+    assert s.registered_model("trial") == RegisteredModel("trial", "shop", RANKER)

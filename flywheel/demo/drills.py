@@ -76,7 +76,7 @@ def live_regression(s: Settings, champion: str, summary: Summary, known: set[str
     summary.live_regression = {
         "version": bad, "control": tags["rolled_back_to"], "promoted_at": promoted_at.isoformat(),
         "rolled_back_at": rolled_back_at.isoformat(), "seconds": (rolled_back_at - promoted_at).total_seconds(),
-        "reason": tags["rolled_back_reason"], "champion_now": alias_version(connect(s), s.models.name, CHAMPION)}
+        "reason": tags["rolled_back_reason"], "champion_now": alias_version(connect(s), s.ranker.name, CHAMPION)}
     say(f"  drill: the canary analysis rolled v{bad} back to v{tags['rolled_back_to']} "
         f"{summary.live_regression['seconds']:.0f}s after its promotion: {tags['rolled_back_reason']}")
 
@@ -99,7 +99,7 @@ def register_inverted(s: Settings, champion: str, labels_swapped: bool = False) 
     tags = version_tags(s, champion) | {k: v for k, v in version_tags(s, root).items() if k.startswith("eval_")}
     tags = {k: v for k, v in tags.items() if k in ("kind", "data_start", "data_end", "eval_start", "eval_end")}
     connect(s)
-    mlflow.set_experiment(s.models.experiment)
+    mlflow.set_experiment(s.ranker.experiment)
     drill = "output inverted, labels swapped at the gate" if labels_swapped else "output inverted"
     with mlflow.start_run(run_name="drill-inverted"), tempfile.TemporaryDirectory() as tmp:
         version = log_model(s, model.save(Path(tmp) / "model"), tags | {"parent_version": champion, "drill": drill})

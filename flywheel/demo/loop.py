@@ -47,7 +47,7 @@ def run_loop(s: Settings, plan: LoopPlan, say: Say = print) -> Summary:
 def leave_last_good(s: Settings) -> str:
     """@champion on a version that passed: a drill's version (its output inverted) or one in its canary goes
     back to @control, else to the newest champion before it that is no drill. Says what it did."""
-    client, name = connect(s), s.models.name
+    client, name = connect(s), s.ranker.name
     champion = alias_version(client, name, CHAMPION)
     if champion is None:
         return "no @champion yet"
@@ -133,9 +133,9 @@ def first_champion(s: Settings, plan: LoopPlan, airflow: AirflowClient, summary:
                         "see its task logs in the Airflow UI")
     trained = airflow.xcom("offline_training", run_id, "train")
     summary.offline_training_s = time.monotonic() - t0
-    champion = alias_version(connect(s), s.models.name, CHAMPION)
+    champion = alias_version(connect(s), s.ranker.name, CHAMPION)
     if champion is None:
-        raise LoopError(f"offline_training registered v{trained['version']} but {s.models.name} has no @champion")
+        raise LoopError(f"offline_training registered v{trained['version']} but {s.ranker.name} has no @champion")
     summary.first_champion = champion
     metrics = {"ranker": "test_auc"} | {name: f"test_auc_{key}" for name, key in RANKING_BASELINES.items()}
     summary.ranker_auc = {name: trained[key] for name, key in metrics.items() if key in trained}
@@ -167,7 +167,7 @@ def first_retrieval(s: Settings, plan: LoopPlan, history_end: datetime, airflow:
     summary.retrieval = {"version": trained["version"], "recall": trained["recall"], "ndcg": trained["ndcg"],
                          "users": trained["users"], "promoted": gate["promoted"], "reason": gate["reason"],
                          "baselines": trained.get("baselines", {}), "seconds": time.monotonic() - t0}
-    say(f"retrieval_training: v{trained['version']} of {s.retrieval.name} in {time.monotonic() - t0:.0f}s, "
+    say(f"retrieval_training: v{trained['version']} of {s.retriever.name} in {time.monotonic() - t0:.0f}s, "
         f"recall@{s.retrieval.gate_k} {trained['recall']:.4f} on {trained['users']} users' next positives ("
         + ", ".join(f"{k} {b['recall']:.4f}" for k, b in summary.retrieval["baselines"].items())
         + f"); gate: {'promoted' if gate['promoted'] else 'refused'} ({gate['reason']})")
@@ -205,7 +205,7 @@ def live(s: Settings, plan: LoopPlan, server: str, airflow: AirflowClient, summa
                         f"{row['data']}): gate {row['gate']}: {row['reason']}")
                     if row["parent"] and row["gate"] == "promoted" and not row["drill"]:
                         summary.incremental_promoted.append(row["version"])
-            champion = alias_version(connect(s), s.models.name, CHAMPION)
+            champion = alias_version(connect(s), s.ranker.name, CHAMPION)
             # The drills wait until live responses name the incremental champion (its AUC on served traffic).
             if tail_until is None and champion in summary.incremental_promoted and \
                     serving(server).get("champion") == champion and champion in traffic.served_versions():
@@ -265,7 +265,7 @@ def catch_up(s: Settings, airflow: AirflowClient, since: datetime, summary: Summ
             airflow.trigger(dag)  # picked on the next pass, or a scheduled run queued before it is
             continue
         time.sleep(2)
-    champion = alias_version(connect(s), s.models.name, CHAMPION)
+    champion = alias_version(connect(s), s.ranker.name, CHAMPION)
     say(f"  catching up after the rollback: incremental_training run {run_id} from v{champion}")
     state = airflow.wait(dag, run_id, timeout_s)  # its own time: the runs before it may have taken much
     train = airflow.task_states(dag, run_id).get("train")
@@ -313,11 +313,11 @@ def settle_canary(s: Settings, summary: Summary, say: Say, timeout_s: float = 90
     canary left running kept two models on every batch and the analyst re-reading the archives under any
     later load: serve-capacity fell from about 70,000 to 13,449 candidates/s.)"""
     client, t0 = connect(s), time.monotonic()
-    while alias_version(client, s.models.name, CONTROL) is not None and time.monotonic() - t0 < timeout_s:
+    while alias_version(client, s.ranker.name, CONTROL) is not None and time.monotonic() - t0 < timeout_s:
         time.sleep(2)
-    control = alias_version(client, s.models.name, CONTROL)
-    champion = alias_version(client, s.models.name, CHAMPION)
-    tags = dict(client.get_model_version(s.models.name, champion).tags) if champion else {}
+    control = alias_version(client, s.ranker.name, CONTROL)
+    champion = alias_version(client, s.ranker.name, CHAMPION)
+    tags = dict(client.get_model_version(s.ranker.name, champion).tags) if champion else {}
     said = tags.get("canary_decision") or tags.get("canary_status") or "none (no champion before)"
     if control is not None and champion not in (None, control):
         rollback(s, f"the demo's traffic ended before its canary had evidence: {said}", to=control, who="flywheel-demo")

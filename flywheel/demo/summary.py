@@ -82,7 +82,7 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
         if (fresh_s := summary.model_freshness_s.get(v["version"])) is not None and v["version"] in served:
             lines.append(f"       model freshness (newest event in its data -> served) {fresh_s:.0f}s")
     if r := summary.retrieval:
-        lines.append(f"retrieval: v{r['version']} of {s.retrieval.name} (two-tower) recall@{s.retrieval.gate_k} "
+        lines.append(f"retrieval: v{r['version']} of {s.retriever.name} (two-tower) recall@{s.retrieval.gate_k} "
                      f"{r['recall']:.4f}, NDCG {r['ndcg']:.4f} on {r['users']} users ("
                      + ", ".join(f"{k} {b['recall']:.4f} / {b['ndcg']:.4f}" for k, b in r.get("baselines", {}).items())
                      + f"); gate {'promoted' if r['promoted'] else 'refused'}: {r['reason']}")
@@ -118,7 +118,7 @@ def summary_lines(s: Settings, summary: Summary) -> list[str]:
     lines += [f"whole loop: {summary.seconds / 60:.1f} min",
               f"Airflow UI: {s.airflow.api_url} (user {s.airflow.username}; "
               f"its password: `flywheel status{dataset_flag(s)} --show-secrets`)",
-              f"MLflow UI:  {s.mlflow.tracking_uri}/#/models/{s.models.name} (user {s.mlflow.username}; "
+              f"MLflow UI:  {s.mlflow.tracking_uri}/#/models/{s.ranker.name} (user {s.mlflow.username}; "
               f"its password: `flywheel status{dataset_flag(s)} --show-secrets`)",
               f"Ranking API: http://{s.serving.host}:{s.serving.port}/docs",
               f"Summary as JSON: {s.paths.data_dir / 'demo' / 'summary.json'}",
