@@ -28,6 +28,8 @@ from task_settings import task_model
     default_args={"retries": 0},  # the next run, minutes later, is the retry
     params={
         "model_name": Param(setting_from_environ("models", "name"), type="string", minLength=1, description="Registered model."),
+        "scenario": Param("", type="string", description="A scenario the dataset spec declares ([scenarios.<name>]): "
+                                                        "its ranker, on its own exposures. Empty: model_name's model."),
         "promote": Param(True, type="boolean", description="Run the promotion gate after registering."),
     },
     tags=["models"],

@@ -21,6 +21,8 @@ from task_settings import task_model  # dags/ is on sys.path
     max_active_runs=1,
     params={
         "model_name": Param(setting_from_environ("models", "name"), type="string", minLength=1, description="Registered model."),
+        "scenario": Param("", type="string", description="A scenario the dataset spec declares ([scenarios.<name>]): "
+                                                        "its ranker, on its own exposures. Empty: model_name's model."),
         "version": Param("previous", type="string", pattern=r"^(previous|[0-9]+)$",
                          description='Target version number, or "previous" (the champion before the current one).'),
         "reason": Param("", type="string", description="Why; recorded on the version rolled back from. Required."),

@@ -33,6 +33,8 @@ from infra.settings import setting_from_environ
         "data_end": Param(None, type=["null", "string"],
                           description="End of the window (exclusive), ISO. Empty: the run's data interval end."),
         "model_name": Param(setting_from_environ("models", "name"), type="string", minLength=1, description="Registered model."),
+        "scenario": Param("", type="string", description="A scenario the dataset spec declares ([scenarios.<name>]): "
+                                                        "its ranker, on its own exposures. Empty: model_name's model."),
         "kind": Param(setting_from_environ("models", "architecture"), type="string", minLength=1,
                       description="The network: a name of models/architectures.py (ranker, ranker-v1, logreg) "
                                   "or a user's by import path, package.module:attribute."),

@@ -16,9 +16,17 @@ def task_settings() -> Settings:
 
 
 def task_model(params: dict | None) -> tuple[Settings, RegisteredModel]:
-    """The settings and the registered model the run names (`model_name`; the ranker where it names none)."""
-    s = get_settings()
-    return s, s.registered_model((params or {}).get("model_name"))
+    """The settings and the registered model the run names: its `scenario`'s ranker, else `model_name`'s model
+    (the platform's ranker where it names neither). A scenario and another model's name are refused together."""
+    s, params = get_settings(), params or {}
+    named = s.registered_model(params.get("model_name"))
+    if not params.get("scenario"):
+        return s, named
+    model = s.scenario_model(params["scenario"])
+    if named not in (model, s.ranker):
+        raise ValueError(f"the run names scenario {params['scenario']!r} (model {model.name}) and model_name "
+                         f"{named.name!r}: name one")
+    return s, model
 
 
 def moment(text: str) -> datetime:

@@ -409,6 +409,19 @@ def _architecture(ctx: click.Context, param: click.Parameter, kind: str | None) 
         raise click.BadParameter(str(exc)) from None
 
 
+_SCENARIO = click.option("--scenario", default=None,
+                          help="A scenario the dataset spec declares ([scenarios.<name>]): its ranker, on its own "
+                               "exposures (default: the platform's ranker, on every exposure).")
+
+
+def _ranker(scenario: str | None) -> tuple[Settings, RegisteredModel]:
+    s = _settings()
+    try:
+        return s, s.scenario_model(scenario)
+    except SettingsError as exc:
+        raise click.BadParameter(str(exc), param_hint="--scenario") from None
+
+
 @main.command()
 @click.option("--start", type=_DATE, required=True, help="First impression time of the training data (UTC).")
 @click.option("--end", type=_DATE, required=True, help="End of the training data (exclusive).")
@@ -416,22 +429,26 @@ def _architecture(ctx: click.Context, param: click.Parameter, kind: str | None) 
               help="The network: ranker, ranker-v1, logreg (models/architectures.py) or a user's by import path, "
                    "package.module:attribute. Default: the setting models.architecture.")
 @click.option("--promote/--no-promote", default=True, show_default=True, help="Run the promotion gate.")
-def train(start: datetime, end: datetime, kind: str | None, promote: bool) -> None:
+@_SCENARIO
+def train(start: datetime, end: datetime, kind: str | None, promote: bool, scenario: str | None) -> None:
     """Full training on a window: chronological split, MLflow run, registered version, gate."""
     from models.dataset import Window
     from models.train import train_full
 
-    _echo_outcome(_models_call(train_full, _settings(), Window(_utc(start), _utc(end)), kind, promote))
+    s, model = _ranker(scenario)
+    _echo_outcome(_models_call(train_full, s, Window(_utc(start), _utc(end)), kind, promote, model=model))
 
 
 @main.command("train-incremental")
 @click.option("--until", type=_DATE, default=None, help="End of the new data (default: now).")
 @click.option("--promote/--no-promote", default=True, show_default=True)
-def train_incremental(until: datetime | None, promote: bool) -> None:
+@_SCENARIO
+def train_incremental(until: datetime | None, promote: bool, scenario: str | None) -> None:
     """Continue @champion on the events since its data watermark; publish the version and its delta."""
     from models.train import train_incremental as run
 
-    outcome = _models_call(run, _settings(), _utc(until), promote)
+    s, model = _ranker(scenario)
+    outcome = _models_call(run, s, _utc(until), promote, model=model)
     if outcome is None:
         click.echo("nothing to train: too few new events since the champion's data watermark")
     else:
@@ -442,27 +459,31 @@ def train_incremental(until: datetime | None, promote: bool) -> None:
 @click.argument("version")
 @click.option("--start", type=_DATE, required=True)
 @click.option("--end", type=_DATE, required=True)
-def evaluate(version: str, start: datetime, end: datetime) -> None:
-    """Metrics of a registered version on the impressions of a window."""
+@_SCENARIO
+def evaluate(version: str, start: datetime, end: datetime, scenario: str | None) -> None:
+    """Metrics of a registered version on the impressions of a window (a scenario's: of its own exposures)."""
     from models.dataset import Window, training_set
     from models.metrics import evaluate as metrics_of
     from models.registry import load_version
 
+    s, model = _ranker(scenario)
+
     def run() -> dict[str, float]:
-        s = _settings()
-        ex, _ = training_set(s, Window(_utc(start), _utc(end)), s.streaming.sequence_length)
-        return metrics_of(ex.labels, load_version(s, version).predict(ex))
+        ex, _ = training_set(s, Window(_utc(start), _utc(end)), s.streaming.sequence_length, model.scenario)
+        return metrics_of(ex.labels, load_version(s, version, model).predict(ex))
 
     click.echo(", ".join(f"{k}={v:.4f}" for k, v in _models_call(run).items()))
 
 
 @main.command()
 @click.argument("version")
-def promote(version: str) -> None:
+@_SCENARIO
+def promote(version: str, scenario: str | None) -> None:
     """Run the promotion gate for a registered version on its recorded evaluation window."""
     from models.train import gate_version
 
-    decision = _models_call(gate_version, _settings(), version)
+    s, model = _ranker(scenario)
+    decision = _models_call(gate_version, s, version, model)
     click.echo(f"v{version} {'promoted to @champion' if decision.promoted else 'refused'}: {decision.reason}")
 
 
@@ -471,7 +492,11 @@ _MODEL = click.option("--model", "model_name", default=None,
                             "retrieval.name, flywheel-retrieval).")
 
 
-def _registered(model_name: str | None) -> tuple[Settings, RegisteredModel]:
+def _registered(model_name: str | None, scenario: str | None) -> tuple[Settings, RegisteredModel]:
+    if scenario and model_name:
+        raise click.UsageError("name a model (--model) or a scenario (--scenario), not both")
+    if scenario:
+        return _ranker(scenario)
     s = _settings()
     return s, s.registered_model(model_name)
 
@@ -480,11 +505,12 @@ def _registered(model_name: str | None) -> tuple[Settings, RegisteredModel]:
 @click.option("--why", required=True, help="Reason, recorded on the version rolled back from.")
 @click.option("--to", "target", default="previous", show_default=True, help="Version, or 'previous'.")
 @_MODEL
-def rollback(why: str, target: str, model_name: str | None) -> None:
+@_SCENARIO
+def rollback(why: str, target: str, model_name: str | None, scenario: str | None) -> None:
     """Move @champion back to the previous champion (or a given version)."""
     from models.registry import rollback as run
 
-    s, model = _registered(model_name)
+    s, model = _registered(model_name, scenario)
     old, new = _models_call(run, s, why, target, model=model)
     click.echo(f"@champion: v{old} -> v{new}")
 
@@ -588,11 +614,12 @@ def serve() -> None:
 
 @main.command()
 @_MODEL
-def versions(model_name: str | None) -> None:
+@_SCENARIO
+def versions(model_name: str | None, scenario: str | None) -> None:
     """Registered versions, newest first, with aliases, lineage and gate decisions."""
     from models.registry import list_versions
 
-    s, model = _registered(model_name)
+    s, model = _registered(model_name, scenario)
     rows = _models_call(list_versions, s, model)
     if not rows:
         click.echo("no registered versions")

@@ -36,6 +36,9 @@ DAY_MS = 86_400_000
 # A type's name travels to the JVM in a job parameter: no separators, nothing to escape.
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 JVM_SEPARATOR = "|"
+# The context field of an event, and the field of a /rank or /recommend request, naming its scenario (the surface
+# it was served on: `[scenarios.<name>]`); an event without it belongs to no declared scenario.
+SCENARIO_FIELD = "scenario"
 # A sliding window of the stream's counts: minutes, hours or days ("5m", "1h", "7d").
 WINDOW = re.compile(r"([1-9][0-9]{0,3})([mhd])")
 WINDOW_MINUTES = {"m": 1, "h": 60, "d": 1440}
@@ -119,6 +122,16 @@ class DemoSpec:
 
 
 @dataclass(frozen=True)
+class ScenarioSpec:
+    """A surface of the shop with its own ranker (`[scenarios.<name>]`): trained on the exposures whose context
+    names it, served to the requests that name it, promoted and rolled back apart from the others."""
+
+    name: str
+    model: str = ""  # its registered model; "": `<models.name>-<name>`
+    description: str = ""
+
+
+@dataclass(frozen=True)
 class DatasetSpec:
     """A checked spec. Its derived lists are computed once (consumers and the demo ask per event)."""
 
@@ -143,6 +156,9 @@ class DatasetSpec:
     # Settings this dataset was tuned with (`[settings.<section>]`: the merge's weights that its validation
     # window chose, say), under the config file and the environment (infra/settings.py SPEC_SECTIONS).
     settings: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
+    # The surfaces with a ranker of their own (`[scenarios.<name>]`); requests naming none get the platform's
+    # ranker, trained on every exposure.
+    scenarios: tuple[ScenarioSpec, ...] = ()
 
     @functools.cached_property
     def window_buckets(self) -> tuple[tuple[str, int, int], ...]:
@@ -307,6 +323,23 @@ def _windows(where: str, raw: Any) -> tuple[str, ...]:
     return tuple(windows)
 
 
+def _scenarios(where: str, raw: dict[str, Any]) -> tuple[ScenarioSpec, ...]:
+    out = []
+    for name, table in raw.items():
+        if not NAME.fullmatch(name):
+            raise SpecError(f"{where}: expected a scenario name of letters, digits, '_' or '-' starting with a letter "
+                            f"(at most 64), got {name!r}")
+        t = _check(f"{where}.{name}", table, {}, {"model": str, "description": str})
+        if "model" in t and not NAME.fullmatch(t["model"]):
+            raise SpecError(f"{where}.{name}.model: expected a registered model name of letters, digits, '_' or '-' "
+                            f"starting with a letter (at most 64), got {t['model']!r}")
+        out.append(ScenarioSpec(name, t.get("model", ""), t.get("description", "")))
+    models = [s.model for s in out if s.model]
+    if twice := sorted({m for m in models if models.count(m) > 1}):
+        raise SpecError(f"{where}: the model {twice[0]!r} is named by two scenarios (each has its own)")
+    return tuple(out)
+
+
 def parse_spec(text: str, path: Path) -> DatasetSpec:
     """The spec in `text` (read from `path`), checked whole, or SpecError."""
     try:
@@ -314,7 +347,7 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{path}: not TOML: {exc}") from None
     top = _check(str(path), raw, {"dataset": dict, "events": dict, "tables": dict},
-                 {"features": dict, "demo": dict, "settings": dict})
+                 {"features": dict, "demo": dict, "settings": dict, "scenarios": dict})
     for section, values in top.get("settings", {}).items():
         if not isinstance(values, dict):
             raise SpecError(f"{path} [settings].{section}: expected a table of settings, got {type(values).__name__}")
@@ -338,6 +371,8 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
                        repeats=events.get("repeats", False), settings=top.get("settings", {}))
     if "features" in top:
         spec = replace(spec, windows=_windows(f"{path} [features]", top["features"]))
+    if "scenarios" in top:
+        spec = replace(spec, scenarios=_scenarios(f"{path} [scenarios]", top["scenarios"]))
     if not spec.exposures:
         raise SpecError(f"{path} [[events.types]]: expected at least one type with role = \"exposure\" "
                         "(the ranker's examples are exposures)")

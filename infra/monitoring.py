@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,7 +46,9 @@ class Alert:
 def alerts(s: Settings) -> list[Alert]:
     stall, deadline_s = s.stack.stall_after_s, s.serving.default_deadline_ms / 1000
     served = 'flywheel_model_version{route="champion"} == 1'
-    champion = f'flywheel_registry_alias{{model="{s.ranker.name}", alias="champion"}}'
+    # The platform's ranker and each scenario's: a regex alternation, each name escaped for RE2 inside PromQL's string
+    rankers = "|".join(re.escape(m.name).replace("\\", "\\\\") for m in s.rankers)
+    champion = f'flywheel_registry_alias{{model=~"{rankers}", alias="champion"}}'
     return [
         Alert("FlywheelTargetDown", "up == 0", "scrape target {{ $labels.job }} ({{ $labels.instance }}) "
               "is down: Prometheus' /targets page says why", for_s=30),
@@ -74,9 +77,10 @@ def alerts(s: Settings) -> list[Alert]:
               f'(rate(flywheel_request_seconds_bucket{{outcome="ok"}}[1m]))) > {deadline_s:g}',
               "ranking p99 {{ $value | humanizeDuration }} is over the deadline "
               f"({s.serving.default_deadline_ms:g} ms)", for_s=60),
-        Alert("FlywheelNotFollowingChampion", f"({champion} unless on (version) ({served})) or "
-              f"(({served}) unless on (version) {champion})",
-              "the ranking server does not serve @champion (registry: version {{ $labels.version }} "
+        Alert("FlywheelNotFollowingChampion", f"({champion} unless on (model, version) ({served})) or "
+              f"(({served}) unless on (model, version) {champion})",
+              "the ranking server does not serve @champion of {{ $labels.model }} (registry: version "
+              "{{ $labels.version }} "
               "{{ if $labels.pid }}served by worker {{ $labels.pid }}{{ else }}served by no worker{{ end }})",
               for_s=60),
         Alert("FlywheelPredictionLogDown", "flywheel_prediction_log_up == 0", "worker {{ $labels.pid }} cannot "

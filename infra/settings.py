@@ -578,6 +578,9 @@ class RegisteredModel:
     name: str
     experiment: str  # where its training runs are logged
     role: str  # RANKER or RETRIEVAL
+    # A ranker of a declared scenario (`[scenarios.<name>]` in the dataset spec): trained on the exposures whose
+    # context names it, served to the requests that name it. None: every exposure, the requests naming none.
+    scenario: str | None = None
 
 
 @dataclass(frozen=True)
@@ -618,9 +621,37 @@ class Settings:
         return RegisteredModel(self.retrieval.name, self.retrieval.experiment, RETRIEVAL)
 
     @property
+    def scenarios(self) -> dict[str, RegisteredModel]:
+        """The ranker of each scenario the dataset spec declares, by scenario."""
+        return {sc.name: RegisteredModel(sc.model or f"{self.models.name}-{sc.name}", self.models.experiment, RANKER,
+                                         sc.name) for sc in self.spec.scenarios}
+
+    def scenario_model(self, scenario: str | None) -> RegisteredModel:
+        """The ranker serving `scenario` (None or "": the platform's ranker); an undeclared one is refused, naming
+        the declared ones."""
+        if not scenario:
+            return self.ranker
+        declared = self.scenarios
+        if scenario not in declared:
+            raise SettingsError(f"unknown scenario {scenario!r}: the dataset spec ({self.dataset.spec}) declares "
+                                f"{', '.join(map(repr, declared)) or 'none'}")
+        return declared[scenario]
+
+    @property
     def registered_models(self) -> tuple[RegisteredModel, ...]:
-        """Every model this deployment declares: what the exporter reports and `registered_model` finds."""
-        return self.ranker, self.retriever
+        """Every model this deployment declares (the rankers first): what the exporter reports and
+        `registered_model` finds."""
+        models = (self.ranker, *self.scenarios.values(), self.retriever)
+        names = [m.name for m in models]
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise SettingsError(f"the registered model {twice[0]!r} is declared twice (models.name, retrieval.name "
+                                "and each scenario's model must differ)")
+        return models
+
+    @property
+    def rankers(self) -> tuple[RegisteredModel, ...]:
+        """The platform's ranker, then each scenario's: what the ranking server follows and the canary judges."""
+        return tuple(m for m in self.registered_models if m.role == RANKER)
 
     def registered_model(self, name: str | None) -> RegisteredModel:
         """The declared model called `name` (None: the ranker). Another name is a ranker of that name, logged to

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -33,6 +32,7 @@ from contract.transform import to_examples
 from feature_repo.event_log import read_event_log
 from feature_repo.files import pinned, view_dir
 from feature_repo.predictions import logged_features, read_predictions
+from infra.dataset import SCENARIO_FIELD
 from infra.settings import Settings
 from streaming.events import TEST_TRAFFIC
 from streaming.features import LONG_HISTORY_VIEW
@@ -57,10 +57,11 @@ class Window:
         return f"[{self.start.isoformat()}, {self.end.isoformat()})"
 
 
-def labelled_impressions(s: Settings, window: Window) -> pd.DataFrame:
+def labelled_impressions(s: Settings, window: Window, scenario: str | None = None) -> pd.DataFrame:
     """One row per impression in `window` (event log, deduplicated by event id, test traffic left out):
     request_id, user_id, item_id, category, event_time (ms), request_time (ms: its request's first exposure, looked for
-    up to a day before the window), label (1.0 if a click with its request id and item exists)."""
+    up to a day before the window), label (1.0 if a click with its request id and item exists). `scenario`: only the
+    impressions whose context names it (a declared scenario's ranker learns from its own surface)."""
     start, end = (int(t.timestamp() * 1000) for t in (window.start, window.end))
     # A click comes after its impression: read a day past the window for the clicks of its last ones.
     log = read_event_log(s, start - DAY_MS, end + DAY_MS)
@@ -80,18 +81,21 @@ def labelled_impressions(s: Settings, window: Window) -> pd.DataFrame:
     key, keys = s.spec.key, item_keys(s)
     out["category"] = [str(c[key]) if c.get(key, "") != "" else keys.get(item, "")
                        for c, item in zip(contexts, out["item_id"])]
-    out = out.loc[np.array([c.get(TEST_TRAFFIC) is not True for c in contexts], bool)]  # load tests teach nothing
+    kept = [c.get(TEST_TRAFFIC) is not True and (scenario is None or c.get(SCENARIO_FIELD) == scenario)
+            for c in contexts]
+    out = out.loc[np.array(kept, bool)]  # load tests teach nothing
     return out[["request_id", "user_id", "item_id", "category", "event_time", "request_time", "label"]].sort_values(
         "event_time", kind="stable").reset_index(drop=True)
 
 
-def training_frame(s: Settings, window: Window) -> tuple[pd.DataFrame, pd.DataFrame]:
+def training_frame(s: Settings, window: Window, scenario: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The labelled impressions of `window` (`labelled_impressions`) and their raw features, row by row:
     as of each one's request, and where its request was served and logged, the numeric values the
     ranking server read for it."""
-    imps = labelled_impressions(s, window)
+    imps = labelled_impressions(s, window, scenario)
     if imps.empty:
-        raise NoImpressions(f"no impressions in {window}: nothing to train or evaluate on")
+        raise NoImpressions(f"no impressions{f' of scenario {scenario}' if scenario else ''} in {window}: nothing to "
+                            "train or evaluate on")
     entity_df = imps[["user_id", "item_id", "category"]].copy()
     entity_df["event_timestamp"] = pd.to_datetime(imps["request_time"] - 1, unit="ms", utc=True)
     entity_df["row"] = np.arange(len(imps))
@@ -111,10 +115,11 @@ def training_frame(s: Settings, window: Window) -> tuple[pd.DataFrame, pd.DataFr
     return imps, joined
 
 
-def training_set(s: Settings, window: Window, sequence_length: int) -> tuple[Examples, np.ndarray]:
-    """The examples of `window` in time order (of their impressions), each with its features as of its
-    request (`training_frame`), and their event times (ms)."""
-    imps, joined = training_frame(s, window)
+def training_set(s: Settings, window: Window, sequence_length: int,
+                 scenario: str | None = None) -> tuple[Examples, np.ndarray]:
+    """The examples of `window` (of `scenario` alone, when named) in time order (of their impressions), each with its
+    features as of its request (`training_frame`), and their event times (ms)."""
+    imps, joined = training_frame(s, window, scenario)
     return to_examples(joined, imps["request_time"].to_numpy(), imps["label"].to_numpy(), sequence_length), \
         imps["event_time"].to_numpy()
 

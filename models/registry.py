@@ -103,6 +103,8 @@ def log_model(s: Settings, export_dir: Path, tags: dict[str, str], delta_dir: Pa
     import tensorflow as tf
 
     name = (model or s.ranker).name
+    if scenario := (model or s.ranker).scenario:  # what it was trained on, and serves
+        tags = tags | {"scenario": scenario}
     if base is not None:
         (export_dir / BASE_FILE).write_text(f"models:/{name}/{base}\n")
         tags = tags | {"sparse_base": base}

@@ -89,7 +89,7 @@ def train_full(s: Settings, window: Window, kind: str | None = None, promote: bo
     registered = model or s.ranker
     kind = architecture(kind or s.models.architecture).name  # an unknown one fails before any work
     connect(s)  # fail before any work when the registry is unreachable
-    ex, times = training_set(s, window, s.streaming.sequence_length)
+    ex, times = training_set(s, window, s.streaming.sequence_length, registered.scenario)
     train, validation, test, spans = chronological_split(ex, times)
     for part, what in ((train, "train split"), (validation, "validation split"), (test, "test split")):
         check_labels(part, f"{what} of {window}")
@@ -103,7 +103,7 @@ def train_full(s: Settings, window: Window, kind: str | None = None, promote: bo
         model, losses, val_aucs, seconds = _fit(s, model, train, validation, best, progress, log=True)
         samples_per_s = len(train) * len(losses) / seconds
         metrics = _log_evaluation(model, test, "test") | {"train_samples_per_s": samples_per_s,
-                                                           "epochs": float(len(losses))}
+                                                           "epochs": float(len(losses)), "examples": float(len(ex))}
         if baselines:
             metrics |= baseline_aucs(s, train, validation, test, Path(tmp) / "logreg")
             mlflow.log_metrics({k: v for k, v in metrics.items() if k.startswith("test_auc_")})
@@ -165,7 +165,7 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
     parent, watermark = champion
     window = Window(watermark, until or datetime.now(UTC))
     try:
-        ex, times = training_set(s, window, s.streaming.sequence_length)
+        ex, times = training_set(s, window, s.streaming.sequence_length, registered.scenario)
     except ValueError as exc:
         log.info("incremental training skipped: %s", exc)
         return None
@@ -236,7 +236,7 @@ def gate_version(s: Settings, version: str, model: RegisteredModel | None = None
     tags = version_tags(s, version, model)
     window = Window(datetime.fromisoformat(tags["eval_start"]),
                     datetime.fromisoformat(tags["eval_end"]) + timedelta(milliseconds=1))
-    ex, _ = training_set(s, window, s.streaming.sequence_length)
+    ex, _ = training_set(s, window, s.streaming.sequence_length, (model or s.ranker).scenario)
     return gate(s, version, load_version(s, version, model), ex, f"its evaluation window {window}", model=model)
 
 

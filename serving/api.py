@@ -70,6 +70,9 @@ class RankIn(BaseModel):
     deadline_ms: float | None = Field(None, gt=0, allow_inf_nan=False, description="At most "
                                                                                   "serving.default_deadline_ms.")
     request_id: str | None = Field(None, min_length=1, max_length=128)
+    scenario: str | None = Field(None, min_length=1, max_length=64,
+                                 description="A scenario the dataset spec declares ([scenarios.<name>]): its ranker "
+                                             "scores the request. Default: the platform's ranker.")
 
 
 class RankOut(BaseModel):
@@ -95,6 +98,9 @@ class RecommendIn(BaseModel):
     tier: Literal["high", "normal", "low"] = "normal"
     deadline_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
     request_id: str | None = Field(None, min_length=1, max_length=128)
+    scenario: str | None = Field(None, min_length=1, max_length=64,
+                                 description="A scenario the dataset spec declares ([scenarios.<name>]): its ranker "
+                                             "scores the request. Default: the platform's ranker.")
 
 
 class RecommendedItem(BaseModel):
@@ -150,6 +156,16 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         return JSONResponse({"detail": [{"type": e["type"], "loc": [_printable(part) for part in e["loc"]],
                                          "msg": _printable(e["msg"])} for e in errors]}, status_code=422)
 
+    def unknown_scenario(scenario: str | None) -> JSONResponse | None:
+        """A 422 naming the declared scenarios, for a request naming another."""
+        if not scenario or scenario in inference.followers:
+            return None
+        declared = ", ".join(repr(n) for n in inference.followers if n) or "none"
+        metrics.REQUESTS.labels("-", "422").inc()
+        return JSONResponse({"detail": [{"type": "unknown_scenario", "loc": ["body", "scenario"],
+                                         "msg": f"unknown scenario {_printable(scenario)!r}: the dataset spec "
+                                                f"declares {declared}"}]}, status_code=422)
+
     def refuse(reason: str, detail: str, started: float) -> JSONResponse:
         metrics.REQUESTS.labels("-", "503").inc()
         metrics.LATENCY.labels(reason).observe(time.monotonic() - started)
@@ -176,6 +192,8 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             body = RankIn.model_validate_json(raw)
         except ValidationError as exc:
             return invalid(exc.errors(include_input=False))
+        if (unknown := unknown_scenario(body.scenario)) is not None:
+            return unknown
         if len(body.candidates) > s.serving.max_candidates:
             metrics.REQUESTS.labels("-", "413").inc()
             return JSONResponse({"reason": "too_many_candidates", "detail": f"{len(body.candidates)} candidates; "
@@ -185,7 +203,7 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             candidates = [c if c.category else CandidateIn.model_construct(item_id=c.item_id,
                                                                            category=keys.get(c.item_id))
                           for c in candidates]
-        req = RankRequest(body.user_id, candidates, body.tier, body.deadline_ms)
+        req = RankRequest(body.user_id, candidates, body.tier, body.deadline_ms, scenario=body.scenario or "")
         if body.request_id:
             req.request_id = body.request_id
         try:
@@ -212,10 +230,12 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             body = RecommendIn.model_validate_json(raw)
         except ValidationError as exc:
             return invalid(exc.errors(include_input=False))
+        if (unknown := unknown_scenario(body.scenario)) is not None:
+            return unknown
         try:
             exclude = not s.spec.repeats if body.exclude_seen is None else body.exclude_seen
             out = await recommender.recommend(body.user_id, body.k, exclude, body.tier, body.deadline_ms,
-                                              body.request_id)
+                                              body.request_id, body.scenario or "")
         except NotReady as exc:
             return refuse("not_ready", str(exc), started)
         except Shed as exc:
@@ -229,7 +249,7 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz(request: Request) -> dict:
-        workers = metrics.workers()
+        workers = metrics.workers(s.ranker.name)
         follower = request.app.state.inference.follower
         down = sorted(pid for pid, w in workers.items() if w["prediction_log_up"] is False)
         unreachable = sorted(pid for pid, w in workers.items() if w["registry_reachable"] is False)
@@ -249,7 +269,7 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         follower = request.app.state.inference.follower
         # Every worker that takes connections must be able to score them (a worker that replaces one
         # that died takes none until it can).
-        waiting = [pid for pid, w in metrics.workers().items() if w["listening"] and not w["ready"]]
+        waiting = [pid for pid, w in metrics.workers(s.ranker.name).items() if w["listening"] and not w["ready"]]
         if not follower.ready or waiting:
             return JSONResponse({"ready": False, "detail": "no champion loaded and warmed yet in "
                                  f"{len(waiting) or 1} worker(s)"}, status_code=503)
@@ -268,7 +288,11 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
                 "compiled_shapes": {str(arch): sorted(r.compiled_shapes()) for arch, r in runners},
                 "registry": {"reachable": follower.registry_reachable, "error": follower.registry_error or None,
                              "since": datetime.fromtimestamp(follower.registry_since, UTC).isoformat()},
-                "workers": metrics.workers()}
+                "scenarios": {name: {"model_name": f.model.name, "champion_percent": f.champion_percent,
+                                     "serving": {route: (m.version if m else None) for route, m in list(f.served.items())},
+                                     "refused": dict(f.refused)}
+                              for name, f in request.app.state.inference.followers.items() if name},
+                "workers": metrics.workers(s.ranker.name)}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -342,7 +366,7 @@ def run_worker(s: Settings, shared: Path | None = None, slot: int = 0) -> None:
     inference = Inference(s, shared)
     app = create_app(s, inference)
     inference.start()  # follows the registry: loads and warms the champion in the background
-    if any(w["ready"] for w in metrics.workers().values()):
+    if any(w["ready"] for w in metrics.workers(s.ranker.name).values()):
         # The other workers serve (this one replaces a worker that died): it takes connections only once
         # it can score them, so no client sees a 503 `not_ready` from it.
         while not inference.follower.ready:

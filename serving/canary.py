@@ -229,9 +229,15 @@ class State:
     error: str = ""
 
 
-def read_state(s: Settings) -> State | None:
+def _state_name(model: RegisteredModel) -> str:
+    """The platform's ranker's state is the service's; each scenario's ranker has its own beside it."""
+    return f"{SERVICE}-{model.scenario}" if model.scenario else SERVICE
+
+
+def read_state(s: Settings, model: RegisteredModel | None = None) -> State | None:
+    """What the analysis of `model`'s canaries (the platform's ranker's by default) found at its last look."""
     try:
-        return State(**json.loads(state_path(s, SERVICE).read_text()))
+        return State(**json.loads(state_path(s, _state_name(model or s.ranker)).read_text()))
     except (OSError, ValueError, TypeError):
         return None
 
@@ -239,7 +245,7 @@ def read_state(s: Settings) -> State | None:
 class Analyst:
     def __init__(self, s: Settings, model: RegisteredModel | None = None) -> None:
         self.s, self.model = s, model or s.ranker  # the registered model whose canaries it judges
-        self.state = read_state(s) or State()
+        self.state = read_state(s, self.model) or State()
         self.state.rollback_failing, self._said, self._served_at = 0, ("", 0.0), 0.0
         self._client, self._moot = None, False
 
@@ -268,7 +274,7 @@ class Analyst:
             return
         if control is None or moot:
             if moot:
-                end_canary(s)
+                end_canary(s, self.model)
                 if found.canary_version and found.canary_version != champion:
                     client.set_model_version_tag(name, found.canary_version, "canary_decision",
                                                  f"ended: @champion moved to v{champion or '-'} by hand")
@@ -276,14 +282,15 @@ class Analyst:
                          found.canary_version, control)
             st.version, st.control, st.champion_percent, st.decision, st.reason, st.arms = "", "", 100.0, "", "", {}
             if time.time() - self._served_at >= SERVED_EVERY_S:  # a read of the archives: outside a canary
-                st.served = served_figures(*clicked_outcomes(s, int((time.time() - SERVED_WINDOW_S) * 1000)))
+                st.served = served_figures(*clicked_outcomes(s, int((time.time() - SERVED_WINDOW_S) * 1000),
+                                                             model=self.model.name))
                 self._served_at = time.time()
             return
         tags = dict(client.get_model_version(name, champion).tags)
         started = _ms(tags.get("canary_started_at")) or int(time.time() * 1000)
         step_started = _ms(tags.get("canary_step_started_at")) or started
         pooled = time.time() - self._served_at >= SERVED_EVERY_S  # every item's score: not at every look
-        outcomes, totals = clicked_outcomes(s, started, pooled)
+        outcomes, totals = clicked_outcomes(s, started, pooled, self.model.name)
         verdict = judge(s, outcomes, champion, control, step_started, totals)
         st.version, st.control, st.champion_percent = champion, control, found.champion_percent
         st.decision, st.reason, st.likelihood_ratio = verdict.decision, verdict.reason, verdict.likelihood_ratio
@@ -339,7 +346,7 @@ class Analyst:
 
     def save(self) -> None:
         self.state.updated_at = time.time()
-        path = state_path(self.s, SERVICE)
+        path = state_path(self.s, _state_name(self.model))
         path.parent.mkdir(parents=True, exist_ok=True)
         replace_text(path, json.dumps(asdict(self.state), default=str))
 
@@ -351,19 +358,20 @@ def _ms(iso: str | None) -> int | None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     s = get_settings()
-    analyst, stopping = Analyst(s), []
+    analysts, stopping = [Analyst(s, m) for m in s.rankers], []  # the platform's ranker's and each scenario's
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    log.info("judging the canaries of %s every %gs (alpha %g, ramp %s%%)", analyst.model.name, s.canary.interval_s,
-             s.canary.alpha, "/".join(f"{p:g}" for p in s.canary.ramp_percent))
+    log.info("judging the canaries of %s every %gs (alpha %g, ramp %s%%)", ", ".join(a.model.name for a in analysts),
+             s.canary.interval_s, s.canary.alpha, "/".join(f"{p:g}" for p in s.canary.ramp_percent))
     while not stopping:
-        try:
-            analyst.look()
-            if not analyst.state.rollback_failing:
-                analyst.state.error = ""
-        except Exception as exc:  # noqa: BLE001 - the registry or the archives away: said, and looked at again
-            analyst.state.error = f"{type(exc).__name__}: {exc}"[:500]
-            log.warning("canary analysis: %s", analyst.state.error)
-        analyst.save()
+        for analyst in analysts:
+            try:
+                analyst.look()
+                if not analyst.state.rollback_failing:
+                    analyst.state.error = ""
+            except Exception as exc:  # noqa: BLE001 - the registry or the archives away: said, and looked at again
+                analyst.state.error = f"{type(exc).__name__}: {exc}"[:500]
+                log.warning("canary analysis of %s: %s", analyst.model.name, analyst.state.error)
+            analyst.save()
         time.sleep(s.canary.interval_s)
 
 

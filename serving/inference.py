@@ -1,5 +1,9 @@
 """The inference service: admission, features, batched scoring by the routed version, prediction log.
 
+One server serves every ranker the settings declare: the platform's (requests naming no scenario) and each
+scenario's (`[scenarios.<name>]` in the dataset spec), each followed apart (serving/lifecycle.py), with its own
+aliases, canary share and logged model name, over one feature read, one batcher and the compiled networks they share.
+
     rank(request)
       admission: in-flight requests and queued rows bounded; the value tier's allocation at the
                  current load (serving/access.py) may shorten the request or shed it -> Shed (503)
@@ -51,6 +55,10 @@ class NotReady(RuntimeError):
     """No champion is loaded yet."""
 
 
+class UnknownScenario(ValueError):
+    """The request names a scenario the dataset spec does not declare (a 422)."""
+
+
 def new_request_id() -> str:
     # 128 random bits as 32 hex digits, like uuid4().hex, without its getrandom(2) call: a system call
     # releases the GIL, and the event loop then waits up to a switch interval (5 ms) to take it back
@@ -69,6 +77,7 @@ class RankRequest:
     # each with the candidate sources that retrieved it.
     top_k: int | None = None
     sources: Sequence[Sequence[str]] | None = None
+    scenario: str = ""  # a declared scenario's ranker scores it; "": the platform's
 
 
 @dataclass
@@ -89,6 +98,7 @@ def best(scores: Sequence[float | None], k: int) -> list[int]:
 
 @dataclass(frozen=True)
 class _Job:
+    scenario: str
     route: str
     examples: Examples
 
@@ -116,8 +126,12 @@ class Inference:
         if sv.max_candidates > sv.max_inflight_rows:
             raise ValueError(f"serving.max_candidates ({sv.max_candidates}) must be at most serving.max_inflight_rows "
                              f"({sv.max_inflight_rows}): a full request could never be admitted")
-        self.follower = ModelFollower(s, warm_examples(max(sv.sequence_buckets)),
-                                      shared / "aliases.json" if shared is not None else None)
+        warm, runners = warm_examples(max(sv.sequence_buckets)), {}
+        # One follower per ranker, by scenario ("": the platform's), sharing the compiled networks.
+        self.followers = {m.scenario or "": ModelFollower(
+            s, warm, shared / (f"aliases-{m.scenario}.json" if m.scenario else "aliases.json") if shared else None,
+            model=m, runners=runners) for m in s.rankers}
+        self.follower = self.followers[""]
         self.features = OnlineFeatures(s)
         self.predictions = PredictionLog(s)
         self.batcher: Batcher[_Job, tuple[np.ndarray, str]] = Batcher(
@@ -142,9 +156,14 @@ class Inference:
         sv = self.s.serving
         started = time.monotonic()
         deadline = started + min(req.deadline_ms or sv.default_deadline_ms, sv.default_deadline_ms) / 1000
-        champion = self.follower.current(CHAMPION)
+        follower = self.followers.get(req.scenario)
+        if follower is None:
+            raise UnknownScenario(f"unknown scenario {req.scenario!r}: the dataset spec declares "
+                                  f"{', '.join(repr(n) for n in self.followers if n) or 'none'}")
+        champion = follower.current(CHAMPION)
         if champion is None:
-            raise NotReady("no model loaded yet")
+            raise NotReady(f"no model of scenario {req.scenario!r} loaded yet" if req.scenario else
+                           "no model loaded yet")
         allocation = access.allocate(req.tier, self.fill(), sv)
         if allocation.shed:
             metrics.SHED.labels(req.tier, "tier").inc()
@@ -159,14 +178,14 @@ class Inference:
         metrics.INFLIGHT_ROWS.inc(rows)
         try:
             length = champion.model.spec.sequence_length if champion.runner else self.s.streaming.sequence_length
-            return await self._rank(req, allocation, length, deadline)
+            return await self._rank(req, follower, allocation, length, deadline)
         finally:
             with self._admit:
                 self.inflight_rows -= rows
             metrics.INFLIGHT_ROWS.dec(rows)
 
-    async def _rank(self, req: RankRequest, allocation: access.Allocation, sequence_length: int,
-                    deadline: float) -> RankResult:
+    async def _rank(self, req: RankRequest, follower: ModelFollower, allocation: access.Allocation,
+                    sequence_length: int, deadline: float) -> RankResult:
         scored = req.candidates[: allocation.max_candidates]
         reading = asyncio.get_running_loop().run_in_executor(
             self._fetchers, self.features.fetch, req.user_id, scored, int(time.time() * 1000), sequence_length,
@@ -181,15 +200,15 @@ class Inference:
         if allocation.degraded:
             metrics.DEGRADED.labels(req.tier).inc()
         route = access.route(req.user_id, self.s.serving.canary_percent)
-        if route == CHALLENGER and self.follower.current(CHALLENGER) is None:
+        if route == CHALLENGER and follower.current(CHALLENGER) is None:
             route = CHAMPION
-        if route == CHAMPION and self.follower.current(CONTROL) is not None:  # the new champion's canary
-            route = access.champion_route(req.user_id, self.follower.champion_percent)
-        scores, version = await self._score(_Job(route, fetched.examples), req.tier, deadline)
+        if route == CHAMPION and follower.current(CONTROL) is not None:  # the new champion's canary
+            route = access.champion_route(req.user_id, follower.champion_percent)
+        scores, version = await self._score(_Job(req.scenario, route, fetched.examples), req.tier, deadline)
         if route == CHAMPION and access.shadowed(req.request_id, self.s.serving.shadow_percent):
-            self._shadow(req, fetched)
+            self._shadow(req, follower, fetched)
         top = None if req.top_k is None else best(scores.tolist(), req.top_k)
-        self._log(req, scored, scores, version, route, fetched.snapshot, shadow=False, only=top)
+        self._log(req, follower, scored, scores, version, route, fetched.snapshot, shadow=False, only=top)
         degraded = [what for what, on in (("sequence", allocation.sequence_length is not None),
                                           ("candidates", len(scored) < len(req.candidates))) if on]
         return RankResult(req.request_id, version, route,
@@ -212,12 +231,12 @@ class Inference:
             metrics.SHED.labels(tier, "deadline").inc()
             raise Shed("deadline", str(exc)) from None
 
-    def _shadow(self, req: RankRequest, fetched: Fetched) -> None:
+    def _shadow(self, req: RankRequest, follower: ModelFollower, fetched: Fetched) -> None:
         """Score on @challenger too, log it, never wait for it or return it; dropped under load."""
-        if self.follower.current(CHALLENGER) is None:
+        if follower.current(CHALLENGER) is None:
             return
         try:
-            future = self.batcher.submit(_Job(CHALLENGER, fetched.examples), len(fetched.examples),
+            future = self.batcher.submit(_Job(req.scenario, CHALLENGER, fetched.examples), len(fetched.examples),
                                          self.s.serving.default_deadline_ms / 1000)
         except Overloaded:
             metrics.SHED.labels(req.tier, "shadow").inc()
@@ -226,13 +245,13 @@ class Inference:
         def logged(f) -> None:
             if f.exception() is None:
                 scores, version = f.result()
-                self._log(req, req.candidates[: len(scores)], scores, version, CHALLENGER, fetched.snapshot,
-                          shadow=True)
+                self._log(req, follower, req.candidates[: len(scores)], scores, version, CHALLENGER,
+                          fetched.snapshot, shadow=True)
 
         future.add_done_callback(logged)
 
-    def _log(self, req: RankRequest, candidates: Sequence[Candidate], scores: np.ndarray, version: str, route: str,
-             snapshot: dict, shadow: bool, only: list[int] | None = None) -> None:
+    def _log(self, req: RankRequest, follower: ModelFollower, candidates: Sequence[Candidate], scores: np.ndarray,
+             version: str, route: str, snapshot: dict, shadow: bool, only: list[int] | None = None) -> None:
         """One prediction record; `only`: the candidates served (the rest were scored, never shown)."""
         extra = {}
         if only is not None:
@@ -243,17 +262,18 @@ class Inference:
         self.predictions.write(req.user_id, {
             "request_id": req.request_id, "user_id": req.user_id, "items": [c.item_id for c in candidates],
             "categories": [c.category for c in candidates], "scores": scores.tolist(),
-            "model_name": self.follower.model.name, "model_version": version, "route": route, "shadow": shadow,
+            "model_name": follower.model.name, "model_version": version, "route": route, "shadow": shadow,
             "tier": req.tier, "served_at": int(time.time() * 1000), "features": snapshot} | extra)
 
     # --- the executors --------------------------------------------------------------------------
 
     def _run_batch(self, jobs: Sequence[_Job]) -> list[tuple[np.ndarray, str]]:
-        """Score a batch: per route, the version serving it now, all its requests in one run."""
+        """Score a batch: per scenario and route, the version serving it now, all its requests in one run."""
         results: list[tuple[np.ndarray, str] | None] = [None] * len(jobs)
-        for route in {job.route for job in jobs}:
-            model = self.follower.current(route) or self.follower.current(CHAMPION)
-            idx = [i for i, job in enumerate(jobs) if job.route == route]
+        for scenario, route in {(job.scenario, job.route) for job in jobs}:
+            follower = self.followers[scenario]
+            model = follower.current(route) or follower.current(CHAMPION)
+            idx = [i for i, job in enumerate(jobs) if (job.scenario, job.route) == (scenario, route)]
             batch = concat([jobs[i].examples for i in idx])
             scores = model.score(batch)
             metrics.BATCH_ROWS.observe(len(batch))
@@ -272,10 +292,12 @@ class Inference:
             self.features.warm()
         except redis.RedisError as exc:  # requests are shed ("features") until it answers
             log.warning("the online store did not answer the warm-up read: %s", exc)
-        self.follower.start()
+        for follower in self.followers.values():
+            follower.start()
 
     def close(self) -> None:
-        self.follower.stop()
+        for follower in self.followers.values():
+            follower.stop()
         self._fetchers.shutdown(wait=True)
         self.batcher.close()
         self.predictions.close()

@@ -87,10 +87,12 @@ class ModelFollower(AliasFollower[ServedModel]):
     one registry poll per `serving.poll_interval_s` through the file `shared`."""
 
     def __init__(self, s: Settings, warm_example: Examples, shared: Path | None = None,
-                 model: RegisteredModel | None = None) -> None:
+                 model: RegisteredModel | None = None, runners: dict[tuple, DenseRunner] | None = None) -> None:
+        """`runners`: compiled dense networks by shape (`shape_key`), shared with the followers of the worker's
+        other rankers (each compile costs ~55 s of CPU; versions alike in shape share one)."""
         super().__init__(s, model or s.ranker, ROUTES, s.serving.poll_interval_s, shared)
         self.warm_example = warm_example  # a few real-looking rows every new version must score
-        self.runners: dict[tuple, DenseRunner] = {}
+        self.runners: dict[tuple, DenseRunner] = {} if runners is None else runners
         self.warm: OrderedDict[str, ServedModel] = OrderedDict()  # version -> model, most recent last
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -111,14 +113,15 @@ class ModelFollower(AliasFollower[ServedModel]):
     # --- the follower's hooks: metrics ----------------------------------------------------------
 
     def swapped(self, alias: str, served: ServedModel | None, seconds: float) -> None:
-        metrics.set_version(alias, served.version if served else None)
+        metrics.set_version(self.model.name, alias, served.version if served else None)
         if served is None:
             log.info("@%s removed", alias)
             return
         metrics.MODEL_SWAPS.labels(alias).inc()
         metrics.SWAP_SECONDS.observe(seconds)
-        metrics.WORKER_READY.set(int(self.ready))
-        log.info("@%s now v%s (%s, %.2fs)", alias, served.version, served.loaded_by, seconds)
+        if self.model.scenario is None:  # the worker is ready with the platform's ranker; a scenario's may follow
+            metrics.WORKER_READY.set(int(self.ready))
+        log.info("%s@%s now v%s (%s, %.2fs)", self.model.name, alias, served.version, served.loaded_by, seconds)
 
     def refusing(self, version: str, alias: str) -> None:
         metrics.MODEL_REFUSED.inc()

@@ -34,8 +34,9 @@ SHED = Counter("flywheel_shed", "Requests answered 503 without being scored, by 
 DEGRADED = Counter("flywheel_degraded", "Requests scored at reduced cost, by tier.", ["tier"])
 COMPILES = Counter("flywheel_compiles", "XLA compiles, by where they ran (warm, background, request_path).",
                    ["where"])
-MODEL_VERSION = Gauge("flywheel_model_version", "1 for the version serving each route, 0 for earlier ones, "
-                      "per worker.", ["route", "version"], multiprocess_mode="liveall")
+MODEL_VERSION = Gauge("flywheel_model_version", "1 for the version of each ranker (the platform's, each "
+                      "scenario's) serving each route, 0 for earlier ones, per worker.", ["model", "route", "version"],
+                      multiprocess_mode="liveall")
 WORKER_READY = Gauge("flywheel_worker_ready", "1 once the worker has a champion loaded and warm.",
                      multiprocess_mode="liveall")
 WORKER_LISTENING = Gauge("flywheel_worker_listening", "1 once the worker takes connections.",
@@ -100,18 +101,19 @@ class RecentAnswers:
         return share
 
 
-_versions: dict[str, str] = {}
+_versions: dict[tuple[str, str], str] = {}
 
 
-def set_version(route: str, version: str | None) -> None:
-    """`flywheel_model_version{route, version}` is 1 for the version now serving a route, 0 for the
-    ones that served it before (set to 0, not removed: removal is unsupported in multiprocess mode)."""
-    old = _versions.pop(route, None)
+def set_version(model: str, route: str, version: str | None) -> None:
+    """`flywheel_model_version{model, route, version}` is 1 for the version of registered model `model` now serving
+    a route, 0 for the ones that served it before (set to 0, not removed: removal is unsupported in multiprocess
+    mode)."""
+    old = _versions.pop((model, route), None)
     if old is not None:
-        MODEL_VERSION.labels(route, old).set(0)
+        MODEL_VERSION.labels(model, route, old).set(0)
     if version is not None:
-        MODEL_VERSION.labels(route, version).set(1)
-        _versions[route] = version
+        MODEL_VERSION.labels(model, route, version).set(1)
+        _versions[model, route] = version
 
 
 def exposition() -> bytes:
@@ -123,16 +125,18 @@ def exposition() -> bytes:
     return generate_latest(registry)
 
 
-def workers() -> dict[str, dict]:
+def workers(ranker: str) -> dict[str, dict]:
     """Each live worker by pid: `listening` (takes connections), `ready` (a champion warm),
     `registry_reachable` (its last alias poll answered), `prediction_log_up`, `refused_share` (of its
-    last minute's requests, answered 503) and the version `serving` each route."""
+    last minute's requests, answered 503), the version of `ranker` (the platform's) `serving` each route, and of
+    every ranker it follows (the scenarios' too) by `models`."""
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
         return {}
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)
     out: dict[str, dict] = defaultdict(lambda: {"listening": False, "ready": False, "registry_reachable": None,
-                                                "prediction_log_up": None, "refused_share": 0.0, "serving": {}})
+                                                "prediction_log_up": None, "refused_share": 0.0, "serving": {},
+                                                "models": {}})
     for family in registry.collect():
         for sample in family.samples:
             pid = sample.labels.get("pid")
@@ -143,5 +147,8 @@ def workers() -> dict[str, dict]:
             elif sample.name == "flywheel_refused_share" and pid:
                 out[pid]["refused_share"] = sample.value
             elif sample.name == "flywheel_model_version" and pid and sample.value == 1:
-                out[pid]["serving"][sample.labels["route"]] = sample.labels["version"]
+                model, route, version = sample.labels["model"], sample.labels["route"], sample.labels["version"]
+                out[pid]["models"].setdefault(model, {})[route] = version
+                if model == ranker:
+                    out[pid]["serving"][route] = version
     return dict(out)

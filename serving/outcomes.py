@@ -22,20 +22,23 @@ POPULARITY = "popularity"  # the source the others are compared with: what anyon
 COLUMNS = ["request_id", "item_id", "model_version", "route", "served_at", "score", "label", "sources"]
 
 
-def served_outcomes(s: Settings, since_ms: int | None = None, until_ms: int | None = None) -> pd.DataFrame:
-    """One row per scored item shown in since_ms <= served_at < until_ms (all archived when not given):
-    request_id, item_id, model_version, route, served_at (ms), score, label (1.0 if the user clicked it
-    on that request), sources (the candidate sources of a recommended item; None: a ranked one)."""
+def served_outcomes(s: Settings, since_ms: int | None = None, until_ms: int | None = None,
+                    model: str | None = None) -> pd.DataFrame:
+    """One row per scored item `model` (the platform's ranker by default; a scenario's has versions of its own)
+    served in since_ms <= served_at < until_ms (all archived when not given): request_id, item_id, model_version,
+    route, served_at (ms), score, label (1.0 if the user clicked it on that request), sources (the candidate sources
+    of a recommended item; None: a ranked one)."""
     clicks = _clicks(s, since_ms)
-    return _rows(_shown(s, since_ms, until_ms), clicks)
+    return _rows(_shown(s, since_ms, until_ms, model), clicks)
 
 
-def clicked_outcomes(s: Settings, since_ms: int, pooled: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
+def clicked_outcomes(s: Settings, since_ms: int, pooled: bool = True,
+                     model: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """What served_outcomes gives since `since_ms`, for the lists with a click only (the rest are all
     passes: nothing to rank by), and every list's `totals` (their pooled AUC when `pooled`). Its Python work
     grows with the clicked lists, not with the traffic (a load test's millions of rows)."""
     clicks = _clicks(s, since_ms)
-    shown = _shown(s, since_ms, None)
+    shown = _shown(s, since_ms, None, model)
     clicked = pc.is_in(shown["request_id"], value_set=pa.array(sorted({r for r, _ in clicks}), pa.string()))
     outcomes = _rows(shown.filter(clicked), clicks)
     return outcomes, totals(shown, clicked.to_numpy(zero_copy_only=False), outcomes, pooled)
@@ -87,9 +90,11 @@ def _clicks(s: Settings, since_ms: int | None) -> set[tuple[str, str]]:
 _SHOWN = ["request_id", "items", "scores", "model_version", "route", "served_at", "sources"]
 
 
-def _shown(s: Settings, since_ms: int | None, until_ms: int | None) -> pa.Table:
-    """The archived lists users were shown (shadow predictions never were)."""
-    return read_predictions(s, since_ms, until_ms, columns=[*_SHOWN, "shadow"]).filter(~pc.field("shadow"))
+def _shown(s: Settings, since_ms: int | None, until_ms: int | None, model: str | None) -> pa.Table:
+    """The archived lists `model` (the platform's ranker by default) served users (shadow predictions never
+    were shown)."""
+    table = read_predictions(s, since_ms, until_ms, columns=[*_SHOWN, "shadow", "model_name"])
+    return table.filter(~pc.field("shadow") & (pc.field("model_name") == (model or s.ranker.name)))
 
 
 def _rows(shown: pa.Table, clicks: set[tuple[str, str]]) -> pd.DataFrame:

@@ -60,6 +60,7 @@ class Recommender:
     def __init__(self, s: Settings, inference: Inference) -> None:
         self.s, self.inference, self.keys = s, inference, Keys(s.retrieval.key_prefix)
         self.weights = source_weights(s.retrieval.source_weights)
+        self.repeats = s.spec.repeats  # whether the repeat source lists anything
         timeout = s.serving.default_deadline_ms / 1000
         self.redis = redis_client(s, timeout)
         self.neighbours = OnlineReader(s, timeout)
@@ -67,7 +68,7 @@ class Recommender:
         self._readers = ThreadPoolExecutor(s.serving.fetch_threads, thread_name_prefix="retrieve")
 
     def retrieve(self, user_id: str, exclude_seen: bool) -> Retrieved:
-        """The merged candidates of the three sources (blocking: Redis)."""
+        """The merged candidates of the sources (blocking: Redis)."""
         r, k = self.s.retrieval, self.keys
         seen = self._current  # one read: another thread may replace it meanwhile
         pipe = self.redis.pipeline(transaction=False)
@@ -83,10 +84,14 @@ class Recommender:
         recent = json.loads(recent) if recent else []
         n = 2 * r.per_source  # room for the user's own positives, left out below
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zrevrange(k.popular, 0, n - 1).zrevrange(k.repeated(user_id), 0, n - 1)
+        pipe.zrevrange(k.popular, 0, n - 1)
+        if self.repeats:  # the near-line tier keeps a user's own positives only where items repeat
+            pipe.zrevrange(k.repeated(user_id), 0, n - 1)
         if current and vector:
             pipe.execute_command("VSIM", k.items(current), "FP32", vector, "COUNT", n)
-        popular, repeated, *nearest = pipe.execute()
+        popular, *answers = pipe.execute()
+        repeated = answers.pop(0) if self.repeats else []
+        nearest = answers
         seeds = list(dict.fromkeys(reversed(recent)))[: r.graph_seeds]  # newest first, each once
         rows = self.neighbours.read(("item_id",), [(i,) for i in seeds], NEIGHBOURS) if seeds else []
         graph = {i: list(zip(ids or [], scores or [])) for i, (ids, scores) in zip(seeds, rows)}
@@ -105,8 +110,9 @@ class Recommender:
                          current)
 
     async def recommend(self, user_id: str, k: int, exclude_seen: bool, tier: str, deadline_ms: float | None,
-                        request_id: str | None) -> Recommended:
-        """Raises what `Inference.rank` raises (NotReady, Shed); Shed("features") when Redis does not answer."""
+                        request_id: str | None, scenario: str = "") -> Recommended:
+        """The best `k` of the merged candidates, ranked by `scenario`'s ranker ("": the platform's). Raises what
+        `Inference.rank` raises (NotReady, Shed, UnknownScenario); Shed("features") when Redis does not answer."""
         try:
             retrieved = await asyncio.get_running_loop().run_in_executor(self._readers, self.retrieve, user_id,
                                                                          exclude_seen)
@@ -115,7 +121,8 @@ class Recommender:
         versions = {"retrieval": retrieved.version, "ranker": None}
         if not retrieved.items:  # nothing is known yet (an empty stack): an empty list, not an error
             return Recommended(request_id or new_request_id(), [], versions)
-        req = RankRequest(user_id, retrieved.items, tier, deadline_ms, top_k=k, sources=retrieved.sources)
+        req = RankRequest(user_id, retrieved.items, tier, deadline_ms, top_k=k, sources=retrieved.sources,
+                          scenario=scenario)
         if request_id:
             req.request_id = request_id
         result = await self.inference.rank(req)

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from infra.dataset import SCENARIO_FIELD
 from streaming.events import TEST_TRAFFIC, Event, dataset_spec
 
 SOURCE = "synthetic"
@@ -38,6 +39,8 @@ class SyntheticConfig:
     # Marked as test traffic (context `test_traffic`): load tests, which training must not learn from.
     # False: a world for a model to learn, as the tests and benchmarks of training use it.
     test_traffic: bool = True
+    # The scenarios (surfaces) requests are served on, in turn (context `scenario`); none: no scenario named.
+    scenarios: tuple[str, ...] = ()
 
 
 class SyntheticGenerator:
@@ -70,15 +73,16 @@ class SyntheticGenerator:
         c, rng, spec = self.config, self.rng, dataset_spec()
         # The spec's first exposure, its first label, and its strongest positive as the purchase.
         exposure, click, purchase = spec.exposures[0], spec.labels[0], spec.positives[-1]
-        while True:
+        for n in itertools.count():
             user = rng.randrange(c.users)
             request_id = self._new_id()
             slate = rng.choices(range(c.items), cum_weights=self._cum_weights, k=c.slate_size)
             t = now_ms()
             follow_ups: list[Event] = []
+            surface = {SCENARIO_FIELD: c.scenarios[n % len(c.scenarios)]} if c.scenarios else {}
             for position, item in enumerate(slate):
                 ctx = {"source": SOURCE, "position": position, spec.key: str(self.item_category[item])} | \
-                    ({TEST_TRAFFIC: True} if c.test_traffic else {})
+                    ({TEST_TRAFFIC: True} if c.test_traffic else {}) | surface
                 yield self._event(user, item, exposure, request_id, t, ctx)
                 if rng.random() < self.click_probability(user, item):
                     follow_ups.append(self._event(user, item, click, request_id, t, ctx))

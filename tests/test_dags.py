@@ -41,7 +41,9 @@ MINUTE = 60_000
 STEP_MS = 3_000  # event time between synthetic requests
 TRAFFIC = SyntheticConfig(users=200, items=150, categories=6, clusters=3, preferred_per_cluster=2,
                           base_logit=-1.5, affinity_weight=1.5, seed=11,
-                          test_traffic=False)  # traffic to learn from
+                          test_traffic=False,  # traffic to learn from
+                          scenarios=("home", "browse"))  # requests served on two surfaces in turn
+SCENARIOS = '\n[scenarios.home]\n\n[scenarios.browse]\n'  # each with a ranker of its own
 
 
 def iso(ms: int) -> str:
@@ -163,8 +165,10 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(data / "nets"), os.environ.get("PYTHONPATH")])))
     write_user_nets(data / "nets")
     # No scheduled training: unpausing offline_training for the REST test would start a daily run too.
+    spec = data / "dataset.toml"  # the default dataset, with the traffic's two scenarios declared
+    spec.write_text((REPO / "datasets" / "movielens" / "dataset.toml").read_text() + SCENARIOS)
     services = running_stack(data, "kafka,redis,mlflow,airflow,pipeline", FLYWHEEL_GRAPH_ALLOWED_LATENESS_S="0",
-                             FLYWHEEL_AIRFLOW_FULL_TRAINING_SCHEDULE="")
+                             FLYWHEEL_AIRFLOW_FULL_TRAINING_SCHEDULE="", FLYWHEEL_DATASET_SPEC=str(spec))
     s = next(services)
     try:
         home = data / "airflow-dag-test"  # away from the running scheduler's database
@@ -208,6 +212,29 @@ def test_offline_training_registers_and_promotes_the_first_champion(platform: Pl
     assert alias_version(connect(s), s.models.name, CHAMPION) == "1"
     tags = version_tags(s, "1")
     assert (tags["data_start"], tags["data_end"], tags["gate_decision"]) == (iso(start), iso(end), "promoted")
+
+
+@pytest.mark.stack
+def test_each_scenarios_ranker_is_trained_by_the_dag_on_its_own_traffic(platform: Platform, first_window) -> None:
+    """A run naming a scenario trains, registers and gates that scenario's ranker on the exposures served on its
+    surface: the two scenarios' training sets split the window's exposures between them. The platform's ranker
+    is untouched."""
+    from models.dataset import Window, labelled_impressions
+
+    s, (start, end) = platform.s, first_window
+    conf = {"data_start": iso(start), "data_end": iso(end)}
+    runs = {sc: run_dag(platform.environ, "offline_training", conf | {"scenario": sc}) for sc in ("home", "browse")}
+    for scenario, run in runs.items():
+        model = s.scenarios[scenario]
+        assert run["tasks"] == {"train": "success", "promotion_asked": "success", "gate": "success"}, run
+        assert run["values"]["train"]["version"] == "1" and run["values"]["gate"]["promoted"], run["values"]
+        assert alias_version(connect(s), model.name, CHAMPION) == "1"
+        assert version_tags(s, "1", model)["scenario"] == scenario
+    window = Window(datetime.fromtimestamp(start / 1000, UTC), datetime.fromtimestamp(end / 1000, UTC))
+    every = len(labelled_impressions(s, window))
+    home, browse = (runs[sc]["values"]["train"]["examples"] for sc in ("home", "browse"))
+    assert home + browse == every and abs(home - browse) <= TRAFFIC.slate_size, (home, browse, every)
+    assert [v["version"] for v in list_versions(s)] == ["1"]  # the platform's ranker: its own first champion only
 
 
 @pytest.mark.stack

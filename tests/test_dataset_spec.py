@@ -152,7 +152,7 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    (("[dataset]", "[datasets]"), "unknown key 'datasets' (expected: dataset, events, tables, features, demo, settings)"),
+    (("[dataset]", "[datasets]"), "unknown key 'datasets' (expected: dataset, events, tables, features, demo, settings, scenarios)"),
     (('kind = "categorical"', 'kind = "text"'), "[tables.item].attributes.brand.kind: expected one of categorical"),
     (('kind = "categorical"', 'kind = "categorical"\nseparator = ","'), "brand.separator: only a multi attribute"),
     (('kind = "categorical"', 'kind = "categorical"\ntokens = "decade"'),

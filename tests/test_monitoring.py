@@ -81,15 +81,15 @@ def test_a_server_that_does_not_serve_the_registrys_champion_for_a_minute_fires(
     rule_test(promtool, settings, tmp_path, {
         f'flywheel_registry_alias{{model="{model}",alias="champion",version="3"}}': values((1, 13), ("stale", 1)),
         f'flywheel_registry_alias{{model="{model}",alias="champion",version="4"}}': values(("_", 13), (1, 40)),
-        'flywheel_model_version{route="champion",version="3",pid="1"}': values((1, 14), (0, 39)),
-        'flywheel_model_version{route="champion",version="4",pid="1"}': values(("_", 14), (1, 39)),
-        'flywheel_model_version{route="champion",version="3",pid="2"}': values((1, 53)),
+        f'flywheel_model_version{{model="{model}",route="champion",version="3",pid="1"}}': values((1, 14), (0, 39)),
+        f'flywheel_model_version{{model="{model}",route="champion",version="4",pid="1"}}': values(("_", 14), (1, 39)),
+        f'flywheel_model_version{{model="{model}",route="champion",version="3",pid="2"}}': values((1, 53)),
     }, [
         {"eval_time": "100s", "alertname": "FlywheelNotFollowingChampion", "exp_alerts": []},  # under a minute
         {"eval_time": "140s", "alertname": "FlywheelNotFollowingChampion", "exp_alerts": [{
-            "exp_labels": {"route": "champion", "version": "3", "pid": "2", "severity": "page"},
-            "exp_annotations": {"summary": "the ranking server does not serve @champion (registry: version 3 "
-                                           "served by worker 2)"}}]},
+            "exp_labels": {"model": model, "route": "champion", "version": "3", "pid": "2", "severity": "page"},
+            "exp_annotations": {"summary": f"the ranking server does not serve @champion of {model} (registry: "
+                                           "version 3 served by worker 2)"}}]},
     ])
 
 

@@ -11,6 +11,8 @@ import http.client
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -38,7 +40,7 @@ from feature_repo.store import apply
 from infra import process, stack
 from infra.redis_clients import online_store
 from infra.services import enabled_services
-from infra.settings import Settings
+from infra.settings import REPO_ROOT, Settings, to_environ
 from models.ctr import CtrModel, ModelSpec
 from models.metrics import auc
 from models.registry import (
@@ -54,6 +56,7 @@ pytestmark = pytest.mark.stack
 SPEC = ModelSpec(numeric_features=NUMERIC_FEATURES, sequence_length=50, sparse=SparseConfig(dim=8, admit_after=1),
                  hidden=(32, 16), batch_size=128)
 USERS, ITEMS = 20, 100
+SCENARIOS = '\n[scenarios.home]\ndescription = "the home page"\n\n[scenarios.browse]\nmodel = "browse-ranker"\n'
 REGISTRY_OUTAGE_S = 60.0
 WORKERS = 2
 
@@ -145,7 +148,9 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     with pytest.MonkeyPatch.context() as patch:  # importable here and in the stack's processes
         patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(nets), os.environ.get("PYTHONPATH")])))
         patch.syspath_prepend(str(nets))
-        for s in running_stack(tmp / "stack", "kafka,redis,mlflow,serving,prometheus",
+        spec = tmp / "dataset.toml"  # the default dataset, with two scenarios (surfaces) of their own rankers
+        spec.write_text((REPO_ROOT / "datasets" / "movielens" / "dataset.toml").read_text() + SCENARIOS)
+        for s in running_stack(tmp / "stack", "kafka,redis,mlflow,serving,prometheus", FLYWHEEL_DATASET_SPEC=str(spec),
                                FLYWHEEL_SERVING_CANARY_PERCENT="30", FLYWHEEL_SERVING_SHADOW_PERCENT="50",
                                FLYWHEEL_SERVING_MAX_INFLIGHT_ROWS="1500", FLYWHEEL_SERVING_DEFAULT_DEADLINE_MS="500",
                                FLYWHEEL_SERVING_MAX_CANDIDATES="500", FLYWHEEL_SERVING_WORKERS=str(WORKERS),
@@ -291,15 +296,16 @@ def test_a_fault_is_a_503_with_a_reason_and_the_worker_serves_on(platform: Platf
     assert httpx.post(f"{p.url}/rank", json=_request(1, 5), timeout=10).status_code == 200
 
 
-def _registered_scores_equal(p: Platform, body: dict, out: dict, version: str, numeric: tuple[str, ...]):
-    """Asserts the server's scores are the registered version's, as MLflow loads it, on the same features
-    read by the test; returns those inputs."""
+def _registered_scores_equal(p: Platform, body: dict, out: dict, version: str, numeric: tuple[str, ...],
+                             model: str | None = None):
+    """Asserts the server's scores are the registered version's (of `model`, the platform's ranker by default), as
+    MLflow loads it, on the same features read by the test; returns those inputs."""
     store = apply(p.s)
     rows = [{"user_id": body["user_id"], **c} for c in body["candidates"]]
     frame = pd.DataFrame(store.get_online_features(features=store.get_feature_service("ranking_serving"),
                                                    entity_rows=rows).to_dict())
     ex = to_examples(frame, np.full(len(frame), int(time.time() * 1000)), np.zeros(len(frame)), SPEC.sequence_length)
-    offline = mlflow.pyfunc.load_model(f"models:/{p.s.models.name}/{version}").predict(to_frame(ex, numeric))
+    offline = mlflow.pyfunc.load_model(f"models:/{model or p.s.models.name}/{version}").predict(to_frame(ex, numeric))
     np.testing.assert_allclose(out["scores"], offline, rtol=1e-5, atol=1e-6)
     return ex
 
@@ -362,6 +368,73 @@ def test_a_version_with_other_inputs_or_network_is_served_without_code_changes(p
     finally:
         _set_alias(p, CHAMPION, "v1")
     wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {v1}), timeout_s=30)
+
+
+def _scenario_serving(p: Platform, model: str) -> set[str | None]:
+    """The versions of registered model `model` serving @champion over all the workers: one once they agree."""
+    workers = _served(p)["workers"]
+    assert len(workers) == WORKERS, workers
+    return {w["models"].get(model, {}).get(CHAMPION) for w in workers.values()}
+
+
+def test_scenarios_are_served_side_by_side_and_rolled_back_apart(platform: Platform, tmp_path: Path) -> None:
+    """One server, a ranker per scenario the dataset spec declares: each request is scored by the champion of the
+    scenario it names (the platform's ranker when it names none), concurrently, with the scores each version
+    gives alone; a rollback of one scenario leaves the others serving what they served; an undeclared scenario
+    is a 422 naming the declared ones."""
+    p, client = platform, connect(platform.s)
+    home, browse = p.s.scenarios["home"], p.s.scenarios["browse"]
+    assert (home.name, browse.name) == (f"{p.s.models.name}-home", "browse-ranker")
+    versions: dict[tuple[str, str], str] = {}
+    for model, labels in ((home, ("own", "v2")), (browse, ("ranker-v1",))):  # other networks than the default's
+        mlflow.set_experiment(model.experiment)
+        for label in labels:
+            export = load_version(p.s, p.versions[label]).save(tmp_path / f"{model.scenario}-{label}")
+            with mlflow.start_run(run_name=f"{model.scenario}-{label}"):
+                versions[model.scenario, label] = log_model(p.s, export, {"kind": label}, model=model)
+    assert version_tags(p.s, versions["home", "own"], home)["scenario"] == "home"
+    client.set_registered_model_alias(home.name, CHAMPION, versions["home", "v2"])
+    client.set_registered_model_alias(home.name, CHAMPION, versions["home", "own"])  # v2 is the one before
+    client.set_registered_model_alias(browse.name, CHAMPION, versions["browse", "ranker-v1"])
+    served = {"": p.versions["v1"], "home": versions["home", "own"], "browse": versions["browse", "ranker-v1"]}
+    wait_for(lambda: _assert(_scenario_serving(p, home.name) == {served["home"]}
+                             and _scenario_serving(p, browse.name) == {served["browse"]}), timeout_s=120)
+    models = _served(p)
+    assert models["scenarios"]["home"]["serving"][CHAMPION] == served["home"] and models["model_name"] == p.s.models.name
+
+    rnd = np.random.default_rng(5)
+    users = [u for u in range(USERS) if access.route(f"u{u}", p.s.serving.canary_percent) == CHAMPION]
+    bodies = [_request(int(rnd.choice(users)), int(rnd.integers(1, 80)), tier="high",
+                       **({"scenario": sc} if sc else {})) for sc in ["", "home", "browse"] * 16]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda b: httpx.post(f"{p.url}/rank", json=b, timeout=30), bodies))
+    assert [r.status_code for r in together] == [200] * len(bodies), {r.text for r in together if r.status_code != 200}
+    for b, r in zip(bodies, together):
+        assert r.json()["model_version"] == served[b.get("scenario", "")], (b.get("scenario"), r.json())
+        alone = httpx.post(f"{p.url}/rank", json=b, timeout=10).json()
+        np.testing.assert_allclose(r.json()["scores"], alone["scores"], rtol=1e-5, atol=1e-6)
+    for scenario, model, label, numeric in (("home", home, "own", NUMERIC_FEATURES),
+                                            ("browse", browse, "ranker-v1", V1_NUMERIC_FEATURES)):
+        body = next(b for b in bodies if b.get("scenario") == scenario)
+        out = httpx.post(f"{p.url}/rank", json=body, timeout=10).json()
+        _registered_scores_equal(p, body, out, versions[scenario, label], numeric, model.name)
+    recommended = httpx.post(f"{p.url}/recommend", json={"user_id": "u1", "scenario": "browse"}, timeout=10)
+    assert recommended.status_code == 200, recommended.text
+
+    unknown = httpx.post(f"{p.url}/rank", json=_request(1, 3, scenario="cart"), timeout=10)
+    assert unknown.status_code == 422 and "unknown scenario 'cart'" in unknown.text, unknown.text
+    assert "'home', 'browse'" in unknown.json()["detail"][0]["msg"]
+
+    # A rollback of home's ranker: home serves the version before; browse and the platform's ranker are untouched.
+    cli = subprocess.run([sys.executable, "-m", "flywheel.cli", "rollback", "--scenario", "home", "--why", "test",
+                          "--to", versions["home", "v2"]],
+                         env=os.environ | to_environ(p.s), capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and f"v{served['home']} -> v{versions['home', 'v2']}" in cli.stdout, cli.stderr
+    wait_for(lambda: _assert(_scenario_serving(p, home.name) == {versions["home", "v2"]}), timeout_s=30)
+    assert _scenario_serving(p, browse.name) == {served["browse"]} and _everywhere(p, CHAMPION) == {served[""]}
+    for scenario, version in (("home", versions["home", "v2"]), ("browse", served["browse"]), ("", served[""])):
+        body = _request(users[0], 5, **({"scenario": scenario} if scenario else {}))
+        assert httpx.post(f"{p.url}/rank", json=body, timeout=10).json()["model_version"] == version, scenario
 
 
 def test_bad_input_gets_a_4xx_and_unknown_ids_defaults(platform: Platform) -> None:
