@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 FLYWHEEL := .venv/bin/flywheel
 
-.PHONY: setup demo demo-shop test test-fast test-cluster chaos up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-sparse bench-sparse-pull bench-retrieval bench-canary bench-served-drift bench-report lock lock-jars clean
+.PHONY: setup demo demo-shop test test-fast test-cluster chaos up down status serve bench bench-streaming bench-models bench-dags bench-serving bench-scenarios bench-sparse bench-sparse-pull bench-retrieval bench-canary bench-served-drift bench-report lock lock-jars clean
 
 setup:  ## install both environments and the Flink connector jars from the lock files
 	@bash infra/setup.sh
@@ -53,6 +53,9 @@ bench-dags: setup  ## edges/s into the graph store; with ARGS=--training (after 
 
 bench-serving: setup  ## model limit vs server throughput at p99 <= 50 ms; batching, buckets, executors on/off; swap time
 	.venv/bin/python -m benchmarks.serving $(ARGS)
+
+bench-scenarios: setup  ## wrk against one server: bodies naming one scenario vs split between two, each with its own champion (~4 min)
+	.venv/bin/python -m benchmarks.scenarios $(ARGS)
 
 bench-sparse: setup  ## the sparse tier: 50M ids in a Redis of their own served by the real server vs tables in each worker, a 1M-row delta (~10 min, ~8 GB)
 	.venv/bin/python -m benchmarks.sparse $(ARGS)

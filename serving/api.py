@@ -289,7 +289,7 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
                 "registry": {"reachable": follower.registry_reachable, "error": follower.registry_error or None,
                              "since": datetime.fromtimestamp(follower.registry_since, UTC).isoformat()},
                 "scenarios": {name: {"model_name": f.model.name, "champion_percent": f.champion_percent,
-                                     "serving": {route: (m.version if m else None) for route, m in list(f.served.items())},
+                                     "serving": {r: (m.version if m else None) for r, m in list(f.served.items())},
                                      "refused": dict(f.refused)}
                               for name, f in request.app.state.inference.followers.items() if name},
                 "workers": metrics.workers(s.ranker.name)}

@@ -400,7 +400,9 @@ def test_scenarios_are_served_side_by_side_and_rolled_back_apart(platform: Platf
     wait_for(lambda: _assert(_scenario_serving(p, home.name) == {served["home"]}
                              and _scenario_serving(p, browse.name) == {served["browse"]}), timeout_s=120)
     models = _served(p)
-    assert models["scenarios"]["home"]["serving"][CHAMPION] == served["home"] and models["model_name"] == p.s.models.name
+    assert models["model_name"] == p.s.models.name
+    assert models["scenarios"]["home"]["serving"][CHAMPION] == served["home"]
+    assert models["scenarios"]["browse"]["model_name"] == browse.name
 
     rnd = np.random.default_rng(5)
     users = [u for u in range(USERS) if access.route(f"u{u}", p.s.serving.canary_percent) == CHAMPION]
