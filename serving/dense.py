@@ -57,6 +57,7 @@ class DenseRunner:
         self._compiled: dict[Shape, Callable] = {}
         self._pending: set[Shape] = set()
         self._lock = threading.Lock()  # guards _pending; _compiled is replaced, never mutated
+        self._warming = threading.Lock()  # one warm at a time: two rankers' versions of one shape compile once
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="xla-compile")
 
     def _forward(self, weights: list[tf.Tensor], inputs: dict[str, tf.Tensor]) -> tf.Tensor:
@@ -90,6 +91,10 @@ class DenseRunner:
         fit it, zero-padded. A later version of the architecture runs nothing here: the weights are the
         compiled functions' inputs, so there is nothing to warm, and running all the buckets again
         (~0.8 s of both cores when the workers swap at once) made requests miss their deadlines."""
+        with self._warming:
+            self._warm(weights, example)
+
+    def _warm(self, weights: list[tf.Tensor], example: dict[str, np.ndarray]) -> None:
         for shape in (self.bucket_shapes() if self.buckets else []):
             if shape in self._compiled:
                 continue

@@ -184,11 +184,11 @@ class ModelFollower(AliasFollower[ServedModel]):
             raise ValueError(f"v{version} cannot be served on these online features: {'; '.join(reasons)}")
         key = shape_key(model.spec)
         runner = self.runners.get(key)
-        if runner is None:
+        if runner is None:  # setdefault: the followers of a worker's other rankers may race for the same shape
             sv = self.s.serving
-            runner = DenseRunner(model, sv.row_buckets, sv.sequence_buckets, sv.buckets,
-                                 on_compile=lambda where: metrics.COMPILES.labels(where).inc())
-            self.runners[key] = runner
+            runner = self.runners.setdefault(key, DenseRunner(
+                model, sv.row_buckets, sv.sequence_buckets, sv.buckets,
+                on_compile=lambda where: metrics.COMPILES.labels(where).inc()))
         served = ServedModel(version, model, [tf.constant(w) for w in model.dense_weights()], runner, how, tiered)
         runner.warm(served.weights, served.inputs(self.warm_example))
         if not np.all(np.isfinite(served.score(self.warm_example))):
