@@ -66,7 +66,7 @@ def offline_training():
             if params["data_start"] or params["data_end"]:
                 raise
             raise AirflowSkipException(str(exc)) from None
-        return {"version": outcome.version, "window": str(outcome.window), **outcome.metrics}
+        return {"model": model.name, "version": outcome.version, "window": str(outcome.window), **outcome.metrics}
 
     gate_if_asked(train())
 

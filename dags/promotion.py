@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from airflow.sdk import task
 
-from task_settings import task_model  # dags/ is on sys.path
+from task_settings import task_settings  # dags/ is on sys.path
 
 
 def gate_if_asked(trained) -> None:
@@ -23,7 +23,7 @@ def gate_if_asked(trained) -> None:
 
         from models.train import gate_version
 
-        s, model = task_model(params)
-        return asdict(gate_version(s, trained["version"], model))
+        s = task_settings()  # the model trained: the run's, or the one a scheduled run chose
+        return asdict(gate_version(s, trained["version"], s.registered_model(trained["model"])))
 
     trained >> promotion_asked() >> gate(trained)

@@ -16,17 +16,19 @@ def task_settings() -> Settings:
 
 
 def task_model(params: dict | None) -> tuple[Settings, RegisteredModel]:
-    """The settings and the registered model the run names: its `scenario`'s ranker, else `model_name`'s model
-    (the platform's ranker where it names neither). A scenario and another model's name are refused together."""
+    """The settings and the registered model the run names (Settings.model_for): its `scenario`'s ranker, else
+    `model_name`'s model."""
     s, params = get_settings(), params or {}
-    named = s.registered_model(params.get("model_name"))
-    if not params.get("scenario"):
-        return s, named
-    model = s.scenario_model(params["scenario"])
-    if named not in (model, s.ranker):
-        raise ValueError(f"the run names scenario {params['scenario']!r} (model {model.name}) and model_name "
-                         f"{named.name!r}: name one")
-    return s, model
+    return s, s.model_for(params.get("model_name"), params.get("scenario"))
+
+
+def due(watermarks: dict[RegisteredModel, datetime | None], written: datetime | None) -> RegisteredModel | None:
+    """Of rankers and their @champion's data watermark (None: no champion to continue), the one a scheduled
+    incremental run continues: of those with events logged since their watermark, the longest waiting; each
+    in turn (None: none has new events)."""
+    waiting = [(mark, i, m) for i, (m, mark) in enumerate(watermarks.items())
+               if mark is not None and written is not None and written >= mark]
+    return min(waiting)[2] if waiting else None
 
 
 def moment(text: str) -> datetime:

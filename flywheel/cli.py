@@ -415,11 +415,7 @@ _SCENARIO = click.option("--scenario", default=None,
 
 
 def _ranker(scenario: str | None) -> tuple[Settings, RegisteredModel]:
-    s = _settings()
-    try:
-        return s, s.scenario_model(scenario)
-    except SettingsError as exc:
-        raise click.BadParameter(str(exc), param_hint="--scenario") from None
+    return _registered(None, scenario)
 
 
 @main.command()
@@ -493,12 +489,11 @@ _MODEL = click.option("--model", "model_name", default=None,
 
 
 def _registered(model_name: str | None, scenario: str | None) -> tuple[Settings, RegisteredModel]:
-    if scenario and model_name:
-        raise click.UsageError("name a model (--model) or a scenario (--scenario), not both")
-    if scenario:
-        return _ranker(scenario)
     s = _settings()
-    return s, s.registered_model(model_name)
+    try:
+        return s, s.model_for(model_name, scenario)
+    except SettingsError as exc:
+        raise click.BadParameter(str(exc), param_hint="--scenario") from None
 
 
 @main.command()
@@ -643,7 +638,10 @@ def versions(model_name: str | None, scenario: str | None) -> None:
 @click.argument("dag_id")
 @click.option("--conf", default="{}", show_default=True, help="The run's parameters, as a JSON object.")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until the run finishes.")
-def trigger(dag_id: str, conf: str, wait: bool) -> None:
+@click.option("--scenario", default=None,
+              help="A scenario the dataset spec declares: the run's `scenario` parameter (offline_training, "
+                   "incremental_training, model_rollback act on its ranker).")
+def trigger(dag_id: str, conf: str, wait: bool, scenario: str | None) -> None:
     """Start a run of an Airflow DAG through the REST API, e.g.
     `flywheel trigger model_rollback --conf '{"reason": "bad canary"}'`. Unpauses the DAG."""
     from infra.airflow_api import AirflowApiError, AirflowClient
@@ -654,6 +652,11 @@ def trigger(dag_id: str, conf: str, wait: bool) -> None:
         raise click.BadParameter(f"not JSON: {exc}", param_hint="--conf") from None
     if not isinstance(params, dict):
         raise click.BadParameter("must be a JSON object", param_hint="--conf")
+    if scenario is not None:
+        if params.get("scenario", scenario) != scenario:
+            raise click.UsageError(f"--scenario {scenario} and the conf's scenario {params['scenario']!r} differ")
+        _ranker(scenario)  # a scenario the spec does not declare is refused here, naming the declared ones
+        params["scenario"] = scenario
     s = _settings()
     try:
         client = AirflowClient(s)

@@ -121,6 +121,10 @@ class DemoSpec:
     train_days: int | None = None
 
 
+# The settings' sections a scenario may set for itself (their keys: infra/settings.py SCENARIO_KEYS).
+SCENARIO_SECTIONS = ("canary", "serving")
+
+
 @dataclass(frozen=True)
 class ScenarioSpec:
     """A surface of the shop with its own ranker (`[scenarios.<name>]`): trained on the exposures whose context
@@ -129,6 +133,12 @@ class ScenarioSpec:
     name: str
     model: str = ""  # its registered model; "": `<models.name>-<name>`
     description: str = ""
+    # Its own settings over the platform's, by section (`[scenarios.<name>.canary]`: how its canaries ramp;
+    # `[scenarios.<name>.serving]`: its experiment's splits), as (key, value) pairs; checked by the settings.
+    settings: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+
+    def section(self, name: str) -> dict[str, Any]:
+        return dict(dict(self.settings).get(name, ()))
 
 
 @dataclass(frozen=True)
@@ -329,11 +339,14 @@ def _scenarios(where: str, raw: dict[str, Any]) -> tuple[ScenarioSpec, ...]:
         if not NAME.fullmatch(name):
             raise SpecError(f"{where}: expected a scenario name of letters, digits, '_' or '-' starting with a letter "
                             f"(at most 64), got {name!r}")
-        t = _check(f"{where}.{name}", table, {}, {"model": str, "description": str})
+        t = _check(f"{where}.{name}", table, {}, {"model": str, "description": str, **dict.fromkeys(
+            SCENARIO_SECTIONS, dict)})
         if "model" in t and not NAME.fullmatch(t["model"]):
             raise SpecError(f"{where}.{name}.model: expected a registered model name of letters, digits, '_' or '-' "
                             f"starting with a letter (at most 64), got {t['model']!r}")
-        out.append(ScenarioSpec(name, t.get("model", ""), t.get("description", "")))
+        own = tuple((section, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in t[section].items()))
+                    for section in SCENARIO_SECTIONS if section in t)
+        out.append(ScenarioSpec(name, t.get("model", ""), t.get("description", ""), own))
     models = [s.model for s in out if s.model]
     if twice := sorted({m for m in models if models.count(m) > 1}):
         raise SpecError(f"{where}: the model {twice[0]!r} is named by two scenarios (each has its own)")

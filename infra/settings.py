@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote, urlsplit
 
-from infra.dataset import DatasetSpec, SpecError, load_spec
+from infra.dataset import SCENARIO_SECTIONS, DatasetSpec, SpecError, load_spec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV_PREFIX = "FLYWHEEL_"
@@ -583,6 +583,12 @@ class RegisteredModel:
     scenario: str | None = None
 
 
+# What a scenario may set for itself, by section (infra/dataset.py SCENARIO_SECTIONS): how its canaries are
+# judged and ramped (not how often: one analysis looks at every ranker), and its experiment's splits.
+SCENARIO_KEYS = {"canary": tuple(f.name for f in dataclasses.fields(CanarySettings) if f.name != "interval_s"),
+                 "serving": ("canary_percent", "shadow_percent")}
+
+
 @dataclass(frozen=True)
 class Settings:
     paths: PathSettings = field(default_factory=PathSettings)
@@ -660,6 +666,35 @@ class Settings:
             return self.ranker
         declared = {m.name: m for m in self.registered_models}
         return declared.get(name) or RegisteredModel(name, self.models.experiment, RANKER)
+
+    def for_model(self, model: RegisteredModel | None) -> Settings:
+        """The settings `model` is promoted, canaried and routed under: its scenario's own `[scenarios.<name>.canary]`
+        and `[scenarios.<name>.serving]` over the platform's (these settings themselves for any other model)."""
+        if model is None or not model.scenario:
+            return self
+        spec, out = next((sc for sc in self.spec.scenarios if sc.name == model.scenario), None), self
+        for section in SCENARIO_SECTIONS if spec is not None else ():
+            if own := spec.section(section):
+                where, current = f"[scenarios.{spec.name}.{section}]", getattr(self, section)
+                if bad := sorted(set(own) - set(SCENARIO_KEYS[section])):
+                    raise SettingsError(f"dataset.spec: {where}: a scenario may set {', '.join(SCENARIO_KEYS[section])}"
+                                        f", not {', '.join(bad)}")
+                out = override(out, section, **{k: _convert(v, getattr(current, k), f"{where} {k}")
+                                                for k, v in own.items()})
+        return out
+
+    def model_for(self, name: str | None, scenario: str | None) -> RegisteredModel:
+        """The model a command or a run names: its scenario's ranker, else `name`'s model (the platform's ranker
+        where it names neither). A scenario with another model's name is refused: the platform's ranker's name
+        with a scenario is a default (a DAG's parameter), not a choice."""
+        named = self.registered_model(name)
+        if not scenario:
+            return named
+        model = self.scenario_model(scenario)
+        if named not in (model, self.ranker):
+            raise SettingsError(f"scenario {scenario!r} (model {model.name}) and model {named.name!r} both named: "
+                                "name one")
+        return model
 
 
 def peer_port(port: int) -> int:
@@ -751,6 +786,8 @@ def load_settings(environ: dict[str, str] | None = None, config_file: Path | Non
         load_spec(settings.dataset.spec)
     except SpecError as exc:
         raise SettingsError(f"dataset.spec: {exc}") from None
+    for model in settings.scenarios.values():  # a scenario's own settings, checked with the others
+        settings.for_model(model)
     bad = set(settings.stack.services) - set(LOCAL_SERVICES)
     if bad:
         raise SettingsError(f"stack.services: unknown services {sorted(bad)}; known: {list(LOCAL_SERVICES)}")

@@ -192,13 +192,13 @@ def routing(client: MlflowClient, name: str) -> Routing:
 def start_canary(s: Settings, version: str, previous: str, model: RegisteredModel | None = None) -> None:
     """`version` is about to become @champion in place of `previous`: @control keeps serving the users
     outside the first share. A canary already running keeps its @control, the last version that passed one."""
-    client, name = connect(s), (model or s.ranker).name
+    client, name, first = connect(s), (model or s.ranker).name, s.for_model(model).canary.ramp_percent[0]
     if alias_version(client, name, CONTROL) is None:
         client.set_registered_model_alias(name, CONTROL, previous)
-    client.set_registered_model_tag(name, CANARY_TAG, canary_tag(version, s.canary.ramp_percent[0]))
+    client.set_registered_model_tag(name, CANARY_TAG, canary_tag(version, first))
     client.set_model_version_tag(name, version, "canary_started_at", datetime.now(UTC).isoformat())
     client.set_model_version_tag(name, version, "canary_status",
-                                 f"serving {s.canary.ramp_percent[0]:g}% of users; @control serves the others")
+                                 f"serving {first:g}% of users; @control serves the others")
 
 
 def end_canary(s: Settings, model: RegisteredModel | None = None) -> None:
@@ -317,7 +317,7 @@ def gate(s: Settings, version: str, candidate: CtrModel | ForeignModel, evaluati
                     break
         reason = "; ".join(said)
     return decide(s, version, guardrail, reason, candidate_auc, champion, champion_auc,
-                  {"gate_auc": f"{candidate_auc:.6f}"}, canary=s.canary.enabled, model=model)
+                  {"gate_auc": f"{candidate_auc:.6f}"}, canary=s.for_model(model).canary.enabled, model=model)
 
 
 def _versus(m: ModelsSettings, labels: np.ndarray, candidate: np.ndarray, reference: np.ndarray, what: str) -> tuple[bool, str]:

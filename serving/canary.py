@@ -244,7 +244,8 @@ def read_state(s: Settings, model: RegisteredModel | None = None) -> State | Non
 
 class Analyst:
     def __init__(self, s: Settings, model: RegisteredModel | None = None) -> None:
-        self.s, self.model = s, model or s.ranker  # the registered model whose canaries it judges
+        self.model = model or s.ranker  # the registered model whose canaries it judges
+        self.s = s.for_model(self.model)  # under its scenario's own canary settings, if any
         self.state = read_state(s, self.model) or State()
         self.state.rollback_failing, self._said, self._served_at = 0, ("", 0.0), 0.0
         self._client, self._moot = None, False

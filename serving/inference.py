@@ -36,7 +36,7 @@ from models.registry import CHALLENGER, CHAMPION, CONTROL
 from serving import access, metrics
 from serving.batching import Batcher, DeadlineExceeded, Overloaded
 from serving.features import Candidate, Fetched, OnlineFeatures
-from serving.lifecycle import ModelFollower
+from serving.lifecycle import ModelFollower, close_runners
 from serving.prediction_log import PredictionLog
 from streaming.events import dataset_spec
 
@@ -126,12 +126,14 @@ class Inference:
         if sv.max_candidates > sv.max_inflight_rows:
             raise ValueError(f"serving.max_candidates ({sv.max_candidates}) must be at most serving.max_inflight_rows "
                              f"({sv.max_inflight_rows}): a full request could never be admitted")
-        warm, runners = warm_examples(max(sv.sequence_buckets)), {}
+        warm, self._runners = warm_examples(max(sv.sequence_buckets)), {}
         # One follower per ranker, by scenario ("": the platform's), sharing the compiled networks.
         self.followers = {m.scenario or "": ModelFollower(
             s, warm, shared / (f"aliases-{m.scenario}.json" if m.scenario else "aliases.json") if shared else None,
-            model=m, runners=runners) for m in s.rankers}
+            model=m, runners=self._runners) for m in s.rankers}
         self.follower = self.followers[""]
+        # Each ranker's experiment splits: its scenario's own (`[scenarios.<name>.serving]`), else the server's.
+        self.splits = {key: s.for_model(f.model).serving for key, f in self.followers.items()}
         self.features = OnlineFeatures(s)
         self.predictions = PredictionLog(s)
         self.batcher: Batcher[_Job, tuple[np.ndarray, str]] = Batcher(
@@ -199,13 +201,14 @@ class Inference:
             metrics.DEFAULTED.inc()
         if allocation.degraded:
             metrics.DEGRADED.labels(req.tier).inc()
-        route = access.route(req.user_id, self.s.serving.canary_percent)
+        split = self.splits[req.scenario]
+        route = access.route(req.user_id, split.canary_percent)
         if route == CHALLENGER and follower.current(CHALLENGER) is None:
             route = CHAMPION
         if route == CHAMPION and follower.current(CONTROL) is not None:  # the new champion's canary
             route = access.champion_route(req.user_id, follower.champion_percent)
         scores, version = await self._score(_Job(req.scenario, route, fetched.examples), req.tier, deadline)
-        if route == CHAMPION and access.shadowed(req.request_id, self.s.serving.shadow_percent):
+        if route == CHAMPION and access.shadowed(req.request_id, split.shadow_percent):
             self._shadow(req, follower, fetched)
         top = None if req.top_k is None else best(scores.tolist(), req.top_k)
         self._log(req, follower, scored, scores, version, route, fetched.snapshot, shadow=False, only=top)
@@ -298,6 +301,7 @@ class Inference:
     def close(self) -> None:
         for follower in self.followers.values():
             follower.stop()
+        close_runners(self._runners)  # once every follower sharing them stopped
         self._fetchers.shutdown(wait=True)
         self.batcher.close()
         self.predictions.close()

@@ -81,6 +81,11 @@ def shape_key(spec: ModelSpec) -> tuple:
             spec.token_length)
 
 
+def close_runners(runners: dict[tuple, DenseRunner]) -> None:
+    for runner in runners.values():
+        runner.close()
+
+
 class ModelFollower(AliasFollower[ServedModel]):
     """Holds the served versions of the ranker's @champion, @challenger and @control and keeps them current,
     with the champion's share of users while @control serves (`champion_percent`). The server's workers share
@@ -89,10 +94,12 @@ class ModelFollower(AliasFollower[ServedModel]):
     def __init__(self, s: Settings, warm_example: Examples, shared: Path | None = None,
                  model: RegisteredModel | None = None, runners: dict[tuple, DenseRunner] | None = None) -> None:
         """`runners`: compiled dense networks by shape (`shape_key`), shared with the followers of the worker's
-        other rankers (each compile costs ~55 s of CPU; versions alike in shape share one)."""
+        other rankers (each compile costs ~55 s of CPU; versions alike in shape share one) and closed by whoever
+        handed them over, after every follower sharing them stopped."""
         super().__init__(s, model or s.ranker, ROUTES, s.serving.poll_interval_s, shared)
         self.warm_example = warm_example  # a few real-looking rows every new version must score
         self.runners: dict[tuple, DenseRunner] = {} if runners is None else runners
+        self._owns_runners = runners is None
         self.warm: OrderedDict[str, ServedModel] = OrderedDict()  # version -> model, most recent last
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -227,5 +234,5 @@ class ModelFollower(AliasFollower[ServedModel]):
             self.deltas.stop()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        for runner in self.runners.values():
-            runner.close()
+        if self._owns_runners:
+            close_runners(self.runners)

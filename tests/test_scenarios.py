@@ -40,6 +40,11 @@ def test_each_declared_scenario_is_a_ranker_of_its_own_and_an_undeclared_one_is_
     assert s.scenario_model("home") == s.registered_model("shop-ranker-home") == home
     with pytest.raises(SettingsError, match="unknown scenario 'cart': the dataset spec .* declares 'home', 'search'"):
         s.scenario_model("cart")
+    # What a command or a DAG run names: a scenario wins over the platform's ranker's name (a DAG's default) ...
+    assert s.model_for("shop-ranker", "home") == s.model_for(None, "home") == home
+    assert s.model_for("trial", None) == RegisteredModel("trial", s.models.experiment, RANKER)
+    with pytest.raises(SettingsError, match="scenario 'home' .* and model 'shop-search-ranker' both named"):
+        s.model_for("shop-search-ranker", "home")  # ... but not over another model's
     # Without scenarios, the platform's ranker alone: today's requests and models, unchanged.
     plain = _settings(tmp_path / "plain", SHOP)
     assert plain.rankers == (plain.ranker,) and plain.scenarios == {}
@@ -53,13 +58,34 @@ def test_each_declared_scenario_is_a_ranker_of_its_own_and_an_undeclared_one_is_
 
 @pytest.mark.parametrize("table, message", [
     ('[scenarios."home page"]\n', r"\[scenarios\]: expected a scenario name .* got 'home page'"),
-    ("[scenarios.home]\nranker = 'x'\n", r"\[scenarios\].home: unknown key 'ranker' \(expected: model, description\)"),
+    ("[scenarios.home]\nranker = 'x'\n", r"\[scenarios\].home: unknown key 'ranker' \(expected: model, description, "
+                                        r"canary, serving\)"),
+    ("[scenarios.home]\ncanary = 5\n", r"\[scenarios\].home.canary: expected dict, got int 5"),
     ("[scenarios.a]\nmodel = 'm'\n[scenarios.b]\nmodel = 'm'\n", r"the model 'm' is named by two scenarios"),
     ("[scenarios.home]\nmodel = 'my model'\n", r"\[scenarios\].home.model: expected a registered model name"),
 ])
 def test_a_wrong_scenario_is_refused_with_the_file_and_the_key(tmp_path: Path, table: str, message: str) -> None:
     with pytest.raises(SpecError, match=message):
         parse_spec(SHOP + table, shop(tmp_path))
+
+
+def test_a_scenario_canaries_and_splits_its_traffic_under_its_own_settings(tmp_path: Path) -> None:
+    """`[scenarios.<name>.canary]` and `[scenarios.<name>.serving]` over the platform's settings, for its ranker
+    alone: how its new champions ramp, whether they are canaried at all, its experiment's splits."""
+    own = ('\n[scenarios.search.canary]\nramp_percent = [10, 50]\nmargin = 0.02\n'
+           '\n[scenarios.search.serving]\ncanary_percent = 5\nshadow_percent = 20\n')
+    s = _settings(tmp_path, SHOP + SCENARIOS + own, FLYWHEEL_CANARY_MIN_REQUESTS="30")
+    search = s.for_model(s.scenarios["search"])
+    assert (search.canary.ramp_percent, search.canary.margin, search.canary.min_requests) == ((10.0, 50.0), 0.02, 30)
+    assert (search.serving.canary_percent, search.serving.shadow_percent) == (5.0, 20.0)
+    for other in (s.ranker, s.scenarios["home"], s.retriever):  # the others keep the platform's
+        assert s.for_model(other) == s and s.canary.ramp_percent == (50.0,) and s.serving.canary_percent == 0.0
+    wrong = {"[scenarios.search.canary]\ninterval_s = 1\n": r"may set enabled, .*, not interval_s",
+             "[scenarios.search.serving]\nmax_candidates = 9\n": r"canary_percent, shadow_percent, not max_candidates",
+             "[scenarios.search.canary]\nmargin = 'wide'\n": r"\[scenarios.search.canary\] margin: cannot read 'wide'"}
+    for i, (table, message) in enumerate(wrong.items()):
+        with pytest.raises(SettingsError, match=message):  # refused when the settings load, not at first use
+            _settings(tmp_path / f"bad{i}", SHOP + SCENARIOS + "\n" + table)
 
 
 def test_a_scenarios_training_set_holds_its_own_exposures_alone(tmp_path: Path) -> None:

@@ -56,7 +56,8 @@ pytestmark = pytest.mark.stack
 SPEC = ModelSpec(numeric_features=NUMERIC_FEATURES, sequence_length=50, sparse=SparseConfig(dim=8, admit_after=1),
                  hidden=(32, 16), batch_size=128)
 USERS, ITEMS = 20, 100
-SCENARIOS = '\n[scenarios.home]\ndescription = "the home page"\n\n[scenarios.browse]\nmodel = "browse-ranker"\n'
+SCENARIOS = ('\n[scenarios.home]\ndescription = "the home page"\n\n[scenarios.browse]\nmodel = "browse-ranker"\n'
+             '\n[scenarios.browse.serving]\ncanary_percent = 100\n')  # its experiment: every user to its @challenger
 REGISTRY_OUTAGE_S = 60.0
 WORKERS = 2
 
@@ -370,11 +371,11 @@ def test_a_version_with_other_inputs_or_network_is_served_without_code_changes(p
     wait_for(lambda: _assert(_everywhere(p, CHAMPION) == {v1}), timeout_s=30)
 
 
-def _scenario_serving(p: Platform, model: str) -> set[str | None]:
-    """The versions of registered model `model` serving @champion over all the workers: one once they agree."""
+def _scenario_serving(p: Platform, model: str, route: str = CHAMPION) -> set[str | None]:
+    """The versions of registered model `model` serving `route` over all the workers: one once they agree."""
     workers = _served(p)["workers"]
     assert len(workers) == WORKERS, workers
-    return {w["models"].get(model, {}).get(CHAMPION) for w in workers.values()}
+    return {w["models"].get(model, {}).get(route) for w in workers.values()}
 
 
 def test_scenarios_are_served_side_by_side_and_rolled_back_apart(platform: Platform, tmp_path: Path) -> None:
@@ -437,6 +438,17 @@ def test_scenarios_are_served_side_by_side_and_rolled_back_apart(platform: Platf
     for scenario, version in (("home", versions["home", "v2"]), ("browse", served["browse"]), ("", served[""])):
         body = _request(users[0], 5, **({"scenario": scenario} if scenario else {}))
         assert httpx.post(f"{p.url}/rank", json=body, timeout=10).json()["model_version"] == version, scenario
+
+    # browse's own experiment split: once its ranker has a @challenger, it scores every browse request; the
+    # same user on the other surfaces stays with their champions (the server's split: 30% of users).
+    client.set_registered_model_alias(browse.name, CHALLENGER, served["browse"])
+    try:
+        wait_for(lambda: _assert(_scenario_serving(p, browse.name, CHALLENGER) == {served["browse"]}), timeout_s=30)
+        for scenario, route in (("browse", CHALLENGER), ("home", CHAMPION), ("", CHAMPION)):
+            body = _request(users[0], 5, **({"scenario": scenario} if scenario else {}))
+            assert httpx.post(f"{p.url}/rank", json=body, timeout=10).json()["route"] == route, scenario
+    finally:
+        client.delete_registered_model_alias(browse.name, CHALLENGER)
 
 
 def test_bad_input_gets_a_4xx_and_unknown_ids_defaults(platform: Platform) -> None:
