@@ -46,7 +46,7 @@ from infra.process import exit_with_parent
 from infra.settings import Settings
 from models.recall import SOURCES
 from serving import metrics
-from serving.inference import Inference, NotReady, RankRequest, Shed
+from serving.inference import Inference, NotReady, RankRequest, Shed, UnknownScenario
 from serving.recommend import Recommender
 from serving.supervisor import ConnectionShares, listening_socket
 from streaming.history import ItemKeyFile, item_keys_path
@@ -157,14 +157,14 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
                                          "msg": _printable(e["msg"])} for e in errors]}, status_code=422)
 
     def unknown_scenario(scenario: str | None) -> JSONResponse | None:
-        """A 422 naming the declared scenarios, for a request naming another."""
-        if not scenario or scenario in inference.followers:
+        """A 422 naming the declared scenarios, for a request naming another (before any work for it)."""
+        try:
+            inference.follower_of(scenario or "")
             return None
-        declared = ", ".join(repr(n) for n in inference.followers if n) or "none"
-        metrics.REQUESTS.labels("-", "422").inc()
-        return JSONResponse({"detail": [{"type": "unknown_scenario", "loc": ["body", "scenario"],
-                                         "msg": f"unknown scenario {_printable(scenario)!r}: the dataset spec "
-                                                f"declares {declared}"}]}, status_code=422)
+        except UnknownScenario as exc:
+            metrics.REQUESTS.labels("-", "422").inc()
+            return JSONResponse({"detail": [{"type": "unknown_scenario", "loc": ["body", "scenario"],
+                                             "msg": _printable(str(exc))}]}, status_code=422)
 
     def refuse(reason: str, detail: str, started: float) -> JSONResponse:
         metrics.REQUESTS.labels("-", "503").inc()

@@ -154,14 +154,19 @@ class Inference:
 
     # --- the request path -----------------------------------------------------------------------
 
+    def follower_of(self, scenario: str) -> ModelFollower:
+        """The follower of `scenario`'s ranker ("": the platform's), or UnknownScenario naming the declared ones."""
+        follower = self.followers.get(scenario)
+        if follower is None:
+            raise UnknownScenario(f"unknown scenario {scenario!r}: the dataset spec declares "
+                                  f"{', '.join(repr(n) for n in self.followers if n) or 'none'}")
+        return follower
+
     async def rank(self, req: RankRequest) -> RankResult:
         sv = self.s.serving
         started = time.monotonic()
         deadline = started + min(req.deadline_ms or sv.default_deadline_ms, sv.default_deadline_ms) / 1000
-        follower = self.followers.get(req.scenario)
-        if follower is None:
-            raise UnknownScenario(f"unknown scenario {req.scenario!r}: the dataset spec declares "
-                                  f"{', '.join(repr(n) for n in self.followers if n) or 'none'}")
+        follower = self.follower_of(req.scenario)
         champion = follower.current(CHAMPION)
         if champion is None:
             raise NotReady(f"no model of scenario {req.scenario!r} loaded yet" if req.scenario else
