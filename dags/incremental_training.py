@@ -46,14 +46,14 @@ def incremental_training():
         from models.registry import champion_watermark
 
         s, model = task_model(params)
-        written = last_write(s)
+        written, marks = last_write(s), {}
         if dag_run is not None and dag_run.run_type == "scheduled" and len(s.rankers) > 1:
             # Scenarios' rankers too: a scheduled run continues the one waiting longest for its new events.
             marks = {m: champion_watermark(s, m) for m in s.rankers}
             model = due({m: mark and mark[1] for m, mark in marks.items()}, written) or model
         # Most runs of a quiet stack find nothing new: decide that before importing TensorFlow, the
         # bulk of a run's CPU. Events after the watermark reach the log after it too.
-        champion = champion_watermark(s, model)
+        champion = marks[model] if model in marks else champion_watermark(s, model)
         if champion is not None and (written is None or written < champion[1]):
             raise AirflowSkipException(f"nothing logged since @champion v{champion[0]}'s data watermark")
 
