@@ -22,11 +22,16 @@ RATES = tuple(name for view in STREAM_VIEWS for name, sql_type in view.columns i
 # Per candidate, from the user's long history and interest histogram: the share of the user's kept
 # behaviors in the candidate's category, and of the decayed interest weight.
 CATEGORY_SHARES = ("history_category_share", "interest_category_share")
+# Per candidate and further grouping key of the spec (a brand): the share of the user's exposures (all
+# history) in the candidate's value, and of the decayed interest weight of the key's histogram.
+GROUPS = dataset_spec().group_by
+GROUP_SHARES = {key: (f"{key}_share", f"interest_{key}_share") for key in GROUPS}
 # Per candidate, from the user's recent positives: how many of them are the candidate (log-scaled). A
 # shop's customer buys again what they bought (Instacart: 70% of the trees baseline's gain, +0.03 test AUC
 # for the ranker); a movie is rated once (0 everywhere, no effect).
 REPEATS = ("user_item_repeats",)
-DERIVED = (*CATEGORY_SHARES, *REPEATS)  # computed per candidate when its inputs are built, never stored
+DERIVED = (*CATEGORY_SHARES, *(n for shares in GROUP_SHARES.values() for n in shares), *REPEATS)  # per candidate,
+# computed when its inputs are built, never stored
 # The catalog's integer and number attributes, users' first: max(x - origin, 0) * scale.
 CATALOG_NUMERIC = tuple(name for name, a in ATTRIBUTES.items() if a.numeric)
 NUMERIC_FEATURES: tuple[str, ...] = (*COUNTS, *RATES, *CATALOG_NUMERIC, *DERIVED)
@@ -40,7 +45,8 @@ V1_NUMERIC_FEATURES: tuple[str, ...] = tuple(
 SEQUENCE = ("seq_item_ids", "seq_event_types", "seq_event_times")
 LONG_HISTORY = ("history_length", "history_categories", "history_category_counts", "history_item_ids",
                 "history_event_types")
-INTEREST = ("interest_categories", "interest_weights")
+INTEREST = ("interest_categories", "interest_weights",
+            *(f"interest_{key}_{part}" for key in GROUPS for part in ("values", "weights")))
 # Each entity's attribute tokens ("genre:Drama", "age:20s"): (prefix, raw feature) pairs, in the spec's
 # order; a list feature gives one token per entry, a number whose tokens are "decade" (DECADES) its decade.
 TOKENS: dict[str, tuple[tuple[str, str], ...]] = {

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from contract.examples import PAD, Examples
-from contract.inputs import ATTRIBUTES, COUNTS, DECADES, NUMERIC_FEATURES, TOKENS
+from contract.inputs import ATTRIBUTES, COUNTS, DECADES, GROUP_SHARES, NUMERIC_FEATURES, TOKENS
 from infra.dataset import DAY_MS, AttributeSpec
 
 Columns = pd.DataFrame | Mapping[str, Sequence]
@@ -216,6 +216,20 @@ def attribute_input(a: AttributeSpec, values: pd.Series | Sequence, times_ms: np
     return np.maximum(x - a.origin, 0.0) * a.scale
 
 
+# Each further key's derived input: (key, whether it is the interest histogram's share).
+OF_GROUP = {name: (key, n == 1) for key, names in GROUP_SHARES.items() for n, name in enumerate(names)}
+
+
+def _group_share(features: Columns, key: str, interest: bool) -> np.ndarray:
+    """Per row, the row's value of `key` (a brand) as a share of the user's interest histogram over the key, or
+    of the user's exposures (its (user, value) count over the user's total; at most 1: two views, two writes)."""
+    values = _strings(features[key])
+    if interest:
+        return _category_shares(values, features[f"interest_{key}_values"], features[f"interest_{key}_weights"])
+    share = _numbers(features[f"{key}_impressions"]) / np.maximum(_numbers(features["user_impressions_total"]), 1.0)
+    return np.minimum(share, 1.0).astype(np.float32)
+
+
 def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, sequence_length: int) -> Examples:
     """Model inputs from feature rows (a frame as `get_historical_features` returns it, or columns of
     values as the online store holds them) for requests at `times_ms`, with every numeric feature of
@@ -233,6 +247,8 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
                                              features["history_category_counts"], _numbers(features["history_length"]))
         elif name == "interest_category_share":
             numeric[:, j] = _category_shares(categories, features["interest_categories"], features["interest_weights"])
+        elif name in OF_GROUP:
+            numeric[:, j] = _group_share(features, *OF_GROUP[name])
         elif name in ATTRIBUTES:  # the catalog's numbers as the spec scales them (a missing one: 0)
             numeric[:, j] = attribute_input(ATTRIBUTES[name], features[name], times_ms)
         else:

@@ -40,7 +40,10 @@ user = Entity(name="user", join_keys=["user_id"], value_type=ValueType.STRING, d
 item = Entity(name="item", join_keys=["item_id"], value_type=ValueType.STRING, description="An item (raw id).")
 category = Entity(name="category", join_keys=["category"], value_type=ValueType.STRING,
                   description="An item category.")
-ENTITIES = {"user_id": user, "item_id": item, "category": category}
+# The spec's further grouping keys (a brand beside the category), each an entity of its per-user counts.
+GROUPS = tuple(Entity(name=key, join_keys=[key], value_type=ValueType.STRING, description=f"An item {key}.")
+               for key in dataset_spec().group_by)
+ENTITIES = {"user_id": user, "item_id": item, "category": category, **{e.name: e for e in GROUPS}}
 
 
 @dataclass(frozen=True)
@@ -131,4 +134,4 @@ def definitions(s: Settings) -> list:
                        description="The same features, point-in-time correct, for training sets."),
         FeatureService(name="recall", features=graph, description="Candidate generation: item neighbours."),
     ]
-    return [user, item, category, *stream, *batch, *graph, *services]
+    return [user, item, category, *GROUPS, *stream, *batch, *graph, *services]

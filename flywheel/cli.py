@@ -510,20 +510,53 @@ def rollback(why: str, target: str, model_name: str | None, scenario: str | None
     click.echo(f"@champion: v{old} -> v{new}")
 
 
+def _offline_features(s, user_id: str, item_id: str | None, category: str | None, reader, names: list[str]) -> dict:
+    """`names` (what the online store holds for the same entities) as the offline store's point-in-time join
+    gives them now (models/dataset.py: features_as_of; None: nothing stored, or past its view's TTL)."""
+    import pandas as pd
+
+    from models.dataset import features_as_of
+
+    keys = {k: v[0] for k, v in reader.groups_of([item_id] if item_id else []).items()}
+    entity = pd.DataFrame([{"user_id": user_id, "item_id": item_id or "", "category": category or "", **keys,
+                            "event_timestamp": pd.Timestamp.now(tz="UTC"), "row": 0}])
+    joined = features_as_of(s, entity).iloc[0]
+    return {name: _plain(joined[name]) for name in names if name in joined.index}
+
+
+def _plain(value: object) -> object:
+    """A joined value as JSON holds it (numpy lists and numbers as Python's; NaN, NA: None)."""
+    import pandas as pd
+
+    value = value.tolist() if hasattr(value, "tolist") else value
+    return None if not isinstance(value, list) and pd.isna(value) else value
+
+
 @main.command()
 @click.option("--user", "user_id", required=True, help="The user whose online features to show.")
 @click.option("--item", "item_id", default=None, help="Also this item's features.")
-@click.option("--category", default=None, help="Also the user x category features (the item's category).")
+@click.option("--category", default=None, help="Also the user x category features (default: the item's category "
+              "in the catalog); the user x the item's further keys are the catalog's.")
+@click.option("--offline", is_flag=True, help="The offline store's values as of now instead: the point-in-time "
+              "join a training set makes for an exposure at this time.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: feature name -> value (missing = null).")
-def features(user_id: str, item_id: str | None, category: str | None, as_json: bool) -> None:
-    """The online features the ranking server reads for a user (and an item), as stored now."""
+def features(user_id: str, item_id: str | None, category: str | None, offline: bool, as_json: bool) -> None:
+    """The online features the ranking server reads for a user (and an item), as stored now; or, with --offline,
+    what a training set joins for them."""
     import redis
 
     from serving.features import OnlineFeatures
 
     s = _settings()
+    if item_id and category is None:
+        from streaming.history import ItemKeyFile, item_keys_path
+
+        category = ItemKeyFile(item_keys_path(s)).get(item_id) or None
     try:
-        values = OnlineFeatures(s).entity_features(user_id, item_id, category)
+        reader = OnlineFeatures(s)
+        values = reader.entity_features(user_id, item_id, category)
+        if offline:
+            values = _offline_features(s, user_id, item_id, category, reader, list(values))
     except redis.RedisError as exc:
         raise click.ClickException(f"Redis at {s.redis.url}: {exc}. Is the stack up (`flywheel status`)?") from None
     except ValueError as exc:  # the feature repo was never applied

@@ -153,6 +153,9 @@ class DatasetSpec:
     # The context field whose value is an event's key: the per (user, key) views and the long history
     # group by it, and the ranker's category inputs are its values (the item's category attribute).
     key: str = "category"
+    # Further grouping keys (`[events] key = [key, *group_by]`): item attributes by name, each also the context
+    # field an event may carry it in; each has per (user, value) counts and an interest histogram of its own.
+    group_by: tuple[str, ...] = ()
     # Each entity's sliding windows of exposure and label counts and CTR (`[features] windows`)
     windows: tuple[str, ...] = DEFAULT_WINDOWS
     # A bundled adapter (streaming/adapters.py) that writes the files the sources name, outside the
@@ -174,6 +177,11 @@ class DatasetSpec:
     def window_buckets(self) -> tuple[tuple[str, int, int], ...]:
         """(name, minutes, time buckets) of each window: a minute per bucket up to 12, else 12 buckets."""
         return tuple((name, window_minutes(name), min(window_minutes(name), 12)) for name in self.windows)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every grouping key, the category's first."""
+        return (self.key, *self.group_by)
 
     def table(self, entity: str) -> TableSpec:
         return next(t for t in self.tables if t.entity == entity)
@@ -203,6 +211,7 @@ class DatasetSpec:
     def digest(self) -> str:
         """Identifies what the spec declares (not how the file is laid out)."""
         declared = ((self.name, self.event_types, self.tables) + ((self.key,) if self.key != "category" else ())
+                    + ((self.group_by,) if self.group_by else ())
                     + ((self.windows,) if self.windows != DEFAULT_WINDOWS else ())  # MovieLens' as before
                     + (("repeats",) if self.repeats else ()))
         return hashlib.sha256(repr(declared).encode()).hexdigest()[:16]
@@ -286,6 +295,27 @@ def _table(where: str, entity: str, raw: Any) -> TableSpec:
     return TableSpec(entity, t["source"], t["id"], attributes, category)
 
 
+# A further key names its features ("brand_ctr", "interest_brand_share") and a stream column: not these.
+RESERVED_KEYS = frozenset(("category", "user", "item", "user_id", "item_id", "event_id", "event_type", "event_time",
+                           "request_id", "history", "interest", "seq", "sequence", "total", "profile", "row", "label",
+                           "keys", "proctime"))
+
+
+def _group_by(where: str, key: str, names: list, item: dict) -> tuple[str, ...]:
+    """The keys after the first: distinct item attributes, categorical or multi, whose names are identifiers."""
+    attributes = item.get("attributes", {}) if isinstance(item, dict) else {}
+    for name in names:
+        if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", name) or name in RESERVED_KEYS:
+            raise SpecError(f"{where}: expected the keys after the first to be item attribute names of lowercase "
+                            f"letters, digits and '_' (at most 32, not {', '.join(sorted(RESERVED_KEYS))}), got {name!r}")
+        if name == key or names.count(name) > 1:
+            raise SpecError(f"{where}: {name!r} is named twice")
+        if not isinstance(attributes.get(name), dict) or attributes[name].get("kind") not in ("categorical", "multi"):
+            raise SpecError(f"{where}: {name!r} is not a categorical or multi attribute of [tables.item] (an event "
+                            "without it takes its item's)")
+    return tuple(names)
+
+
 def _history(where: str, raw: Any) -> HistorySpec:
     h = _check(where, raw, {"source": str}, {"user": str, "item": str, "type": str, "time": str, "time_unit": str,
                                              "request": str, "context": list, "negatives": int})
@@ -365,9 +395,11 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
         if not isinstance(values, dict):
             raise SpecError(f"{path} [settings].{section}: expected a table of settings, got {type(values).__name__}")
     dataset = _check(f"{path} [dataset]", top["dataset"], {"name": str}, {"adapter": str})
-    events = _check(f"{path} [events]", top["events"], {"types": list}, {"history": dict, "key": str, "repeats": bool})
-    key = events.get("key", "category")
-    if not NAME.fullmatch(key):
+    events = _check(f"{path} [events]", top["events"], {"types": list},
+                    {"history": dict, "key": (str, list), "repeats": bool})
+    keys = events.get("key", "category")
+    key, *group_by = [keys] if isinstance(keys, str) else keys or [""]  # several: the category's first
+    if not isinstance(key, str) or not NAME.fullmatch(key):
         raise SpecError(f"{path} [events].key: expected a context field name of letters, digits, '_' or '-' "
                         f"starting with a letter (at most 64), got {key!r}")
     types = tuple(_event_type(f"{path} [[events.types]] #{n + 1}", t) for n, t in enumerate(events["types"]))
@@ -379,7 +411,8 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
     spec = DatasetSpec(dataset["name"], path, types,
                        tuple(_table(f"{path} [tables.{e}]", e, tables[e]) for e in ENTITIES),
                        _history(f"{path} [events.history]", events["history"]) if "history" in events else None,
-                       key, adapter=dataset.get("adapter"),
+                       key, _group_by(f"{path} [events].key", key, group_by, tables.get("item", {})),
+                       adapter=dataset.get("adapter"),
                        demo=_demo(f"{path} [demo]", top["demo"]) if "demo" in top else DemoSpec(),
                        repeats=events.get("repeats", False), settings=top.get("settings", {}))
     if "features" in top:

@@ -59,7 +59,7 @@ class Window:
 
 def labelled_impressions(s: Settings, window: Window, scenario: str | None = None) -> pd.DataFrame:
     """One row per impression in `window` (event log, deduplicated by event id, test traffic left out):
-    request_id, user_id, item_id, category, event_time (ms), request_time (ms: its request's first exposure, looked for
+    request_id, user_id, item_id, category (and each further key of the spec), event_time (ms), request_time (ms: its request's first exposure, looked for
     up to a day before the window), label (1.0 if a click with its request id and item exists). `scenario`: only the
     impressions whose context names it (a declared scenario's ranker learns from its own surface)."""
     start, end = (int(t.timestamp() * 1000) for t in (window.start, window.end))
@@ -77,14 +77,19 @@ def labelled_impressions(s: Settings, window: Window, scenario: str | None = Non
     out = imps.merge(clicks, on=["request_id", "item_id"], how="left")
     out["label"] = out["label"].fillna(0.0)
     contexts = [json.loads(c) for c in out["context"]]
-    # The key the stream groups by; an event without it has the catalog's, as the stream job counts it.
-    key, keys = s.spec.key, item_keys(s)
-    out["category"] = [str(c[key]) if c.get(key, "") != "" else keys.get(item, "")
-                       for c, item in zip(contexts, out["item_id"])]
+    # The keys the stream groups by (the category's first); an event without one has the catalog's, as the stream
+    # job counts it.
+    catalog = item_keys(s)
+    of_items = [catalog.get(item) or () for item in out["item_id"]]
+    for n, key in enumerate(s.spec.keys):
+        out["category" if n == 0 else key] = [
+            str(c[key]) if c.get(key, "") != "" else (of[n] or "" if n < len(of) else "")
+            for c, of in zip(contexts, of_items)]
     kept = [c.get(TEST_TRAFFIC) is not True and (scenario is None or c.get(SCENARIO_FIELD) == scenario)
             for c in contexts]
     out = out.loc[np.array(kept, bool)]  # load tests teach nothing
-    return out[["request_id", "user_id", "item_id", "category", "event_time", "request_time", "label"]].sort_values(
+    return out[["request_id", "user_id", "item_id", "category", *s.spec.group_by, "event_time", "request_time",
+                "label"]].sort_values(
         "event_time", kind="stable").reset_index(drop=True)
 
 
@@ -96,7 +101,7 @@ def training_frame(s: Settings, window: Window, scenario: str | None = None) -> 
     if imps.empty:
         raise NoImpressions(f"no impressions{f' of scenario {scenario}' if scenario else ''} in {window}: nothing to "
                             "train or evaluate on")
-    entity_df = imps[["user_id", "item_id", "category"]].copy()
+    entity_df = imps[["user_id", "item_id", "category", *s.spec.group_by]].copy()
     entity_df["event_timestamp"] = pd.to_datetime(imps["request_time"] - 1, unit="ms", utc=True)
     entity_df["row"] = np.arange(len(imps))
     joined = features_as_of(s, entity_df)
@@ -165,7 +170,7 @@ def as_of(s: Settings, entity_df: pd.DataFrame) -> pd.DataFrame:
                 ttl = getattr(view, "ttl", None)
                 live = (f"h.{TIMESTAMP_FIELD} >= e.event_timestamp - INTERVAL {int(ttl.total_seconds())} SECOND"
                         if ttl else "TRUE")
-                on = " AND ".join(f"e.{k} = h.{k}" for k in view.keys)
+                on = " AND ".join(f'e."{k}" = h."{k}"' for k in view.keys)
                 frame = con.sql(f"""
                     SELECT e.row, {", ".join(f'CASE WHEN {live} THEN h."{n}" END AS "{n}"' for n in names)}
                     FROM entities e ASOF LEFT JOIN ({newest_per_time(files, view.keys, TIMESTAMP_FIELD)}) h
@@ -183,7 +188,7 @@ def newest_per_time(files: list[str], keys: tuple[str, ...], timestamp: str) -> 
     aggregate updated by several events of one millisecond: its newest count). A key's rows come from one
     Kafka partition, and file names and rows follow its offsets: `files` (pinned) in the names' order."""
     return f"""SELECT * FROM read_parquet({files!r}, union_by_name = true, filename = true, file_row_number = true)
-               QUALIFY row_number() OVER (PARTITION BY {", ".join(keys)}, {timestamp}
+               QUALIFY row_number() OVER (PARTITION BY {", ".join(f'"{k}"' for k in keys)}, {timestamp}
                                           ORDER BY list_position({files!r}, filename) DESC, file_row_number DESC) = 1"""
 
 

@@ -100,7 +100,7 @@ def train_full(s: Settings, window: Window, kind: str | None = None, promote: bo
         mlflow.log_params({"kind": kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
                            **{f"split_{k}": v for k, v in spans.items()}, **_spec_params(model.spec)})
         best = Path(tmp) / "best"
-        model, losses, val_aucs, seconds = _fit(s, model, train, validation, best, progress, log=True)
+        model, losses, val_aucs, seconds = fit(s, model, train, validation, best, progress, log=True)
         samples_per_s = len(train) * len(losses) / seconds
         metrics = _log_evaluation(model, test, "test") | {"train_samples_per_s": samples_per_s,
                                                            "epochs": float(len(losses)), "examples": float(len(ex))}
@@ -122,7 +122,7 @@ def train_full(s: Settings, window: Window, kind: str | None = None, promote: bo
     return TrainOutcome(version, decision, metrics, window, samples_per_s)
 
 
-def _fit(s: Settings, model: CtrModel, train: Examples, validation: Examples, best: Path, progress: bool,
+def fit(s: Settings, model: CtrModel, train: Examples, validation: Examples, best: Path, progress: bool,
          log: bool = False) -> tuple[CtrModel, list[float], list[float], float]:
     """Epochs until the validation AUC stops improving: (the best model, losses, validation AUCs, seconds)."""
     best_auc, losses, val_aucs, seconds = -1.0, [], [], 0.0
@@ -147,7 +147,7 @@ def baseline_aucs(s: Settings, train: Examples, validation: Examples, test: Exam
     seen = np.concatenate([train.item_ids[train.labels > 0], validation.item_ids[validation.labels > 0]])
     ids, counts = np.unique(seen, return_counts=True)
     popularity = dict(zip(ids, counts))
-    logreg, _, _, _ = _fit(s, CtrModel(model_spec(s, "logreg")), train, validation, tmp, progress=False)
+    logreg, _, _, _ = fit(s, CtrModel(model_spec(s, "logreg")), train, validation, tmp, progress=False)
     scores = {"popularity": np.array([popularity.get(i, 0) for i in test.item_ids], float),
               "logreg": np.asarray(logreg.predict(test)), "gbdt": gbdt_scores(train, validation, test)}
     return {f"test_auc_{key}": auc(test.labels, scores[key]) for key in RANKING_BASELINES.values()}

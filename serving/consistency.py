@@ -72,13 +72,14 @@ def report(s: Settings, since_ms: int | None = None, until_ms: int | None = None
         imps, joined = training_frame(s, window)
     except NoImpressions:  # lists no one was shown (a load test's): nothing was trained on them
         return pd.DataFrame(columns=COLUMNS), counts
-    trained = pd.concat([imps[["request_id", "item_id"]], joined.drop(columns=["row", "user_id", "item_id",
-                                                                                 "category", "event_timestamp"],
-                                                                        errors="ignore")], axis=1)
+    groups = list(s.spec.group_by)  # a candidate's further keys (a brand): as its exposure was trained on
+    trained = pd.concat([imps[["request_id", "item_id", *groups]],
+                         joined.drop(columns=["row", "user_id", "item_id", "category", *groups, "event_timestamp"],
+                                     errors="ignore")], axis=1)
     compared = served.merge(trained.drop_duplicates(["request_id", "item_id"]), on=["request_id", "item_id"],
                             suffixes=("", "_trained"))
     counts["compared"] = len(compared)
-    entities = compared[["user_id", "item_id", "category"]].copy()
+    entities = compared[["user_id", "item_id", "category", *groups]].copy()
     entities["event_timestamp"] = pd.to_datetime(compared["served_at"], unit="ms", utc=True)
     entities["row"] = np.arange(len(compared))
     point_in_time = features_as_of(s, entities)

@@ -114,6 +114,19 @@ class OnlineFeatures:
         # A stalled Redis fails a read after this long (the caller bounds it by the request's deadline too).
         self.reader = OnlineReader(s, s.serving.default_deadline_ms / 1000)
         self.cache = SharedEntityCache(s.serving.item_features_ttl_ms / 1000, s.serving.item_features_cache_size)
+        # A candidate's further keys (a brand beside its category) are the catalog's, as the stream counts events.
+        self.groups = s.spec.group_by
+        if self.groups:
+            from streaming.history import ItemKeyFile, item_keys_path  # pandas: only where a spec groups further
+
+            self.item_keys = ItemKeyFile(item_keys_path(s))
+
+    def groups_of(self, item_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Each further key's value (the catalog's; "" for none) of each item."""
+        if not self.groups:
+            return {}
+        of = [self.item_keys.values(i) for i in item_ids]
+        return {k: [v[n] or "" if n < len(v) else "" for v in of] for n, k in enumerate(self.groups, 1)}
 
     @staticmethod
     def _shared(keys: tuple[str, ...]) -> bool:
@@ -130,12 +143,14 @@ class OnlineFeatures:
 
     def entity_features(self, user_id: str, item_id: str | None = None, category: str | None = None
                         ) -> dict[str, object]:
-        """The raw values this server reads for a user (and an item, and the user x the item's category),
+        """The raw values this server reads for a user (and an item, and the user x the item's category and
+        further keys),
         read now, bypassing the item cache; None where nothing is stored (`flywheel features`)."""
-        given = {"user_id": user_id, "item_id": item_id, "category": category}
+        given = {"user_id": user_id, "item_id": item_id, "category": category} | {
+            k: v[0] for k, v in self.groups_of([item_id] if item_id else []).items()}
         out: dict[str, object] = {}
         for keys, refs in self.reads.items():
-            if all(given[k] for k in keys):
+            if all(given.get(k) for k in keys):
                 out |= dict(zip(self.names[keys], self.reader.read(keys, [tuple(given[k] for k in keys)], refs)[0]))
         return out
 
@@ -154,7 +169,7 @@ class OnlineFeatures:
         from contract.transform import entity_tokens, to_examples
 
         rows = {"user_id": [user_id] * len(candidates), "item_id": [c.item_id for c in candidates],
-                "category": [c.category for c in candidates]}
+                "category": [c.category for c in candidates]} | self.groups_of([c.item_id for c in candidates])
         columns: dict[str, Sequence] = dict(rows)
         plan = []  # per entity kind: its keys, refs, the entity of each candidate row, found, missing
         for keys, refs in self.reads.items():

@@ -123,11 +123,23 @@ def total_view(entity: str) -> StreamView:
                       upsert=True, query=_entity_counts(entity), shared_topic=f"{entity}_counts")
 
 
-def _user_category(s: Settings) -> str:
-    return f"""
-        SELECT user_id, category, MAX(event_time), CAST(SUM(is_impression) AS BIGINT),
-               CAST(SUM(is_click) AS BIGINT), {_smoothed_ctr(s, 'SUM(is_click)', 'SUM(is_impression)')}
-        FROM valid_events WHERE category IS NOT NULL GROUP BY user_id, category"""
+def _user_key(column: str) -> Callable[[Settings], str]:
+    """Impressions, clicks and smoothed CTR per user and value of a grouping key (`valid_events`' `column`)."""
+    def query(s: Settings) -> str:
+        return f"""
+            SELECT user_id, `{column}`, MAX(event_time), CAST(SUM(is_impression) AS BIGINT),
+                   CAST(SUM(is_click) AS BIGINT), {_smoothed_ctr(s, 'SUM(is_click)', 'SUM(is_impression)')}
+            FROM valid_events WHERE `{column}` IS NOT NULL GROUP BY user_id, `{column}`"""
+
+    return query
+
+
+def user_key_view(key: str) -> StreamView:
+    """Per (user, value) counts of the spec's first key (the category: "category_ctr"), or of a further one
+    ("brand_ctr"), over all history."""
+    columns = ((f"{key}_impressions", BIGINT), (f"{key}_clicks", BIGINT), (f"{key}_ctr", DOUBLE))
+    return StreamView(f"user_{key}", ("user_id", key), columns, LONG_TTL, upsert=True,
+                      query=_user_key(key))
 
 
 def _sequence(s: Settings) -> str:
@@ -170,42 +182,56 @@ def _interest_rate(s: Settings) -> float:
     return math.log(2) / (s.streaming.interest_half_life_hours * 3_600_000)
 
 
-def _interest(s: Settings) -> str:
-    return f"""
-        SELECT user_id, MAX(event_time), JSON_ARRAYAGG(JSON_ARRAY(category, weight))
-        FROM (SELECT user_id, category, MAX(event_time) AS event_time,
-                     SUM(EXP({_interest_rate(s)!r} * (event_time - {s.streaming.interest_epoch_ms}))) AS weight
-              FROM valid_events WHERE is_impression = 0 AND category IS NOT NULL
-              GROUP BY user_id, category)
-        GROUP BY user_id"""
+def _interest(column: str) -> Callable[[Settings], str]:
+    def query(s: Settings) -> str:
+        return f"""
+            SELECT user_id, MAX(event_time), JSON_ARRAYAGG(JSON_ARRAY(`{column}`, weight))
+            FROM (SELECT user_id, `{column}`, MAX(event_time) AS event_time,
+                         SUM(EXP({_interest_rate(s)!r} * (event_time - {s.streaming.interest_epoch_ms}))) AS weight
+                  FROM valid_events WHERE is_impression = 0 AND `{column}` IS NOT NULL
+                  GROUP BY user_id, `{column}`)
+            GROUP BY user_id"""
+
+    return query
 
 
-def _interest_top(s: Settings, row: dict) -> dict:
-    """The job's scaled sums (a JSON array of [category, sum]) as the k heaviest categories, ties by name,
-    and their weights as of the row's time. A category's sum only grows: where an update left two, the
-    larger is the newer."""
-    scale = math.exp(-_interest_rate(s) * (row["event_time"] - s.streaming.interest_epoch_ms))
-    sums: dict[str, float] = {}
-    for category, weight in json.loads(row.pop("interest_sums")):
-        sums[category] = max(weight, sums.get(category, 0.0))
-    ranked = sorted(((c, w * scale) for c, w in sums.items()), key=lambda cw: (-cw[1], cw[0]))
-    top = ranked[:s.streaming.interest_top_k]
-    return row | {"interest_categories": [c for c, _ in top], "interest_weights": [w for _, w in top]}
+def _interest_top(values: str, weights: str, sums_column: str) -> Callable[[Settings, dict], dict]:
+    def finish(s: Settings, row: dict) -> dict:
+        """The job's scaled sums (a JSON array of [value, sum]) as the k heaviest values, ties by name, and
+        their weights as of the row's time. A value's sum only grows: where an update left two, the larger
+        is the newer."""
+        scale = math.exp(-_interest_rate(s) * (row["event_time"] - s.streaming.interest_epoch_ms))
+        sums: dict[str, float] = {}
+        for value, weight in json.loads(row.pop(sums_column)):
+            sums[value] = max(weight, sums.get(value, 0.0))
+        ranked = sorted(((c, w * scale) for c, w in sums.items()), key=lambda cw: (-cw[1], cw[0]))
+        top = ranked[:s.streaming.interest_top_k]
+        return row | {values: [c for c, _ in top], weights: [w for _, w in top]}
+
+    return finish
+
+
+def interest_view(key: str) -> StreamView:
+    """The user's decayed interest histogram over the values of the category ("interest_categories") or of a
+    further key ("interest_brand_values")."""
+    name, values, weights = (("user_interest", "interest_categories", "interest_weights") if key == "category" else
+                             (f"user_{key}_interest", f"interest_{key}_values", f"interest_{key}_weights"))
+    sums = f"{name}_sums"
+    return StreamView(name, ("user_id",), ((values, STRING_ARRAY), (weights, DOUBLE_ARRAY)), LONG_TTL, upsert=True,
+                      query=_interest(key), emitted=((sums, STRING),), finish=_interest_top(values, weights, sums))
 
 
 STREAM_VIEWS: tuple[StreamView, ...] = (
     *(window_view(entity, suffix) for entity in ("user", "item") for suffix, _, _ in WINDOWS),
     *(total_view(entity) for entity in ("user", "item")),
-    StreamView("user_category", ("user_id", "category"), (
-        ("category_impressions", BIGINT), ("category_clicks", BIGINT), ("category_ctr", DOUBLE)),
-        LONG_TTL, upsert=True, query=_user_category),
+    user_key_view("category"),
     StreamView("user_sequence", ("user_id",), (
         ("seq_item_ids", STRING_ARRAY), ("seq_event_types", STRING_ARRAY), ("seq_event_times", BIGINT_ARRAY)),
         LONG_TTL, upsert=False, query=_sequence),
     LONG_HISTORY_VIEW,
-    StreamView("user_interest", ("user_id",), (
-        ("interest_categories", STRING_ARRAY), ("interest_weights", DOUBLE_ARRAY)), LONG_TTL, upsert=True,
-        query=_interest, emitted=(("interest_sums", STRING),), finish=_interest_top),
+    interest_view("category"),
+    # The spec's further grouping keys (a brand beside a department): counts and an interest histogram each.
+    *(view for key in dataset_spec().group_by for view in (user_key_view(key), interest_view(key))),
 )
 
 

@@ -100,32 +100,39 @@ def check_history(s: Settings) -> None:
     _absent(s, wanted, present)
 
 
-def item_keys(s: Settings) -> dict[str, str]:
-    """Each item's key as the catalog gives it: the first value of the item table's category attribute ({}:
-    no item table read here, or no category)."""
+def item_keys(s: Settings) -> dict[str, tuple[str | None, ...]]:
+    """Each item's keys as the catalog gives them, in the order of the spec's `keys`: the first value of the item
+    table's category attribute, then of each further key's attribute (None: the item has none; {}: no item table
+    read here, or no category)."""
     table = next((t for t in s.spec.tables if t.entity == "item"), None)
     a = table.category_attribute if table is not None else None
     if a is None:
         return {}
+    attributes = [a, *(next(b for b in table.attributes if b.name == k) for k in s.spec.group_by)]
     movielens = table.source == "movielens"
     path = dataset_dir(s) / "ml-100k.item" if movielens else source_path(s, table.source)
     if not path.exists():  # the catalog's own check says so where it is loaded (`flywheel demo`'s preflight)
         log.warning("%s: no item table to take the events' %s from", path, s.spec.key)
         return {}
     # read as the catalog reads it (feature_repo/catalog.py)
-    rows = (load_side_table(path) if movielens
-            else read_source(path, [table.id]).select([table.id, a.column]).to_pylist())
+    columns = list(dict.fromkeys([table.id, *(b.column for b in attributes)]))
+    rows = load_side_table(path) if movielens else read_source(path, [table.id]).select(columns).to_pylist()
     keys = {}
     for row in rows:
-        value = cell_value(a, row[a.column])  # a category (categorical) or its entries (multi)
-        first = (value or [None])[0] if isinstance(value, list) else value
-        if first is not None and not missing(row[table.id]):
-            keys[str(row[table.id])] = first
+        values = [cell_value(b, row[b.column]) for b in attributes]  # a category (categorical) or its entries (multi)
+        firsts = tuple((v or [None])[0] if isinstance(v, list) else v for v in values)
+        if any(v is not None for v in firsts) and not missing(row[table.id]):
+            keys[str(row[table.id])] = firsts
     return keys
 
 
+def with_keys(s: Settings, context: dict, of_item: tuple[str | None, ...] | None) -> dict:
+    """`context` with each grouping key it lacks taken from the item's (`item_keys`), as the stream job does."""
+    return context | {k: v for k, v in zip(s.spec.keys, of_item or ()) if v is not None and context.get(k, "") == ""}
+
+
 def item_keys_path(s: Settings) -> Path:
-    """The catalog's item keys as the stream job reads them (a JSON object, item id to key)."""
+    """The catalog's item keys as the stream job reads them (a JSON object, item id to its keys' values)."""
     return s.paths.service_dir("flink") / "item-keys.json"
 
 
@@ -147,17 +154,21 @@ class ItemKeyFile:
 
     def __init__(self, path: Path, recheck_s: float = 2.0) -> None:
         self.path, self.recheck_s = path, recheck_s
-        self.keys: dict[str, str] = {}
+        self.keys: dict[str, list[str | None]] = {}
         self._version: tuple[int, int, int] | None = None  # the file's (mtime, inode, size): a replace changes it
         self._checked = -math.inf
 
     def get(self, item: str) -> str:
-        """The item's key, or "" when the catalog has none for it."""
+        """The item's key (its category), or "" when the catalog has none for it."""
+        return self.values(item)[0] or ""
+
+    def values(self, item: str) -> list[str | None]:
+        """The item's keys, in the spec's order (None: the catalog has none)."""
         now = time.monotonic()
         if now - self._checked >= self.recheck_s:
             self._checked = now
             self._reload()
-        return self.keys.get(item, "")
+        return self.keys.get(item) or [None]
 
     def _reload(self) -> None:
         try:
@@ -224,7 +235,7 @@ def history_events(s: Settings, limit: int | None = None, before: int | None = N
     except ValueError as exc:
         raise HistoryError(str(exc)) from None
     _absent(s, wanted, table.column_names)
-    keys = {} if spec.key in h.context else item_keys(s)
+    keys = {} if set(spec.keys) <= set(h.context) else item_keys(s)
     events, unknown = [], set()
     for n, row in enumerate(table.select(wanted).to_pylist()):
         empty = [f"{k} ({c})" for k, c in fields.items() if missing(row[c])]
@@ -237,9 +248,9 @@ def history_events(s: Settings, limit: int | None = None, before: int | None = N
                                f"of {h.time_unit} since the epoch") from None
         user, item = row[h.user], row[h.item]
         context = {c: row[c] for c in h.context if not missing(row[c])}
-        if keys and spec.key not in context:
+        if keys and any(k not in context for k in spec.keys):
             if item in keys:
-                context[spec.key] = keys[item]
+                context = with_keys(s, context, keys[item])
             else:
                 unknown.add(item)
         event = Event(event_id=f"{spec.name}:{h.source}:{n}", user_id=user, item_id=item, event_type=row[h.type],
@@ -254,7 +265,7 @@ def history_events(s: Settings, limit: int | None = None, before: int | None = N
         log.warning("%s: %d items the catalog does not know keep no %s (e.g. %s)", path, len(unknown), spec.key,
                     ", ".join(sorted(unknown)[:3]))
     if h.negatives:
-        events += sampled_exposures(events, spec.exposures, h.negatives, spec.key, f"{spec.name}:{h.source}:shown")
+        events += sampled_exposures(events, spec.exposures, h.negatives, spec.keys, f"{spec.name}:{h.source}:shown")
     events.sort(key=lambda e: e.event_time)  # stable: a file's order breaks ties
     for event in events[:limit]:
         if before is not None and event.event_time >= before * 1000:
@@ -262,12 +273,12 @@ def history_events(s: Settings, limit: int | None = None, before: int | None = N
         yield event
 
 
-def sampled_exposures(events: list[Event], exposures: tuple[str, ...], per_item: int, key: str, prefix: str
-                      ) -> list[Event]:
+def sampled_exposures(events: list[Event], exposures: tuple[str, ...], per_item: int, keys: tuple[str, ...],
+                      prefix: str) -> list[Event]:
     """Exposures (the first of `exposures`) for the requests of a history that have none (a shop's
     orders): per request, each item acted on and `per_item` times as many items the user did not act on
     there, sampled by their popularity in the history (deterministic: their ids start with `prefix`, the
-    seed), all shown 1 ms before the request's first action. Each carries the item's context `key` as its
+    seed), all shown 1 ms before the request's first action. Each carries the item's context `keys` as its
     newest event in the history does: the ranker learns the acted items against what else was popular,
     and the stream counts them as exposures."""
     requests: dict[str, list[Event]] = {}
@@ -275,7 +286,9 @@ def sampled_exposures(events: list[Event], exposures: tuple[str, ...], per_item:
         requests.setdefault(e.request_id, []).append(e)
     counts = Counter(e.item_id for e in events)
     items, cdf = list(counts), np.cumsum(np.array(list(counts.values()), np.float64))
-    keyed = {e.item_id: e.context[key] for e in sorted(events, key=lambda e: e.event_time) if key in e.context}
+    keyed: dict[str, dict] = {}
+    for e in sorted(events, key=lambda e: e.event_time):
+        keyed.setdefault(e.item_id, {}).update((k, e.context[k]) for k in keys if k in e.context)
     rng = np.random.default_rng(int.from_bytes(hashlib.sha256(prefix.encode()).digest()[:8], "little"))
     out: list[Event] = []
     for request_id, acted in requests.items():
@@ -289,5 +302,5 @@ def sampled_exposures(events: list[Event], exposures: tuple[str, ...], per_item:
         for item in [*shown, *others]:
             out.append(Event(event_id=f"{prefix}:{len(out)}", user_id=user, item_id=item, event_type=exposures[0],
                              request_id=request_id, event_time=first - 1,
-                             context={key: keyed[item]} if item in keyed else {}))
+                             context=dict(keyed.get(item, {}))))
     return out

@@ -122,14 +122,14 @@ def table_environment(s: Settings, events_topic_id: str) -> StreamTableEnvironme
 
 def _job_parameters(s: Settings, events_topic_id: str) -> str:
     """`pipeline.global-job-parameters`: the spec's event types in order, its exposures ('|'-separated;
-    spec names hold no separator: infra/dataset.py), the context field of the events' key, the file of the
+    spec names hold no separator: infra/dataset.py), the context fields of the events' keys, the file of the
     catalog's item keys (`write_item_keys`), and the id of the events topic the job reads (the stack's
     health check compares it with the broker's)."""
     sep, keys = JVM_SEPARATOR, str(item_keys_path(s))
     if any(c in keys for c in ",:'\""):  # the parameters' own separators: Flink would split the path
         raise ValueError(f"paths.data_dir: the stream job cannot be given a path with , : ' or \" ({keys})")
     return (f"flywheel.event-types:{sep.join(s.spec.type_names)},"
-            f"flywheel.exposure-types:{sep.join(s.spec.exposures)},flywheel.key-field:{s.spec.key},"
+            f"flywheel.exposure-types:{sep.join(s.spec.exposures)},flywheel.key-field:{sep.join(s.spec.keys)},"
             f"flywheel.item-keys:{keys},{EVENTS_TOPIC_ID}:{events_topic_id}")
 
 
@@ -179,7 +179,15 @@ def sink_query(s: Settings, views: tuple[StreamView, ...]) -> str:
             f"FROM ({views[0].query(s)}) AS Q({', '.join(fields)})")
 
 
-PARSED = "reason, event_id, user_id, item_id, event_type, event_time, category"
+PARSED = "reason, event_id, user_id, item_id, event_type, event_time, category, keys"
+# How ParseEvent joins the values of the keys after the first, and marks a missing one.
+KEYS_SEPARATOR, MISSING_KEY = 31, 30
+
+
+def key_columns(s: Settings) -> str:
+    """`valid_events`' column of each key after the first (named as the key), split from the parsed `keys`."""
+    return "".join(f", NULLIF(SPLIT_INDEX(keys, CHR({KEYS_SEPARATOR}), {i}), CHR({MISSING_KEY})) AS `{k}`"
+                   for i, k in enumerate(s.spec.group_by))
 
 
 def _properties(s: Settings):
@@ -232,7 +240,7 @@ def create_tables(env: StreamTableEnvironment, s: Settings, events_topic_id: str
     # The counts' "impressions" and "clicks": the spec's exposures and the positives that label the ranker.
     env.execute_sql(f"""
         CREATE TEMPORARY VIEW valid_events AS
-        SELECT event_id, user_id, item_id, event_type, event_time, category, proctime,
+        SELECT event_id, user_id, item_id, event_type, event_time, category{key_columns(s)}, proctime,
                CASE WHEN {_in(s.spec.exposures)} THEN 1 ELSE 0 END AS is_impression,
                CASE WHEN {_in(s.spec.labels)} THEN 1 ELSE 0 END AS is_click
         FROM parsed WHERE reason IS NULL""")

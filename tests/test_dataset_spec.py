@@ -96,6 +96,46 @@ def test_the_events_key_is_declared(tmp_path: Path) -> None:
     assert s.spec.digest != parse_spec(SHOP, s.spec.path).digest  # another key: another dataset to a stack
 
 
+def test_several_grouping_keys_each_have_their_counts_interest_and_ranker_inputs(tmp_path: Path) -> None:
+    """A shop groups by brand and by tag: each further key is an item attribute with per (user, value) counts,
+    an interest histogram, a Feast entity of its own and two ranker inputs, its shares of the user's exposures
+    and interest, computed alike for a training frame and a request's rows."""
+    import subprocess
+    import sys
+
+    spec = shop(tmp_path, SHOP.replace("[[events.types]]", '[events]\nkey = ["brand", "tags"]\n\n[[events.types]]', 1))
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(spec)})
+    assert (s.spec.key, s.spec.group_by, s.spec.keys) == ("brand", ("tags",), ("brand", "tags"))
+    assert s.spec.digest != parse_spec(SHOP.replace("[[events.types]]", '[events]\nkey = "brand"\n\n[[events.types]]', 1),
+                                       spec).digest
+    code = """
+import json, numpy as np
+from streaming.features import STREAM_VIEWS
+from feature_repo.definitions import ENTITIES
+from contract.inputs import NUMERIC_FEATURES, RAW_FEATURES
+from contract.transform import to_examples
+views = {v.name: [v.keys, [c for c, _ in v.columns]] for v in STREAM_VIEWS if "tags" in v.name}
+def rows(n):  # a user's values as the online store holds them: one object shared by the request's rows
+    interest, weights = ["new", "sale"], [3.0, 1.0]
+    return {"user_id": ["u"] * n, "item_id": ["A1", "B2", "C3"][:n], "category": ["acme", "zeta", ""][:n],
+            "tags": ["new", "sale", ""][:n], "tags_impressions": [6, 2, None][:n], "user_impressions_total": [8] * n,
+            **{f: [interest if f.endswith("values") else weights] * n for f in ("interest_tags_values",
+               "interest_tags_weights")}}
+cols = {f: [None] * 3 for f in RAW_FEATURES} | rows(3)
+ex = to_examples(cols, np.zeros(3), np.zeros(3), 4)
+shares = {n: ex.numeric[:, NUMERIC_FEATURES.index(n)].round(3).tolist() for n in ("tags_share", "interest_tags_share")}
+print(json.dumps([views, sorted(ENTITIES), "tags_ctr" in NUMERIC_FEATURES, shares]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(spec), "PATH": "/usr/bin"})
+    assert out.returncode == 0, out.stderr
+    views, entities, counted, shares = json.loads(out.stdout)
+    assert views == {"user_tags": [["user_id", "tags"], ["tags_impressions", "tags_clicks", "tags_ctr"]],
+                     "user_tags_interest": [["user_id"], ["interest_tags_values", "interest_tags_weights"]]}
+    assert "tags" in entities and counted
+    assert shares == {"tags_share": [0.75, 0.25, 0.0], "interest_tags_share": [0.75, 0.25, 0.0]}
+
+
 def test_the_stream_windows_are_declared_and_name_the_features(tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -180,6 +220,11 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
      "an exposure has no weight and labels nothing"),
     (("[dataset]", "[dataset"), "not TOML"),
     (("[[events.types]]", '[events]\nkey = "the brand"\n\n[[events.types]]'), "[events].key: expected a context field"),
+    (("[[events.types]]", '[events]\nkey = ["brand", "price"]\n\n[[events.types]]'),
+     "[events].key: 'price' is not a categorical or multi attribute of [tables.item]"),
+    (("[[events.types]]", '[events]\nkey = ["brand", "tags", "tags"]\n\n[[events.types]]'), "'tags' is named twice"),
+    (("[[events.types]]", '[events]\nkey = ["brand", "user"]\n\n[[events.types]]'),
+     "expected the keys after the first to be item attribute names"),
     (("[tables.item]", '[features]\nwindows = ["5x"]\n\n[tables.item]'), "[features].windows: expected 1 to 4 windows"),
     (("[tables.item]", '[features]\nwindows = ["60m", "1h"]\n\n[tables.item]'), "a window is declared twice"),
     (("[tables.item]", '[features]\nwindow = ["1h"]\n\n[tables.item]'), "[features]: unknown key 'window'"),
@@ -429,12 +474,14 @@ def test_live_events_without_the_key_take_the_catalogs_in_the_stream_jobs_file_a
     from streaming.history import ItemKeyFile, item_keys_path, write_item_keys
 
     (tmp_path / "products.csv").write_text("sku,brand,price,tags\nA1,acme,1999,new\nB2,zeta,250,\nC3,,1,\n")
-    spec = shop(tmp_path, SHOP.replace("[[events.types]]", '[events]\nkey = "brand"\n\n[[events.types]]', 1))
+    # a further key, tags (a multi attribute: its first tag), taken alike
+    spec = shop(tmp_path, SHOP.replace("[[events.types]]", '[events]\nkey = ["brand", "tags"]\n\n[[events.types]]', 1))
     s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(spec),
                        "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path / "data")})
     reader = ItemKeyFile(item_keys_path(s), recheck_s=0)  # the ranking server's, for candidates without it
     assert reader.get("A1") == "" and not item_keys_path(s).exists()
-    assert write_item_keys(s) == 2 and json.loads(item_keys_path(s).read_text()) == {"A1": "acme", "B2": "zeta"}
+    assert write_item_keys(s) == 2 and json.loads(item_keys_path(s).read_text()) == {"A1": ["acme", "new"],
+                                                                                   "B2": ["zeta", None]}
     assert (reader.get("A1"), reader.get("B2"), reader.get("C3")) == ("acme", "zeta", "")
     (tmp_path / "products.csv").write_text("sku,brand,price,tags\nA1,acme,1999,new\nC3,cirrus,1,\n")  # a table loaded again
     write_item_keys(s)
@@ -442,7 +489,7 @@ def test_live_events_without_the_key_take_the_catalogs_in_the_stream_jobs_file_a
     (tmp_path / "products.csv").write_text("sku,brand,price,tags\nA1,acme,1999,new\nB2,zeta,250,\n")
     write_item_keys(s)
     t = 1_700_000_000_000
-    shown = [("A1", {}), ("B2", {"brand": "own"}), ("Z9", {}), ("B2", {})]  # Z9: not in the catalog
+    shown = [("A1", {}), ("B2", {"brand": "own"}), ("Z9", {}), ("B2", {"tags": "sale"})]  # Z9: not in the catalog
     events = [Event(event_id=f"{kind}-{n}", user_id="u", item_id=item, event_type=kind, request_id=f"r{n}",
                     event_time=t + 10 * n + (kind == "order"), context=context)
               for n, (item, context) in enumerate(shown) for kind in ("view", "order")]
@@ -450,6 +497,8 @@ def test_live_events_without_the_key_take_the_catalogs_in_the_stream_jobs_file_a
     window = Window(datetime.fromtimestamp(t / 1000, UTC), datetime.fromtimestamp(t / 1000 + 1, UTC))
     rows = labelled_impressions(s, window)
     assert list(rows["category"]) == ["acme", "own", "", "zeta"] and list(rows["label"]) == [1.0] * 4
+    assert list(rows["tags"]) == ["new", "", "", "sale"]
+    assert reader.values("A1") == ["acme", "new"] and reader.values("Z9") == [None]
 
 
 def test_whether_items_repeat_is_declared_by_the_data(tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ import org.apache.flink.shaded.jackson2.com.fasterxml.jackson.databind.JsonNode;
 import org.apache.flink.shaded.jackson2.com.fasterxml.jackson.databind.ObjectMapper;
 
 /**
- * The catalog's key of each item (streaming/history.py: write_item_keys, a JSON object item id -> key), for
- * events that do not carry the key in their context. The file is read again when it changes, looked at no
+ * The catalog's keys of each item (streaming/history.py: write_item_keys, a JSON object item id -> its keys'
+ * values in the spec's order, null for none), for events that do not carry a key in their context. The file is read again when it changes, looked at no
  * more than once every RECHECK_MS, so a catalog loaded while the job runs reaches live events within
  * seconds; a file that cannot be read keeps the keys last read (logged).
  */
@@ -25,7 +25,8 @@ final class ItemKeys {
     private static final org.slf4j.Logger LOG = org.slf4j.LoggerFactory.getLogger(ItemKeys.class);
 
     private final Path path;
-    private Map<String, String> keys = Map.of();
+    private static final String[] NONE = {};
+    private Map<String, String[]> keys = Map.of();
     private List<Object> loaded;
     private long checkedAt;  // 0: the first get reads the file
 
@@ -34,14 +35,14 @@ final class ItemKeys {
         this.path = path == null || path.isEmpty() ? null : Path.of(path);
     }
 
-    /** The item's key, or null when the catalog has none for it. */
-    String get(String item) {
+    /** The item's keys (an entry null, or the array shorter, where the catalog has none). */
+    String[] get(String item) {
         long now = System.currentTimeMillis();
         if (path != null && now - checkedAt >= RECHECK_MS) {
             checkedAt = now;
             reload();
         }
-        return keys.get(item);
+        return keys.getOrDefault(item, NONE);
     }
 
     private void reload() {
@@ -59,9 +60,14 @@ final class ItemKeys {
         loaded = version;
         try {
             JsonNode node = JSON.readTree(path.toFile());
-            Map<String, String> read = new HashMap<>(node.size() * 2);
+            Map<String, String[]> read = new HashMap<>(node.size() * 2);
             for (Map.Entry<String, JsonNode> entry : node.properties()) {
-                read.put(entry.getKey(), entry.getValue().asText());
+                JsonNode values = entry.getValue();
+                String[] of = new String[values.size()];
+                for (int i = 0; i < of.length; i++) {
+                    of[i] = values.get(i).isNull() ? null : values.get(i).asText();
+                }
+                read.put(entry.getKey(), of);
             }
             keys = read;
             LOG.info("item keys {}: {} items", path, read.size());

@@ -20,15 +20,17 @@ import org.apache.flink.table.functions.TableFunction;
 /**
  * The behavior-event schema of streaming/events.py, checked in the JVM: one parse per record, the same
  * rules in the same order and the same reasons, so the stream job and the Python clients agree on what is
- * valid. Emits one row per record: (reason, event_id, user_id, item_id, event_type, event_time, category);
- * reason is null for a valid event, and the other fields are null for an invalid one. An event whose context
- * lacks the key takes the item's from the catalog (ItemKeys).
+ * valid. Emits one row per record: (reason, event_id, user_id, item_id, event_type, event_time, category, keys);
+ * reason is null for a valid event, and the other fields are null for an invalid one. category is the value of
+ * the spec's first key, keys those of the others joined by KEYS_SEPARATOR (MISSING_KEY for a missing one: no
+ * value is empty, whatever a splitter does with empty ones). An event whose
+ * context lacks a key takes the item's from the catalog (ItemKeys).
  * tests/test_stream_features.py compares its reasons with streaming.events.decode on a corpus of junk.
  * Rows are emitted in Flink's internal format (RowData): no conversion per record.
  */
 @FunctionHint(output = @DataTypeHint(value =
         "ROW<reason STRING, event_id STRING, user_id STRING, item_id STRING, event_type STRING,"
-        + " event_time BIGINT, category STRING>", bridgedTo = RowData.class))
+        + " event_time BIGINT, category STRING, keys STRING>", bridgedTo = RowData.class))
 public class ParseEvent extends TableFunction<RowData> {
     // Kept in step with streaming/events.py.
     static final int SCHEMA_VERSION = 1;
@@ -39,8 +41,12 @@ public class ParseEvent extends TableFunction<RowData> {
     static final String[] STRING_FIELDS = {"event_id", "user_id", "item_id", "request_id"};
     /** Job parameter: the dataset spec's event types, '|'-separated (streaming/job.py sets it). */
     static final String EVENT_TYPES = "flywheel.event-types";
-    /** The context field whose value is the event's key (the spec's `[events] key`: the item's category). */
+    /** The context fields whose values are the event's keys (the spec's `[events] key`: the item's category
+     * first), '|'-separated. */
     static final String KEY_FIELD = "flywheel.key-field";
+    /** Between the values of the keys after the first (streaming/job.py splits them). */
+    static final char KEYS_SEPARATOR = '\u001f';
+    static final char MISSING_KEY = '\u001e';
     /** The file of the catalog's item keys, for events without the key (ItemKeys; empty: none). */
     static final String ITEM_KEYS = "flywheel.item-keys";
     static final Set<String> FIELDS = new TreeSet<>(List.of(
@@ -51,13 +57,13 @@ public class ParseEvent extends TableFunction<RowData> {
             .enable(JsonReadFeature.ALLOW_NON_NUMERIC_NUMBERS).build();
 
     private List<String> types;
-    private String keyField;
+    private List<String> keyFields;
     private transient ItemKeys itemKeys;  // opened on the task: not part of the serialized function
 
     @Override
     public void open(FunctionContext context) {
         types = jobList(context, EVENT_TYPES);
-        keyField = jobList(context, KEY_FIELD).get(0);
+        keyFields = jobList(context, KEY_FIELD);
         itemKeys = new ItemKeys(context.getJobParameter(ITEM_KEYS, ""));
     }
 
@@ -73,12 +79,12 @@ public class ParseEvent extends TableFunction<RowData> {
     public void eval(byte[] payload, Integer maxBytes) {
         String reason;
         try {
-            collect(parse(payload, maxBytes, types, keyField, itemKeys));
+            collect(parse(payload, maxBytes, types, keyFields, itemKeys));
             return;
         } catch (Invalid e) {
             reason = e.getMessage();
         }
-        collect(GenericRowData.of(StringData.fromString(reason), null, null, null, null, null, null));
+        collect(GenericRowData.of(StringData.fromString(reason), null, null, null, null, null, null, null));
     }
 
     static final class Invalid extends Exception {
@@ -87,7 +93,7 @@ public class ParseEvent extends TableFunction<RowData> {
         }
     }
 
-    static RowData parse(byte[] payload, int maxBytes, List<String> types, String keyField, ItemKeys itemKeys)
+    static RowData parse(byte[] payload, int maxBytes, List<String> types, List<String> keyFields, ItemKeys itemKeys)
             throws Invalid {
         if (payload == null) {
             throw new Invalid("empty record (null value)");
@@ -165,15 +171,27 @@ public class ParseEvent extends TableFunction<RowData> {
                         + "] must be a string, number or boolean, got " + typeName(value));
             }
         }
-        JsonNode category = context.get(keyField);
-        String categoryText = category == null || (category.isTextual() && category.textValue().isEmpty())
-                ? null : category.isBoolean() ? (category.booleanValue() ? "True" : "False") : category.asText();
-        if (categoryText == null) {  // not carried: the catalog's, as the replay does (streaming/history.py)
-            categoryText = itemKeys.get(strings[2]);
+        String[] catalog = null;  // read once, for the first key an event lacks
+        String categoryText = null;
+        StringBuilder others = new StringBuilder();
+        for (int k = 0; k < keyFields.size(); k++) {
+            JsonNode carried = context.get(keyFields.get(k));
+            String text = carried == null || (carried.isTextual() && carried.textValue().isEmpty())
+                    ? null : carried.isBoolean() ? (carried.booleanValue() ? "True" : "False") : carried.asText();
+            if (text == null) {  // not carried: the catalog's, as the replay does (streaming/history.py)
+                catalog = catalog == null ? itemKeys.get(strings[2]) : catalog;
+                text = k < catalog.length ? catalog[k] : null;
+            }
+            if (k == 0) {
+                categoryText = text;
+            } else {
+                if (k > 1) others.append(KEYS_SEPARATOR);
+                if (text == null) others.append(MISSING_KEY); else others.append(text);
+            }
         }
         return GenericRowData.of(null, StringData.fromString(strings[0]), StringData.fromString(strings[1]),
                 StringData.fromString(strings[2]), StringData.fromString(type.textValue()), time.asLong(),
-                StringData.fromString(categoryText));
+                StringData.fromString(categoryText), StringData.fromString(others.toString()));
     }
 
     private static boolean hasExactlyTheFields(JsonNode record) {
