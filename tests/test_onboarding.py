@@ -224,8 +224,10 @@ def test_the_shops_history_and_declared_features_are_online(onboarded) -> None:
     assert set(got["interest_dept_values"]) == set(mine[mine.action != "view"].dept)
     # a date attribute: stored as days since the epoch (the ranker's input is the product's age at the request)
     assert got["item_launched"] == (datetime.fromisoformat(product.launched) - datetime(1970, 1, 1)).days
-    # offline as online: what a training set joins for an exposure now (the windows past their TTL aside)
-    done = run_cli(environ, "features", "--user", customer, "--item", sku, "--offline", "--json")
+    # offline as online: what a training set joins for an exposure after the history (the windows aside: their
+    # TTL has passed)
+    end = (START + timedelta(days=DAYS + 1)).strftime("%Y-%m-%dT%H:%M:%S")
+    done = run_cli(environ, "features", "--user", customer, "--item", sku, "--offline", "--at", end, "--json")
     assert done.returncode == 0, done.stderr
     offline = json.loads(done.stdout)
     kept = ("user_impressions_total", "category_impressions", "category_clicks", "dept_impressions", "dept_clicks",
