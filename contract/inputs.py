@@ -8,7 +8,7 @@ order): training sets and the server compute all of them, and each version takes
 from __future__ import annotations
 
 from streaming.events import dataset_spec
-from streaming.features import BIGINT, DOUBLE, STREAM_VIEWS
+from streaming.features import BIGINT, DOUBLE, STREAM_VIEWS, interest_columns
 
 # The catalog's attributes (the dataset spec's item and user tables) and their features ("item_genres").
 _TABLES = {entity: dataset_spec().table(entity) for entity in ("user", "item")}
@@ -45,8 +45,7 @@ V1_NUMERIC_FEATURES: tuple[str, ...] = tuple(
 SEQUENCE = ("seq_item_ids", "seq_event_types", "seq_event_times")
 LONG_HISTORY = ("history_length", "history_categories", "history_category_counts", "history_item_ids",
                 "history_event_types")
-INTEREST = ("interest_categories", "interest_weights",
-            *(f"interest_{key}_{part}" for key in GROUPS for part in ("values", "weights")))
+INTEREST = tuple(name for key in ("category", *GROUPS) for name in interest_columns(key))
 # Each entity's attribute tokens ("genre:Drama", "age:20s"): (prefix, raw feature) pairs, in the spec's
 # order; a list feature gives one token per entry, a number whose tokens are "decade" (DECADES) its decade.
 TOKENS: dict[str, tuple[tuple[str, str], ...]] = {

@@ -16,6 +16,7 @@ import pandas as pd
 from contract.examples import PAD, Examples
 from contract.inputs import ATTRIBUTES, COUNTS, DECADES, GROUP_SHARES, NUMERIC_FEATURES, TOKENS
 from infra.dataset import DAY_MS, AttributeSpec
+from streaming.features import interest_columns, key_count_columns
 
 Columns = pd.DataFrame | Mapping[str, Sequence]
 
@@ -225,8 +226,9 @@ def _group_share(features: Columns, key: str, interest: bool) -> np.ndarray:
     of the user's exposures (its (user, value) count over the user's total; at most 1: two views, two writes)."""
     values = _strings(features[key])
     if interest:
-        return _category_shares(values, features[f"interest_{key}_values"], features[f"interest_{key}_weights"])
-    share = _numbers(features[f"{key}_impressions"]) / np.maximum(_numbers(features["user_impressions_total"]), 1.0)
+        return _category_shares(values, *(features[c] for c in interest_columns(key)))
+    impressions = key_count_columns(key)[0]
+    share = _numbers(features[impressions]) / np.maximum(_numbers(features["user_impressions_total"]), 1.0)
     return np.minimum(share, 1.0).astype(np.float32)
 
 

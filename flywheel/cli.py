@@ -425,14 +425,19 @@ def _ranker(scenario: str | None) -> tuple[Settings, RegisteredModel]:
               help="The network: ranker, ranker-v1, logreg (models/architectures.py) or a user's by import path, "
                    "package.module:attribute. Default: the setting models.architecture.")
 @click.option("--promote/--no-promote", default=True, show_default=True, help="Run the promotion gate.")
+@click.option("--without", multiple=True, metavar="NAME",
+              help="Leave out the numeric inputs this name or pattern matches ('dept_*'; repeatable): an ablation, "
+                   "on the same split as a version trained on the same window with them.")
 @_SCENARIO
-def train(start: datetime, end: datetime, kind: str | None, promote: bool, scenario: str | None) -> None:
+def train(start: datetime, end: datetime, kind: str | None, promote: bool, without: tuple[str, ...],
+          scenario: str | None) -> None:
     """Full training on a window: chronological split, MLflow run, registered version, gate."""
     from models.dataset import Window
     from models.train import train_full
 
     s, model = _ranker(scenario)
-    _echo_outcome(_models_call(train_full, s, Window(_utc(start), _utc(end)), kind, promote, model=model))
+    _echo_outcome(_models_call(train_full, s, Window(_utc(start), _utc(end)), kind, promote, model=model,
+                               without=without))
 
 
 @main.command("train-incremental")

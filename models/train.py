@@ -12,10 +12,12 @@ the embedding store (`sparse_tier.pull`), and the version's export is its delta.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -55,14 +57,22 @@ class TrainOutcome:
     samples_per_s: float
 
 
-def model_spec(s: Settings, kind: str | None = None, long_history: bool = True) -> ModelSpec:
+def model_spec(s: Settings, kind: str | None = None, long_history: bool = True, without: Sequence[str] = ()
+               ) -> ModelSpec:
     """The spec of a new model of architecture `kind` (models/architectures.py; None: `models.architecture`)
-    with the inputs it declares; without `long_history`, none of the long history's (the ablation)."""
+    with the inputs it declares; without `long_history`, none of the long history's (the ablation); `without`:
+    none of the numeric inputs these names or patterns ("dept_*") match (ValueError where one matches none)."""
     m, st = s.models, s.streaming
     arch = architecture(kind or m.architecture)
     if not long_history:
         arch = arch.without_long_history()
-    return ModelSpec(kind=arch.name, numeric_features=arch.numeric_features, sequence_length=st.sequence_length,
+    numeric = arch.numeric_features
+    for pattern in without:
+        if not fnmatch.filter(numeric, pattern):
+            raise ValueError(f"--without {pattern}: no numeric input of {arch.name} matches it "
+                             f"(its inputs: {', '.join(numeric)})")
+        numeric = tuple(n for n in numeric if not fnmatch.fnmatchcase(n, pattern))
+    return ModelSpec(kind=arch.name, numeric_features=numeric, sequence_length=st.sequence_length,
                      long_length=st.history_per_category if arch.long_history else 0,
                      sparse=SparseConfig(dim=arch.embedding_dim or m.embedding_dim, admit_after=m.admit_after,
                                          evict_after_steps=m.evict_after_steps, learning_rate=m.sparse_learning_rate),
@@ -82,12 +92,14 @@ def _iso(t: datetime) -> str:
 
 def train_full(s: Settings, window: Window, kind: str | None = None, promote: bool = True,
                progress: bool = True, long_history: bool = True, baselines: bool = False,
-               model: RegisteredModel | None = None) -> TrainOutcome:
-    """A new version of `model` (the ranker by default) of architecture `kind` (None: `models.architecture`).
+               model: RegisteredModel | None = None, without: Sequence[str] = ()) -> TrainOutcome:
+    """A new version of `model` (the ranker by default) of architecture `kind` (None: `models.architecture`),
+    without the numeric inputs `without` matches (an ablation: `model_spec`).
     `baselines`: also the test AUC of item popularity (`test_auc_popularity`) and of the logistic baseline
     trained on the same parts (`test_auc_logreg`): what the version must beat, on the same split."""
     registered = model or s.ranker
     kind = architecture(kind or s.models.architecture).name  # an unknown one fails before any work
+    spec = model_spec(s, kind, long_history, without)  # and an input `without` names that it lacks
     connect(s)  # fail before any work when the registry is unreachable
     ex, times = training_set(s, window, s.streaming.sequence_length, registered.scenario)
     train, validation, test, spans = chronological_split(ex, times)
@@ -95,12 +107,13 @@ def train_full(s: Settings, window: Window, kind: str | None = None, promote: bo
         check_labels(part, f"{what} of {window}")
     mlflow.set_experiment(registered.experiment)
     with mlflow.start_run(run_name=f"full-{kind}"), tempfile.TemporaryDirectory() as tmp:
-        model = CtrModel(model_spec(s, kind, long_history))
+        model = CtrModel(spec)
         model.adapt(train)
         mlflow.log_params({"kind": kind, "data_start": _iso(window.start), "data_end": _iso(window.end),
-                           **{f"split_{k}": v for k, v in spans.items()}, **_spec_params(model.spec)})
+                           **{f"split_{k}": v for k, v in spans.items()}, **_spec_params(model.spec),
+                           **({"without": ",".join(without)} if without else {})})
         best = Path(tmp) / "best"
-        model, losses, val_aucs, seconds = fit(s, model, train, validation, best, progress, log=True)
+        model, losses, val_aucs, seconds = _fit(s, model, train, validation, best, progress, log=True)
         samples_per_s = len(train) * len(losses) / seconds
         metrics = _log_evaluation(model, test, "test") | {"train_samples_per_s": samples_per_s,
                                                            "epochs": float(len(losses)), "examples": float(len(ex))}
@@ -122,7 +135,7 @@ def train_full(s: Settings, window: Window, kind: str | None = None, promote: bo
     return TrainOutcome(version, decision, metrics, window, samples_per_s)
 
 
-def fit(s: Settings, model: CtrModel, train: Examples, validation: Examples, best: Path, progress: bool,
+def _fit(s: Settings, model: CtrModel, train: Examples, validation: Examples, best: Path, progress: bool,
          log: bool = False) -> tuple[CtrModel, list[float], list[float], float]:
     """Epochs until the validation AUC stops improving: (the best model, losses, validation AUCs, seconds)."""
     best_auc, losses, val_aucs, seconds = -1.0, [], [], 0.0
@@ -147,7 +160,7 @@ def baseline_aucs(s: Settings, train: Examples, validation: Examples, test: Exam
     seen = np.concatenate([train.item_ids[train.labels > 0], validation.item_ids[validation.labels > 0]])
     ids, counts = np.unique(seen, return_counts=True)
     popularity = dict(zip(ids, counts))
-    logreg, _, _, _ = fit(s, CtrModel(model_spec(s, "logreg")), train, validation, tmp, progress=False)
+    logreg, _, _, _ = _fit(s, CtrModel(model_spec(s, "logreg")), train, validation, tmp, progress=False)
     scores = {"popularity": np.array([popularity.get(i, 0) for i in test.item_ids], float),
               "logreg": np.asarray(logreg.predict(test)), "gbdt": gbdt_scores(train, validation, test)}
     return {f"test_auc_{key}": auc(test.labels, scores[key]) for key in RANKING_BASELINES.values()}

@@ -134,12 +134,16 @@ def _user_key(column: str) -> Callable[[Settings], str]:
     return query
 
 
+def key_count_columns(key: str) -> tuple[str, str, str]:
+    """Impressions, clicks and CTR per (user, value) of the category ("category_ctr") or a further key
+    ("brand_ctr")."""
+    return f"{key}_impressions", f"{key}_clicks", f"{key}_ctr"
+
+
 def user_key_view(key: str) -> StreamView:
-    """Per (user, value) counts of the spec's first key (the category: "category_ctr"), or of a further one
-    ("brand_ctr"), over all history."""
-    columns = ((f"{key}_impressions", BIGINT), (f"{key}_clicks", BIGINT), (f"{key}_ctr", DOUBLE))
-    return StreamView(f"user_{key}", ("user_id", key), columns, LONG_TTL, upsert=True,
-                      query=_user_key(key))
+    """Per (user, value) counts of the spec's first key (the category) or of a further one, over all history."""
+    columns = tuple(zip(key_count_columns(key), (BIGINT, BIGINT, DOUBLE)))
+    return StreamView(f"user_{key}", ("user_id", key), columns, LONG_TTL, upsert=True, query=_user_key(key))
 
 
 def _sequence(s: Settings) -> str:
@@ -211,12 +215,16 @@ def _interest_top(values: str, weights: str, sums_column: str) -> Callable[[Sett
     return finish
 
 
+def interest_columns(key: str) -> tuple[str, str]:
+    """The values and weights of the interest histogram over the category or a further key."""
+    return (("interest_categories", "interest_weights") if key == "category" else
+            (f"interest_{key}_values", f"interest_{key}_weights"))
+
+
 def interest_view(key: str) -> StreamView:
-    """The user's decayed interest histogram over the values of the category ("interest_categories") or of a
-    further key ("interest_brand_values")."""
-    name, values, weights = (("user_interest", "interest_categories", "interest_weights") if key == "category" else
-                             (f"user_{key}_interest", f"interest_{key}_values", f"interest_{key}_weights"))
-    sums = f"{name}_sums"
+    """The user's decayed interest histogram over the values of the category or of a further key."""
+    name = "user_interest" if key == "category" else f"user_{key}_interest"
+    (values, weights), sums = interest_columns(key), f"{name}_sums"
     return StreamView(name, ("user_id",), ((values, STRING_ARRAY), (weights, DOUBLE_ARRAY)), LONG_TTL, upsert=True,
                       query=_interest(key), emitted=((sums, STRING),), finish=_interest_top(values, weights, sums))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -302,32 +302,28 @@ def test_the_ranker_is_trained_through_the_dag_on_the_shops_vocabulary_and_serve
     assert ordered > 0.75, (ordered, scores)
 
 
-def test_the_second_keys_inputs_raise_the_rankers_auc_on_the_same_split(onboarded, tmp_path: Path) -> None:
+def test_the_second_keys_inputs_raise_the_rankers_auc_on_the_same_split(onboarded) -> None:
     """The department's inputs (per (customer, department) counts, its shares of exposures and of interest) are
     the ranker's; on the shop's split, its test AUC with them >= without them (the customers' departments are
-    their own, not their region's: the category's and the user's inputs cannot stand in)."""
-    from models.ctr import CtrModel
-    from models.dataset import Window, chronological_split, training_set
-    from models.metrics import auc
-    from models.train import fit, model_spec
-
-    s, *_ = onboarded
-    spec = model_spec(s)
-    of_dept = {n for n in spec.numeric_features if "dept" in n}
-    assert of_dept == {"dept_impressions", "dept_clicks", "dept_ctr", "dept_share", "interest_dept_share"}
-    assert "item_launched" in spec.numeric_features  # the product's age at the request
-    ex, times = training_set(s, Window(START, START + timedelta(days=DAYS + 1)), s.streaming.sequence_length)
-    train, validation, test, _ = chronological_split(ex, times)
-    aucs = {}
-    for name, numeric in (("with", spec.numeric_features),
-                          ("without", tuple(n for n in spec.numeric_features if n not in of_dept))):
-        model = CtrModel(replace(spec, numeric_features=numeric))
-        model.adapt(train)
-        best, *_ = fit(s, model, train, validation, tmp_path / name, progress=False)
-        aucs[name] = auc(test.labels, best.predict(test))
+    their own, not their region's: the category's and the user's inputs cannot stand in). Both trained as a user
+    would, `flywheel train --no-promote` on the same window."""
+    s, environ, _, _ = onboarded
+    window = ["--start", START.strftime("%Y-%m-%d"), "--end", (START + timedelta(days=DAYS + 1)).strftime("%Y-%m-%d")]
+    client, runs = connect(s), {}
+    for name, without in (("with", []), ("without", ["--without", "dept_*", "--without", "interest_dept_share"])):
+        done = run_cli(environ, "train", *window, "--no-promote", *without, timeout=900)
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        version = done.stdout.split("registered v")[1].split(" ")[0]
+        runs[name] = client.get_run(client.get_model_version(s.models.name, version).run_id).data
+    # the five of the department (dept_impressions, _clicks, _ctr, _share, interest_dept_share) left out
+    assert int(runs["with"].params["numeric_features"]) - int(runs["without"].params["numeric_features"]) == 5
+    assert runs["without"].params["without"] == "dept_*,interest_dept_share" and "without" not in runs["with"].params
+    aucs = {name: run.metrics["test_auc"] for name, run in runs.items()}
     print(f"ranker test AUC on the shop's split: with the department's inputs {aucs['with']:.4f}, "
           f"without {aucs['without']:.4f}")
     assert aucs["with"] >= aucs["without"], aucs
+    refused = run_cli(environ, "train", *window, "--no-promote", "--without", "brand_*")
+    assert refused.returncode != 0 and "--without brand_*: no numeric input of ranker matches it" in refused.stderr
 
 
 def test_recommend_answers_with_the_shops_products_and_follows_a_new_customers_orders(onboarded) -> None:
