@@ -37,6 +37,12 @@ def test_each_registered_architecture_declares_its_inputs(tmp_path: Path) -> Non
     ablation = model_spec(s, "ranker", long_history=False)
     assert ablation.long_length == 0 and not set(LONG_HISTORY_FEATURES) & set(ablation.numeric_features)
     assert model_spec(s).kind == s.models.architecture == "ranker"
+    # an ablation by name or pattern (`flywheel train --without`): the rest in their order; a name matching none refused
+    without = model_spec(s, "ranker", without=("category_*", "user_ctr_total"))
+    assert without.numeric_features == tuple(n for n in NUMERIC_FEATURES if not n.startswith("category_")
+                                             and n != "user_ctr_total")
+    with pytest.raises(ValueError, match="--without brand_ctr: no numeric input of ranker matches it"):
+        model_spec(s, "ranker", without=("brand_ctr",))
     with pytest.raises(ValueError, match="dimension 1"):
         CtrModel(replace(logreg, sparse=ranker.sparse))
     with pytest.raises(ArchitectureError, match="ranker, ranker-v1, logreg"):
