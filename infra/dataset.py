@@ -307,7 +307,8 @@ def _group_by(where: str, key: str, names: list, item: dict) -> tuple[str, ...]:
     for name in names:
         if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", name) or name in RESERVED_KEYS:
             raise SpecError(f"{where}: expected the keys after the first to be item attribute names of lowercase "
-                            f"letters, digits and '_' (at most 32, not {', '.join(sorted(RESERVED_KEYS))}), got {name!r}")
+                            f"letters, digits and '_' (at most 32, not {', '.join(sorted(RESERVED_KEYS))}), "
+                            f"got {name!r}")
         if name == key or names.count(name) > 1:
             raise SpecError(f"{where}: {name!r} is named twice")
         if not isinstance(attributes.get(name), dict) or attributes[name].get("kind") not in ("categorical", "multi"):

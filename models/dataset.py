@@ -59,8 +59,8 @@ class Window:
 
 def labelled_impressions(s: Settings, window: Window, scenario: str | None = None) -> pd.DataFrame:
     """One row per impression in `window` (event log, deduplicated by event id, test traffic left out):
-    request_id, user_id, item_id, category (and each further key of the spec), event_time (ms), request_time (ms: its request's first exposure, looked for
-    up to a day before the window), label (1.0 if a click with its request id and item exists). `scenario`: only the
+    request_id, user_id, item_id, category (then each further key of the spec), event_time (ms), request_time (ms: its
+    request's first exposure, looked for up to a day before the window), label (1.0 if a click with its request id and item exists). `scenario`: only the
     impressions whose context names it (a declared scenario's ranker learns from its own surface)."""
     start, end = (int(t.timestamp() * 1000) for t in (window.start, window.end))
     # A click comes after its impression: read a day past the window for the clicks of its last ones.
@@ -88,9 +88,8 @@ def labelled_impressions(s: Settings, window: Window, scenario: str | None = Non
     kept = [c.get(TEST_TRAFFIC) is not True and (scenario is None or c.get(SCENARIO_FIELD) == scenario)
             for c in contexts]
     out = out.loc[np.array(kept, bool)]  # load tests teach nothing
-    return out[["request_id", "user_id", "item_id", "category", *s.spec.group_by, "event_time", "request_time",
-                "label"]].sort_values(
-        "event_time", kind="stable").reset_index(drop=True)
+    columns = ["request_id", "user_id", "item_id", "category", *s.spec.group_by, "event_time", "request_time", "label"]
+    return out[columns].sort_values("event_time", kind="stable").reset_index(drop=True)
 
 
 def training_frame(s: Settings, window: Window, scenario: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:

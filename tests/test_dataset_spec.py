@@ -106,8 +106,8 @@ def test_several_grouping_keys_each_have_their_counts_interest_and_ranker_inputs
     spec = shop(tmp_path, SHOP.replace("[[events.types]]", '[events]\nkey = ["brand", "tags"]\n\n[[events.types]]', 1))
     s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(spec)})
     assert (s.spec.key, s.spec.group_by, s.spec.keys) == ("brand", ("tags",), ("brand", "tags"))
-    assert s.spec.digest != parse_spec(SHOP.replace("[[events.types]]", '[events]\nkey = "brand"\n\n[[events.types]]', 1),
-                                       spec).digest
+    one_key = SHOP.replace("[[events.types]]", '[events]\nkey = "brand"\n\n[[events.types]]', 1)
+    assert s.spec.digest != parse_spec(one_key, spec).digest
     code = """
 import json, numpy as np
 from streaming.features import STREAM_VIEWS

@@ -1,9 +1,9 @@
-"""Bringing a company's own data: a shop nobody wrote code for (views, carts, orders; products with a
-brand, a department, a price, tags and a launch date; customers with a region), onboarded from a dataset spec and data files written
-into a temporary directory, with the commands docs/dataset-spec.md gives a user: its catalog loaded, its
-past orders replayed through Kafka and Flink into Feast, the ranker trained through Airflow's
-offline_training DAG and served, the graph and the retrieval model trained, `/recommend` answering with
-its products. No file of the platform is edited for it: the spec is named by the environment."""
+"""Bringing a company's own data: a shop nobody wrote code for (views, carts, orders; products with a brand, a
+department, a price, tags and a launch date; customers with a region), onboarded from a dataset spec and data files
+written into a temporary directory, with the commands docs/dataset-spec.md gives a user: its catalog loaded, its
+past orders replayed through Kafka and Flink into Feast, the ranker trained through Airflow's offline_training DAG
+and served, the graph and the retrieval model trained, `/recommend` answering with its products. No file of the
+platform is edited for it: the spec is named by the environment."""
 
 from __future__ import annotations
 
