@@ -78,6 +78,7 @@ kind = "categorical"
 [tables.item.attributes.dept]
 kind = "categorical"
 column = "department"
+tokens = "none"  # no token of the item: what the ranker knows of a customer's department is the key's inputs
 
 [tables.item.attributes.price]
 kind = "number"
@@ -116,9 +117,9 @@ class Shop:
 
 
 def write_shop(root: Path, seed: int = 5) -> Shop:
-    """The spec and its three files: 48 products (each brand in each department), 90 customers, six days of
+    """The spec and its three files: 48 products (each brand in each department), 150 customers, six days of
     visits (8 products viewed per visit, a product of the region's brand ordered 7 times as often as another, of
-    the customer's own department 2.5 times as often as another, some carted first)."""
+    the customer's own department 4 times as often as another, some carted first)."""
     rng = random.Random(seed)
     root.mkdir(parents=True)
     products = pd.DataFrame({"sku": [f"p{n:03d}" for n in range(48)], "brand": [BRANDS[n % 4] for n in range(48)],
@@ -126,8 +127,8 @@ def write_shop(root: Path, seed: int = 5) -> Shop:
                              "launched": [(START - timedelta(days=30 * n)).date().isoformat() for n in range(48)],
                              "price": [round(3 + (n * 37) % 120 + 0.99, 2) for n in range(48)],
                              "tags": ["|".join(rng.sample(["new", "sale", "eco", "gift", "bulk"], 2)) for _ in range(48)]})
-    customers = pd.DataFrame({"customer": [f"c{n:03d}" for n in range(90)],
-                              "home_region": [REGIONS[n % 3] for n in range(90)]})
+    customers = pd.DataFrame({"customer": [f"c{n:03d}" for n in range(150)],
+                              "home_region": [REGIONS[n % 3] for n in range(150)]})
     brand, region = dict(zip(products.sku, products.brand)), dict(zip(customers.customer, customers.home_region))
     dept = dict(zip(products.sku, products.department))
     rows = []
@@ -140,7 +141,7 @@ def write_shop(root: Path, seed: int = 5) -> Shop:
                 rows.append((customer, sku, "view", t, visit, brand[sku], dept[sku]))
                 liked = BRANDS.index(brand[sku]) == REGIONS.index(region[customer])
                 own = DEPTS.index(dept[sku]) == int(customer[1:]) // 3 % 3
-                if rng.random() < (0.35 if liked else 0.05) * (1.0 if own else 0.4):
+                if rng.random() < (0.35 if liked else 0.05) * (1.0 if own else 0.25):
                     if rng.random() < 0.4:
                         rows.append((customer, sku, "cart", t + 2, visit, brand[sku], dept[sku]))
                     rows.append((customer, sku, "order", t + 5, visit, brand[sku], dept[sku]))
