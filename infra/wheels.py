@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from infra.settings import REPO_ROOT
 
 
 class DownloadError(RuntimeError):
@@ -24,7 +27,7 @@ def download_wheel(spec: str, dest: Path) -> Path:
         return cached[0]
     dest.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+        [*pip(), "download", "--no-deps", "--only-binary=:all:", "--quiet",
          "--disable-pip-version-check", "--dest", str(dest), spec],
         capture_output=True, text=True,
     )
@@ -32,6 +35,18 @@ def download_wheel(spec: str, dest: Path) -> Path:
     if done.returncode != 0 or not cached:
         raise DownloadError(f"could not download {spec} from the package index: {done.stderr.strip()[-800:]}")
     return cached[0]
+
+
+def pip() -> list[str]:
+    """This interpreter's pip, else the platform environment's: the Flink environment (`.venv-flink`, where the
+    stream job reads the catalog's item keys, on a fresh machine before anything else fetched the data) has none."""
+    if importlib.util.find_spec("pip") is not None:
+        return [sys.executable, "-m", "pip"]
+    platform = REPO_ROOT / ".venv" / "bin" / "python"
+    if not platform.exists():
+        raise DownloadError(f"no pip to download with: {sys.executable} has none and {platform} does not exist "
+                            "(make setup builds it)")
+    return [str(platform), "-m", "pip"]
 
 
 def extract(wheel: Path, member: str, target: Path) -> Path:

@@ -84,3 +84,15 @@ print("SINKS", *sorted(topic for topic in topics() if f"default_database.{topic}
     from streaming.features import STREAM_VIEWS
 
     assert sinks == sorted({v.topic for v in STREAM_VIEWS})
+
+
+def test_the_flink_environment_fetches_a_dataset_wheel_on_a_fresh_machine(tmp_path: Path) -> None:
+    """The stream job reads the catalog's item keys at start, on a fresh machine before anything else fetched
+    the data, in an environment built without pip."""
+    s = load_settings()
+    probe = ("import sys; from pathlib import Path; from infra.wheels import download_wheel; "
+             "print(download_wheel('recbole==1.2.1', Path(sys.argv[1])).name)")
+    out = subprocess.run([str(s.paths.flink_python), "-c", probe, str(tmp_path)], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-800:]
+    assert out.stdout.strip().startswith("recbole-1.2.1-")
