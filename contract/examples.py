@@ -11,7 +11,7 @@ PAD = ""  # a padding slot of a behavior sequence
 
 
 ARRAYS = ("user_ids", "item_ids", "categories", "sequences", "numeric", "labels", "sequence_types",
-          "long_sequences", "long_types", "item_tokens", "user_tokens")
+          "long_sequences", "long_types", "item_tokens", "user_tokens", "context_tokens")
 
 
 @dataclass
@@ -32,11 +32,13 @@ class Examples:
     long_types: np.ndarray | None = None  # [N, K] str: their strongest actions (impression, click, ...)
     item_tokens: np.ndarray | None = None  # [N, T] str: the candidate's attributes ("genre:Drama", ...)
     user_tokens: np.ndarray | None = None  # [N, T] str: the user's ("gender:F", ...)
+    # [N, C] str: the request's declared context, one column per field in the spec's order ("page:search", ...)
+    context_tokens: np.ndarray | None = None
     numeric_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.labels)
-        for name in ("sequence_types", "long_sequences", "long_types", "item_tokens", "user_tokens"):
+        for name in ("sequence_types", "long_sequences", "long_types", "item_tokens", "user_tokens", "context_tokens"):
             if getattr(self, name) is None:  # not given: no such input (all padding)
                 width = (self.sequences.shape[1] if name == "sequence_types" else
                          self.long_sequences.shape[1] if name == "long_types" else 1)
@@ -65,13 +67,14 @@ class Examples:
 
 # The scoring frame's list columns (each row's non-padding entries) and the Examples array of each.
 LIST_COLUMNS = {"sequence": "sequences", "sequence_types": "sequence_types", "long_sequence": "long_sequences",
-                "long_types": "long_types", "item_tokens": "item_tokens", "user_tokens": "user_tokens"}
+                "long_types": "long_types", "item_tokens": "item_tokens", "user_tokens": "user_tokens",
+                "context_tokens": "context_tokens"}
 
 
 def to_frame(ex: Examples, numeric_features: tuple[str, ...]) -> pd.DataFrame:
     """The scoring input of a registered model (`models:/<name>@champion`): one row per example, the
     list columns (`sequence`: item ids, newest first; `sequence_types`, `long_sequence`, `long_types`,
-    `item_tokens`, `user_tokens`) as lists, one column per numeric feature."""
+    `item_tokens`, `user_tokens`, `context_tokens`) as lists, one column per numeric feature."""
     frame = pd.DataFrame({"user_id": ex.user_ids, "item_id": ex.item_ids, "category": ex.categories} | {
         column: [[i for i in row if i != PAD] for row in getattr(ex, name)] for column, name in LIST_COLUMNS.items()})
     for j, name in enumerate(numeric_features):

@@ -52,6 +52,9 @@ TOKENS: dict[str, tuple[tuple[str, str], ...]] = {
     f"{entity}_tokens": tuple((a.token, t.feature(a)) for a in t.attributes if a.tokens != "none")
     for entity, t in (("item", _TABLES["item"]), ("user", _TABLES["user"]))}
 DECADES = tuple(name for name, a in ATTRIBUTES.items() if a.tokens == "decade")
+# The request's declared context fields ("page"): per row, the token "<name>:<value>" (`context_tokens`), taken
+# from the request at serving and from the exposure's event at training, never stored.
+CONTEXT = tuple(c.name for c in dataset_spec().context)
 SIDE = tuple(dict.fromkeys(feature for pairs in TOKENS.values() for _, feature in pairs))
 # Everything a scoring row is built from, as stored online (the derived features are not stored).
 RAW_FEATURES: tuple[str, ...] = tuple(dict.fromkeys(

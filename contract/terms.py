@@ -10,7 +10,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-from contract.inputs import NUMERIC_FEATURES, TOKENS
+from contract.inputs import CONTEXT, NUMERIC_FEATURES, TOKENS
 from streaming.events import dataset_spec
 
 
@@ -19,7 +19,8 @@ class Terms:
     dataset: str  # the spec's [dataset] name
     event_types: tuple[str, ...]  # the behaviors' vocabulary, in the spec's order (the type ids)
     numeric_features: tuple[str, ...]
-    tokens: tuple[str, ...]  # "<entity>_tokens:<prefix>" of each attribute that gives tokens
+    # "<entity>_tokens:<prefix>" of each attribute that gives tokens, "context_tokens:<name>" of each context field
+    tokens: tuple[str, ...]
 
     @property
     def digest(self) -> str:
@@ -27,8 +28,17 @@ class Terms:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
+CONTEXT_TOKENS = "context_tokens"
+
+
 def token_prefixes() -> tuple[str, ...]:
-    return tuple(f"{column}:{prefix}" for column, pairs in TOKENS.items() for prefix, _ in pairs)
+    return (*(f"{column}:{prefix}" for column, pairs in TOKENS.items() for prefix, _ in pairs),
+            *(f"{CONTEXT_TOKENS}:{name}" for name in CONTEXT))
+
+
+def context_fields(tokens: tuple[str, ...]) -> tuple[str, ...]:
+    """The context fields a version reads, from its terms' tokens (`token_prefixes`)."""
+    return tuple(t.partition(":")[2] for t in tokens if t.partition(":")[0] == CONTEXT_TOKENS)
 
 
 def offered() -> Terms:

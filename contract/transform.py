@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from contract.examples import PAD, Examples
-from contract.inputs import ATTRIBUTES, COUNTS, DECADES, GROUP_SHARES, NUMERIC_FEATURES, TOKENS
+from contract.inputs import ATTRIBUTES, CONTEXT, COUNTS, DECADES, GROUP_SHARES, NUMERIC_FEATURES, TOKENS
 from infra.dataset import DAY_MS, AttributeSpec
 from streaming.features import interest_columns, key_count_columns
 
@@ -166,6 +166,16 @@ def _tokens(column: str, features: Columns) -> np.ndarray:
     return _padded_rows(rows)
 
 
+def _context_tokens(features: Columns, n: int) -> np.ndarray:
+    """Per row, the request's context (CONTEXT, each field's value as `ContextSpec.value` gives it, the default
+    applied): [N, C], one column per field, "<name>:<value>", PAD where a field has none."""
+    out = np.full((n, max(1, len(CONTEXT))), PAD, dtype=object)
+    for j, name in enumerate(CONTEXT):
+        if name in features:
+            out[:, j] = [f"{name}:{v}" if v else PAD for v in _strings(features[name])]
+    return out
+
+
 def _decade_of(value: object) -> str | None:
     """A year or an age as its decade ("1990s", "20s"); None where missing (None, NaN, pd.NA) or 0."""
     try:
@@ -235,7 +245,8 @@ def _group_share(features: Columns, key: str, interest: bool) -> np.ndarray:
 def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, sequence_length: int) -> Examples:
     """Model inputs from feature rows (a frame as `get_historical_features` returns it, or columns of
     values as the online store holds them) for requests at `times_ms`, with every numeric feature of
-    NUMERIC_FEATURES (each model takes its own). Serving uses the same function."""
+    NUMERIC_FEATURES (each model takes its own) and, from a column per declared context field (CONTEXT), the
+    request's context tokens. Serving uses the same function."""
     n = len(labels)
     categories = _strings(features["category"])
     numeric = np.zeros((n, len(NUMERIC_FEATURES)), np.float32)
@@ -263,4 +274,4 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
                     labels=np.asarray(labels, np.float32), sequence_types=types,
                     long_sequences=long, long_types=long_types,
                     item_tokens=_tokens("item_tokens", features), user_tokens=_tokens("user_tokens", features),
-                    numeric_names=NUMERIC_FEATURES)
+                    context_tokens=_context_tokens(features, n), numeric_names=NUMERIC_FEATURES)

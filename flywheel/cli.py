@@ -426,8 +426,9 @@ def _ranker(scenario: str | None) -> tuple[Settings, RegisteredModel]:
                    "package.module:attribute. Default: the setting models.architecture.")
 @click.option("--promote/--no-promote", default=True, show_default=True, help="Run the promotion gate.")
 @click.option("--without", multiple=True, metavar="NAME",
-              help="Leave out the numeric inputs this name or pattern matches ('dept_*'; repeatable): an ablation, "
-                   "on the same split as a version trained on the same window with them.")
+              help="Leave out the numeric inputs or request context fields this name or pattern matches ('dept_*', "
+                   "'page'; repeatable): an ablation, on the same split as a version trained on the same window "
+                   "with them.")
 @_SCENARIO
 def train(start: datetime, end: datetime, kind: str | None, promote: bool, without: tuple[str, ...],
           scenario: str | None) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime
 from pathlib import Path
@@ -39,6 +40,12 @@ JVM_SEPARATOR = "|"
 # The context field of an event, and the field of a /rank or /recommend request, naming its scenario (the surface
 # it was served on: `[scenarios.<name>]`); an event without it belongs to no declared scenario.
 SCENARIO_FIELD = "scenario"
+# A declared request context field's kinds (`[events.context.<name>] kind`): a string, one token per value.
+CONTEXT_KINDS = ("categorical",)
+MAX_CONTEXT = 8  # declared context fields: each is a slot of every scored row
+# Context fields the platform itself reads or writes on events: not a declared field's name. The position a list
+# showed an item at is a bias of the list that served it, not the request's context (unknown when /rank scores).
+PLATFORM_CONTEXT = frozenset((SCENARIO_FIELD, "test_traffic", "position", "served_by", "source"))
 # A sliding window of the stream's counts: minutes, hours or days ("5m", "1h", "7d").
 WINDOW = re.compile(r"([1-9][0-9]{0,3})([mhd])")
 WINDOW_MINUTES = {"m": 1, "h": 60, "d": 1440}
@@ -113,6 +120,30 @@ class TableSpec:
 
 
 @dataclass(frozen=True)
+class ContextSpec:
+    """A declared field of a request's context (`[events.context.<name>]`: the page a list is shown on, the
+    device): sent by the client with `/rank` and `/recommend`, carried by the events of what was shown, and a
+    request-time input of the ranker (the token "<name>:<value>"). A request or an event without it has its
+    `default` ("": none, no token)."""
+
+    name: str
+    kind: str = "categorical"  # one of CONTEXT_KINDS
+    default: str = ""
+
+    def value(self, raw: object) -> str:
+        """The field's value as the ranker reads it, from an event's or a request's context: a string; a boolean
+        "true" or "false"; a whole number without a fraction (a client's 2 and 2.0 are one page); missing
+        (None, "") the default."""
+        if raw is None or raw == "":
+            return self.default
+        if isinstance(raw, bool):
+            return "true" if raw else "false"
+        if isinstance(raw, float) and raw.is_integer():
+            return str(int(raw))
+        return str(raw)
+
+
+@dataclass(frozen=True)
 class DemoSpec:
     """How `flywheel demo` cuts the history (`[demo]`): events from `split` on are its live traffic, and the
     first champion trains on the `train_days` before it. None: derived from the history (see flywheel/demo)."""
@@ -172,6 +203,8 @@ class DatasetSpec:
     # The surfaces with a ranker of their own (`[scenarios.<name>]`); requests naming none get the platform's
     # ranker, trained on every exposure.
     scenarios: tuple[ScenarioSpec, ...] = ()
+    # The request context fields the ranker reads (`[events.context]`), in the spec's order.
+    context: tuple[ContextSpec, ...] = ()
 
     @functools.cached_property
     def window_buckets(self) -> tuple[tuple[str, int, int], ...]:
@@ -182,6 +215,17 @@ class DatasetSpec:
     def keys(self) -> tuple[str, ...]:
         """Every grouping key, the category's first."""
         return (self.key, *self.group_by)
+
+    def context_of(self, given: Mapping[str, object] | None) -> dict[str, str]:
+        """Each declared context field's value in `given` (an event's or a request's context; other fields
+        ignored), its default where missing."""
+        given = given or {}
+        return {c.name: c.value(given.get(c.name)) for c in self.context}
+
+    def undeclared_context(self, given: Mapping[str, object]) -> list[str]:
+        """The fields of a request's context the spec does not declare (a client's typo, or another spec's)."""
+        names = {c.name for c in self.context}
+        return sorted(set(given) - names)
 
     def table(self, entity: str) -> TableSpec:
         return next(t for t in self.tables if t.entity == entity)
@@ -213,7 +257,8 @@ class DatasetSpec:
         declared = ((self.name, self.event_types, self.tables) + ((self.key,) if self.key != "category" else ())
                     + ((self.group_by,) if self.group_by else ())
                     + ((self.windows,) if self.windows != DEFAULT_WINDOWS else ())  # MovieLens' as before
-                    + (("repeats",) if self.repeats else ()))
+                    + (("repeats",) if self.repeats else ())
+                    + ((self.context,) if self.context else ()))
         return hashlib.sha256(repr(declared).encode()).hexdigest()[:16]
 
     def source_path(self, source: str) -> Path:
@@ -317,6 +362,28 @@ def _group_by(where: str, key: str, names: list, item: dict) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _context(where: str, raw: dict[str, Any], keys: tuple[str, ...]) -> tuple[ContextSpec, ...]:
+    """The declared request context fields: identifiers that name no key, no platform field and no reserved name."""
+    if len(raw) > MAX_CONTEXT:
+        raise SpecError(f"{where}: at most {MAX_CONTEXT} fields, got {len(raw)}")
+    out = []
+    for name, table in raw.items():
+        if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", name) or name in RESERVED_KEYS:
+            raise SpecError(f"{where}: expected a field name of lowercase letters, digits and '_' (at most 32, not "
+                            f"{', '.join(sorted(RESERVED_KEYS))}), got {name!r}")
+        if name in keys:
+            raise SpecError(f"{where}.{name}: {name!r} is a grouping key ([events] key): its values come from the "
+                            "catalog and have features of their own")
+        if name in PLATFORM_CONTEXT:
+            raise SpecError(f"{where}.{name}: {name!r} is a context field the platform reads or writes itself "
+                            f"({', '.join(sorted(PLATFORM_CONTEXT))})")
+        c = _check(f"{where}.{name}", table, {"kind": str}, {"default": str})
+        if c["kind"] not in CONTEXT_KINDS:
+            raise SpecError(f"{where}.{name}.kind: expected {' or '.join(CONTEXT_KINDS)}, got {c['kind']!r}")
+        out.append(ContextSpec(name, c["kind"], c.get("default", "")))
+    return tuple(out)
+
+
 def _history(where: str, raw: Any) -> HistorySpec:
     h = _check(where, raw, {"source": str}, {"user": str, "item": str, "type": str, "time": str, "time_unit": str,
                                              "request": str, "context": list, "negatives": int})
@@ -397,7 +464,7 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
             raise SpecError(f"{path} [settings].{section}: expected a table of settings, got {type(values).__name__}")
     dataset = _check(f"{path} [dataset]", top["dataset"], {"name": str}, {"adapter": str})
     events = _check(f"{path} [events]", top["events"], {"types": list},
-                    {"history": dict, "key": (str, list), "repeats": bool})
+                    {"history": dict, "key": (str, list), "repeats": bool, "context": dict})
     keys = events.get("key", "category")
     key, *group_by = [keys] if isinstance(keys, str) else keys or [""]  # several: the category's first
     if not isinstance(key, str) or not NAME.fullmatch(key):
@@ -420,6 +487,12 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
         spec = replace(spec, windows=_windows(f"{path} [features]", top["features"]))
     if "scenarios" in top:
         spec = replace(spec, scenarios=_scenarios(f"{path} [scenarios]", top["scenarios"]))
+    if "context" in events:
+        spec = replace(spec, context=_context(f"{path} [events.context]", events["context"], spec.keys))
+        tokens = {a.token for table in spec.tables for a in table.attributes if a.tokens != "none"}
+        if clash := sorted(tokens & {c.name for c in spec.context}):
+            raise SpecError(f"{path} [events.context].{clash[0]}: {clash[0]!r} is also an attribute's token prefix "
+                            "([tables]): the two would share embeddings")
     if not spec.exposures:
         raise SpecError(f"{path} [[events.types]]: expected at least one type with role = \"exposure\" "
                         "(the ranker's examples are exposures)")

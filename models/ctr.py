@@ -24,7 +24,8 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from contract.examples import PAD, Examples, fit_width  # noqa: E402
-from contract.terms import Terms, token_prefixes  # noqa: E402
+from contract.inputs import CONTEXT  # noqa: E402
+from contract.terms import Terms, context_fields, token_prefixes  # noqa: E402
 from models.architectures import architecture  # noqa: E402
 from models.networks import EMBEDDED, MASK_OF, TABLE_OF  # noqa: E402
 from models.sparse import DEFAULT_ROW, SparseConfig, SparseTable, TableSnapshot, apply_delta  # noqa: E402
@@ -62,6 +63,11 @@ class ModelSpec:
     # The rest of its terms (contract/terms.py): empty in versions that predate them (not checked).
     dataset: str = field(default_factory=lambda: dataset_spec().name)
     tokens: tuple[str, ...] = field(default_factory=token_prefixes)
+
+    @property
+    def context(self) -> tuple[str, ...]:
+        """The request context fields it reads (`[events.context]` when trained, less an ablation's)."""
+        return context_fields(self.tokens)
 
     @property
     def terms(self) -> Terms:
@@ -106,7 +112,19 @@ class CtrModel:
                 "long_sequence": fit_width(ex.long_sequences[:, :k], k),
                 "long_types": fit_width(ex.long_types[:, :k], k),
                 "item_tokens": fit_width(ex.item_tokens, self.spec.token_length),
-                "user_tokens": fit_width(ex.user_tokens, self.spec.token_length)}
+                "user_tokens": fit_width(ex.user_tokens, self.spec.token_length),
+                "context_tokens": self._context(ex.context_tokens)}
+
+    def _context(self, tokens: np.ndarray) -> np.ndarray:
+        """The request context tokens [N, C] this version reads: all the spec declares, or (an ablation) those of
+        its fields only; none (one padding column) for a version without."""
+        fields = self.spec.context
+        if not fields:
+            return np.full((len(tokens), 1), PAD, dtype=object)
+        if fields != CONTEXT:
+            read = np.array([str(v).partition(":")[0] in fields for v in tokens.ravel()], bool).reshape(tokens.shape)
+            tokens = np.where(read, tokens, PAD)
+        return fit_width(tokens, len(CONTEXT))
 
     def _rows(self, table: str, ids: np.ndarray, train: bool, distinct: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Rows of a padded id list ([N, W]; padding -> the default row, never counted) and its mask.
@@ -193,6 +211,11 @@ class CtrModel:
                 "item": self.tables["item"].lookup(ex.item_ids.tolist(), False),
                 "category": self.tables["category"].lookup(ex.categories.tolist(), False)}
         rows["item_tokens"], rows["item_token_mask"] = self._rows("attribute", lists["item_tokens"], train=False)
+        if self.spec.context:  # per row (a request's rows share theirs: looked up once)
+            rows["context_tokens"], rows["context_token_mask"] = self._rows("attribute", lists["context_tokens"], False)
+        else:  # none: padding, without a pass over the rows
+            rows["context_tokens"] = np.full((len(ex), 1), DEFAULT_ROW, np.int64)
+            rows["context_token_mask"] = np.zeros((len(ex), 1), np.float32)
         owner = np.zeros(len(ex), np.int32)
         owner[firsts[1:]] = 1
         return self._gathered(rows | shared, ex) | {"owner": np.cumsum(owner, dtype=np.int32),
@@ -205,7 +228,8 @@ class CtrModel:
         # ids (a request's 500 candidates repeat their user's 50 behaviors) was 0.9 ms of such a batch.
         named = {"user": ex.user_ids, "item": ex.item_ids, "category": ex.categories,
                  "sequence": g.lists["sequence"][g.firsts], "user_tokens": g.lists["user_tokens"][g.firsts],
-                 "long_sequence": g.lists["long_sequence"][g.long_firsts], "item_tokens": g.lists["item_tokens"]}
+                 "long_sequence": g.lists["long_sequence"][g.long_firsts], "item_tokens": g.lists["item_tokens"],
+                 "context_tokens": g.lists["context_tokens"]}
         parts: dict[str, list[np.ndarray]] = {name: [] for name in TABLES}
         for name, ids in named.items():
             parts[TABLE_OF[name]].append(np.asarray(ids, dtype=object).ravel())

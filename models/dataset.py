@@ -59,7 +59,8 @@ class Window:
 
 def labelled_impressions(s: Settings, window: Window, scenario: str | None = None) -> pd.DataFrame:
     """One row per impression in `window` (event log, deduplicated by event id, test traffic left out):
-    request_id, user_id, item_id, category (then each further key of the spec), event_time (ms), request_time (ms: its
+    request_id, user_id, item_id, category (then each further key of the spec, then each declared context field's
+    value), event_time (ms), request_time (ms: its
     request's first exposure, looked for up to a day before the window), label (1.0 if a click with its request id and item exists). `scenario`: only the
     impressions whose context names it (a declared scenario's ranker learns from its own surface)."""
     start, end = (int(t.timestamp() * 1000) for t in (window.start, window.end))
@@ -85,10 +86,13 @@ def labelled_impressions(s: Settings, window: Window, scenario: str | None = Non
         out["category" if n == 0 else key] = [
             str(c[key]) if c.get(key, "") != "" else (of[n] or "" if n < len(of) else "")
             for c, of in zip(contexts, of_items)]
+    for field in s.spec.context:  # the request's declared context, as the exposure carries it (its default if not)
+        out[field.name] = [field.value(c.get(field.name)) for c in contexts]
     kept = [c.get(TEST_TRAFFIC) is not True and (scenario is None or c.get(SCENARIO_FIELD) == scenario)
             for c in contexts]
     out = out.loc[np.array(kept, bool)]  # load tests teach nothing
-    columns = ["request_id", "user_id", "item_id", "category", *s.spec.group_by, "event_time", "request_time", "label"]
+    columns = ["request_id", "user_id", "item_id", "category", *s.spec.group_by, *(c.name for c in s.spec.context),
+               "event_time", "request_time", "label"]
     return out[columns].sort_values("event_time", kind="stable").reset_index(drop=True)
 
 
@@ -107,6 +111,8 @@ def training_frame(s: Settings, window: Window, scenario: str | None = None) -> 
     missing = [c for c in RAW_FEATURES if c not in joined.columns]
     if missing:
         raise ValueError(f"feature service ranking_training lacks {missing}")
+    for field in s.spec.context:  # the request's, not a stored feature
+        joined[field.name] = imps[field.name].to_numpy()
     served = served_values(s, imps)
     if len(served):
         found = imps[["request_id", "item_id"]].merge(served.assign(logged=True), on=["request_id", "item_id"],

@@ -6,8 +6,9 @@ Its columns, from the same Examples the ranker reads:
                   often the user's recent positives are the candidate)
   item, category  the candidate's id and category, as LightGBM categoricals (codes of the training part;
                   an id it did not see is missing)
-  tokens          each attribute of the item and user tokens ("genre:Drama"): one indicator per value of an
-                  attribute with at most MULTI_HOT values, else the code of its first value
+  tokens          each attribute of the item and user tokens ("genre:Drama") and each field of the request's
+                  context ("page:search"): one indicator per value of one with at most MULTI_HOT values,
+                  else the code of its first value
   history         the user's behaviors before the example in the candidate's category (the long history),
                   and of those how many of each action type
 """
@@ -39,7 +40,7 @@ class Columns:
     @classmethod
     def learn(cls, ex: Examples) -> Columns:
         values: dict[str, set[str]] = {}
-        for tokens in (ex.item_tokens, ex.user_tokens):
+        for tokens in (ex.item_tokens, ex.user_tokens, ex.context_tokens):
             for token in set(tokens.ravel()) - {PAD}:
                 name, _, value = str(token).partition(":")
                 values.setdefault(name, set()).add(value)
@@ -59,7 +60,7 @@ class Columns:
         firsts: dict[str, list[str | None]] = {name: [None] * n for name in self.ids if name.startswith("token ")}
         hot = {a: np.zeros((n, len(vs)), np.float32) for a, vs in self.hot.items()}
         index = {a: {v: j for j, v in enumerate(vs)} for a, vs in self.hot.items()}
-        for row, tokens in enumerate(np.concatenate([ex.item_tokens, ex.user_tokens], axis=1)):
+        for row, tokens in enumerate(np.concatenate([ex.item_tokens, ex.user_tokens, ex.context_tokens], axis=1)):
             for token in tokens:
                 if token == PAD:
                     continue

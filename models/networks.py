@@ -16,6 +16,7 @@ what it needs, so one training loop and one serving path serve them all:
                                    which is then [G, K, D] (one per user x category)
   item_tokens           [B, T, D]  the candidate's attributes (attribute table); item_token_mask [B, T]
   user_tokens           [B, T, D]  the user's profile attributes (attribute table); user_token_mask [B, T]
+  context_tokens        [B, C, D]  the request's declared context (attribute table); context_token_mask [B, C]
   numeric               [B, F]     real-time, profile and long-history features, already scaled
 and return click logits [B]. The ranker's numeric features also enter piecewise-linear (`numeric_bins` per
 feature, edges at the training part's quantiles: `adapt`). Each is built from a version's spec by the
@@ -54,12 +55,14 @@ DENSE_INPUTS = (
     DenseInput("long_sequence", "item", "long_mask", "long_owner"),
     DenseInput("item_tokens", "attribute", "item_token_mask"),
     DenseInput("user_tokens", "attribute", "user_token_mask", "owner"),
+    DenseInput("context_tokens", "attribute", "context_token_mask"),
     DenseInput("sequence_mask", per="owner", sequence_axis=True),
     DenseInput("sequence_types", per="owner", sequence_axis=True),
     DenseInput("long_mask", per="long_owner"),
     DenseInput("long_types", per="long_owner"),
     DenseInput("item_token_mask"),
     DenseInput("user_token_mask", per="owner"),
+    DenseInput("context_token_mask"),
     DenseInput("numeric"),
 )
 EMBEDDED = tuple(i.name for i in DENSE_INPUTS if i.table)
@@ -73,12 +76,13 @@ class Ranker(keras.Model):
     the user; then an MLP over all of it, with the products of the pairs that meet (user x item, the
     behaviors' interests x item, user attributes x item attributes), and the numeric features, as they
     are and, with `numeric_bins`, piecewise-linear (Instacart: test AUC +0.011 over the features as they
-    are, three seeds)."""
+    are, three seeds). With `context`, the request's pooled context tokens too, and their product with the
+    candidate (a page that favours some items)."""
 
     def __init__(self, dim: int, event_types: int, hidden: list[int] | None = None,
-                 attention_hidden: list[int] | None = None, numeric_bins: int = 0, **kwargs):
+                 attention_hidden: list[int] | None = None, numeric_bins: int = 0, context: bool = False, **kwargs):
         super().__init__(**kwargs)
-        self.dim, self.event_types, self.numeric_bins = dim, event_types, numeric_bins
+        self.dim, self.event_types, self.numeric_bins, self.context = dim, event_types, numeric_bins, context
         self.numeric_encoding = PiecewiseLinear(numeric_bins) if numeric_bins else None
         self.hidden = hidden or [128, 64]
         self.attention_hidden = attention_hidden or [32]
@@ -101,9 +105,12 @@ class Ranker(keras.Model):
         numeric = inputs["numeric"]
         if self.numeric_encoding is not None:
             numeric = ops.concatenate([numeric, self.numeric_encoding(numeric)], axis=-1)
-        x = ops.concatenate([inputs["user"], item, inputs["category"], recent, long, item_side, user_side,
-                             inputs["user"] * item, recent * item, long * item, user_side * item_side,
-                             numeric], axis=-1)
+        parts = [inputs["user"], item, inputs["category"], recent, long, item_side, user_side,
+                 inputs["user"] * item, recent * item, long * item, user_side * item_side, numeric]
+        if self.context:
+            context = self.pool(inputs["context_tokens"], inputs["context_token_mask"])
+            parts += [context, context * item, context * item_side]
+        x = ops.concatenate(parts, axis=-1)
         return ops.squeeze(self.head(x), -1)
 
     def adapt(self, numeric: np.ndarray) -> None:
@@ -113,7 +120,7 @@ class Ranker(keras.Model):
 
     def get_config(self) -> dict:
         return {"dim": self.dim, "event_types": self.event_types, "hidden": self.hidden,
-                "attention_hidden": self.attention_hidden, "numeric_bins": self.numeric_bins}
+                "attention_hidden": self.attention_hidden, "numeric_bins": self.numeric_bins, "context": self.context}
 
 
 class RankerV1(keras.Model):
@@ -153,7 +160,8 @@ class LogisticRegression(keras.Model):
 
 
 def ranker(spec) -> Ranker:
-    return Ranker(spec.sparse.dim, len(spec.event_types) + 1, list(spec.hidden), numeric_bins=spec.numeric_bins)
+    return Ranker(spec.sparse.dim, len(spec.event_types) + 1, list(spec.hidden), numeric_bins=spec.numeric_bins,
+                  context=bool(spec.context))
 
 
 def ranker_v1(spec) -> RankerV1:

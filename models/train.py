@@ -26,6 +26,8 @@ import mlflow
 import numpy as np
 
 from contract.examples import Examples
+from contract.inputs import CONTEXT
+from contract.terms import CONTEXT_TOKENS, token_prefixes
 from infra.settings import RegisteredModel, Settings
 from models import plots
 from models.architectures import architecture
@@ -61,18 +63,22 @@ def model_spec(s: Settings, kind: str | None = None, long_history: bool = True, 
                ) -> ModelSpec:
     """The spec of a new model of architecture `kind` (models/architectures.py; None: `models.architecture`)
     with the inputs it declares; without `long_history`, none of the long history's (the ablation); `without`:
-    none of the numeric inputs these names or patterns ("dept_*") match (ValueError where one matches none)."""
+    none of the numeric inputs or request context fields these names or patterns ("dept_*", "page") match
+    (ValueError where one matches none)."""
     m, st = s.models, s.streaming
     arch = architecture(kind or m.architecture)
     if not long_history:
         arch = arch.without_long_history()
-    numeric = arch.numeric_features
+    numeric, context = arch.numeric_features, CONTEXT
     for pattern in without:
-        if not fnmatch.filter(numeric, pattern):
-            raise ValueError(f"--without {pattern}: no numeric input of {arch.name} matches it "
-                             f"(its inputs: {', '.join(numeric)})")
+        if not fnmatch.filter((*numeric, *context), pattern):
+            raise ValueError(f"--without {pattern}: no numeric input or context field of {arch.name} matches it "
+                             f"(its inputs: {', '.join((*numeric, *context))})")
         numeric = tuple(n for n in numeric if not fnmatch.fnmatchcase(n, pattern))
+        context = tuple(n for n in context if not fnmatch.fnmatchcase(n, pattern))
+    dropped = {f"{CONTEXT_TOKENS}:{name}" for name in CONTEXT if name not in context}
     return ModelSpec(kind=arch.name, numeric_features=numeric, sequence_length=st.sequence_length,
+                     tokens=tuple(t for t in token_prefixes() if t not in dropped),
                      long_length=st.history_per_category if arch.long_history else 0,
                      sparse=SparseConfig(dim=arch.embedding_dim or m.embedding_dim, admit_after=m.admit_after,
                                          evict_after_steps=m.evict_after_steps, learning_rate=m.sparse_learning_rate),

@@ -73,6 +73,10 @@ class RankIn(BaseModel):
     scenario: str | None = Field(None, min_length=1, max_length=64,
                                  description="A scenario the dataset spec declares ([scenarios.<name>]): its ranker "
                                              "scores the request. Default: the platform's ranker.")
+    context: dict[str, str | int | float | bool] | None = Field(
+        None, max_length=8, description="The request's context (the page, the device): the fields the dataset spec "
+                                        "declares ([events.context]), each an input of the ranker; a field it lacks: "
+                                        "its declared default. An undeclared field: 422.")
 
 
 class RankOut(BaseModel):
@@ -101,6 +105,10 @@ class RecommendIn(BaseModel):
     scenario: str | None = Field(None, min_length=1, max_length=64,
                                  description="A scenario the dataset spec declares ([scenarios.<name>]): its ranker "
                                              "scores the request. Default: the platform's ranker.")
+    context: dict[str, str | int | float | bool] | None = Field(
+        None, max_length=8, description="The request's context (the page, the device): the fields the dataset spec "
+                                        "declares ([events.context]), each an input of the ranker; a field it lacks: "
+                                        "its declared default. An undeclared field: 422.")
 
 
 class RecommendedItem(BaseModel):
@@ -166,6 +174,17 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             return JSONResponse({"detail": [{"type": "unknown_scenario", "loc": ["body", "scenario"],
                                              "msg": _printable(str(exc))}]}, status_code=422)
 
+    def undeclared_context(context: dict | None) -> JSONResponse | None:
+        """A 422 naming the declared context fields, for a request with another (before any work for it)."""
+        if not context or not (wrong := s.spec.undeclared_context(context)):
+            return None
+        metrics.REQUESTS.labels("-", "422").inc()
+        declared = ", ".join(c.name for c in s.spec.context) or "none"
+        return JSONResponse({"detail": [{"type": "undeclared_context", "loc": ["body", "context", _printable(wrong[0])],
+                                         "msg": _printable(f"{wrong[0]!r} is not a context field of dataset "
+                                                           f"{s.spec.name} (declared: {declared})")}]},
+                            status_code=422)
+
     def refuse(reason: str, detail: str, started: float) -> JSONResponse:
         metrics.REQUESTS.labels("-", "503").inc()
         metrics.LATENCY.labels(reason).observe(time.monotonic() - started)
@@ -192,7 +211,7 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             body = RankIn.model_validate_json(raw)
         except ValidationError as exc:
             return invalid(exc.errors(include_input=False))
-        if (unknown := unknown_scenario(body.scenario)) is not None:
+        if (unknown := unknown_scenario(body.scenario) or undeclared_context(body.context)) is not None:
             return unknown
         if len(body.candidates) > s.serving.max_candidates:
             metrics.REQUESTS.labels("-", "413").inc()
@@ -203,7 +222,8 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             candidates = [c if c.category else CandidateIn.model_construct(item_id=c.item_id,
                                                                            category=keys.get(c.item_id))
                           for c in candidates]
-        req = RankRequest(body.user_id, candidates, body.tier, body.deadline_ms, scenario=body.scenario or "")
+        req = RankRequest(body.user_id, candidates, body.tier, body.deadline_ms, scenario=body.scenario or "",
+                          context=s.spec.context_of(body.context))
         if body.request_id:
             req.request_id = body.request_id
         try:
@@ -230,12 +250,12 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             body = RecommendIn.model_validate_json(raw)
         except ValidationError as exc:
             return invalid(exc.errors(include_input=False))
-        if (unknown := unknown_scenario(body.scenario)) is not None:
+        if (unknown := unknown_scenario(body.scenario) or undeclared_context(body.context)) is not None:
             return unknown
         try:
             exclude = not s.spec.repeats if body.exclude_seen is None else body.exclude_seen
             out = await recommender.recommend(body.user_id, body.k, exclude, body.tier, body.deadline_ms,
-                                              body.request_id, body.scenario or "")
+                                              body.request_id, body.scenario or "", s.spec.context_of(body.context))
         except NotReady as exc:
             return refuse("not_ready", str(exc), started)
         except Shed as exc:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -51,6 +51,10 @@ _WARM_UP = "flywheel:warm-up"  # a made-up user and item id: nothing is stored f
 class _WarmUp:
     item_id: str = _WARM_UP
     category: str = ""
+
+
+# The snapshot's entries of the request, not one value per candidate: its user's behaviors, its context.
+PER_REQUEST = ("sequence", "context")
 
 
 @dataclass
@@ -116,6 +120,7 @@ class OnlineFeatures:
         self.cache = SharedEntityCache(s.serving.item_features_ttl_ms / 1000, s.serving.item_features_cache_size)
         # A candidate's further keys (a brand beside its category) are the catalog's, as the stream counts events.
         self.groups = s.spec.group_by
+        self.context_of = s.spec.context_of  # a request's declared context, the defaults where it lacks a field
         if self.groups:
             from streaming.history import ItemKeyFile, item_keys_path  # pandas: only where a spec groups further
 
@@ -161,16 +166,18 @@ class OnlineFeatures:
         self.fetch(_WARM_UP, [_WarmUp()], int(time.time() * 1000), 1)
 
     def fetch(self, user_id: str, candidates: Sequence[Candidate], now_ms: int, sequence_length: int,
-              keep_behaviors: int | None = None) -> Fetched:
-        """Inputs for scoring `candidates` for `user_id` at `now_ms`; sequences keep the newest
-        `keep_behaviors` (compute allocation) of at most `sequence_length`."""
+              keep_behaviors: int | None = None, context: Mapping[str, str] | None = None) -> Fetched:
+        """Inputs for scoring `candidates` for `user_id` at `now_ms` in the request's `context` (each declared
+        field's value, `DatasetSpec.context_of`); sequences keep the newest `keep_behaviors` (compute allocation)
+        of at most `sequence_length`."""
         # Imported here, once a call: pandas, which they load, is not needed to read features (`flywheel features`).
         from contract.examples import PAD
         from contract.transform import entity_tokens, to_examples
 
         rows = {"user_id": [user_id] * len(candidates), "item_id": [c.item_id for c in candidates],
                 "category": [c.category for c in candidates]} | self.groups_of([c.item_id for c in candidates])
-        columns: dict[str, Sequence] = dict(rows)
+        request = self.context_of(context)
+        columns: dict[str, Sequence] = dict(rows) | {name: [value] * len(candidates) for name, value in request.items()}
         plan = []  # per entity kind: its keys, refs, the entity of each candidate row, found, missing
         for keys, refs in self.reads.items():
             of_row = list(zip(*(rows[k] for k in keys)))
@@ -195,4 +202,6 @@ class OnlineFeatures:
         # the stored numeric features as read (None: missing)
         snapshot: dict[str, Sequence] = {name: columns[name] for name in NUMERIC_FEATURES if name in columns}
         snapshot["sequence"] = [i for i in ex.sequences[0] if i != PAD]
+        if request:  # what the request's context gave it: one for every candidate (PER_REQUEST)
+            snapshot["context"] = request
         return Fetched(ex, defaulted, snapshot)

@@ -21,7 +21,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +35,7 @@ from infra.settings import Settings
 from models.registry import CHALLENGER, CHAMPION, CONTROL
 from serving import access, metrics
 from serving.batching import Batcher, DeadlineExceeded, Overloaded
-from serving.features import Candidate, Fetched, OnlineFeatures
+from serving.features import PER_REQUEST, Candidate, Fetched, OnlineFeatures
 from serving.lifecycle import ModelFollower, close_runners
 from serving.prediction_log import PredictionLog
 from streaming.events import dataset_spec
@@ -78,6 +78,9 @@ class RankRequest:
     top_k: int | None = None
     sources: Sequence[Sequence[str]] | None = None
     scenario: str = ""  # a declared scenario's ranker scores it; "": the platform's
+    # The request's declared context fields' values (`DatasetSpec.context_of`: the defaults applied), an input of
+    # every row it scores; logged with the prediction.
+    context: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -196,7 +199,7 @@ class Inference:
         scored = req.candidates[: allocation.max_candidates]
         reading = asyncio.get_running_loop().run_in_executor(
             self._fetchers, self.features.fetch, req.user_id, scored, int(time.time() * 1000), sequence_length,
-            allocation.sequence_length)
+            allocation.sequence_length, req.context)
         try:  # a stalled online store must not hold the request past its deadline
             fetched = await asyncio.wait_for(reading, max(0.0, deadline - time.monotonic()))
         except (TimeoutError, redis.RedisError) as exc:
@@ -264,7 +267,7 @@ class Inference:
         extra = {}
         if only is not None:
             candidates, scores = [candidates[i] for i in only], scores[only]
-            snapshot = {name: (values if name == "sequence" else [values[i] for i in only])
+            snapshot = {name: (values if name in PER_REQUEST else [values[i] for i in only])
                         for name, values in snapshot.items()}
             extra = {"sources": [list(req.sources[i]) for i in only]} if req.sources is not None else {}
         self.predictions.write(req.user_id, {

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -110,9 +111,11 @@ class Recommender:
                          current)
 
     async def recommend(self, user_id: str, k: int, exclude_seen: bool, tier: str, deadline_ms: float | None,
-                        request_id: str | None, scenario: str = "") -> Recommended:
-        """The best `k` of the merged candidates, ranked by `scenario`'s ranker ("": the platform's). Raises what
-        `Inference.rank` raises (NotReady, Shed, UnknownScenario); Shed("features") when Redis does not answer."""
+                        request_id: str | None, scenario: str = "", context: Mapping[str, str] | None = None
+                        ) -> Recommended:
+        """The best `k` of the merged candidates, ranked by `scenario`'s ranker ("": the platform's) in the request's
+        `context`. Raises what `Inference.rank` raises (NotReady, Shed, UnknownScenario); Shed("features") when
+        Redis does not answer."""
         try:
             retrieved = await asyncio.get_running_loop().run_in_executor(self._readers, self.retrieve, user_id,
                                                                          exclude_seen)
@@ -122,7 +125,7 @@ class Recommender:
         if not retrieved.items:  # nothing is known yet (an empty stack): an empty list, not an error
             return Recommended(request_id or new_request_id(), [], versions)
         req = RankRequest(user_id, retrieved.items, tier, deadline_ms, top_k=k, sources=retrieved.sources,
-                          scenario=scenario)
+                          scenario=scenario, context=context or {})
         if request_id:
             req.request_id = request_id
         result = await self.inference.rank(req)

@@ -127,3 +127,31 @@ def test_the_trees_baseline_learns_from_the_rankers_columns_and_scores_unseen_id
                      categories=np.full(len(test), "new", object))
     scores = gbdt_scores(*parts(long_history=True)[:2], unseen)
     assert scores.shape == (len(test),) and np.isfinite(scores).all()
+
+
+def test_the_ranker_reads_the_requests_declared_context(tmp_path: Path) -> None:
+    """The page a list is shown on decides which categories are clicked (a sale page: the even ones, home: the odd
+    ones): the ranker reading the request's context learns it, the same ranker without it cannot; a candidate's
+    score moves with the page, and its export scores it alike."""
+    data = synthetic(12_000, seed=4)
+    rng = np.random.default_rng(4)
+    page = rng.choice(["home", "sale"], len(data))
+    favoured = (page == "sale") == np.array([int(c[1:]) % 2 == 0 for c in data.categories])
+    data = replace(data, labels=(rng.random(len(data)) < np.where(favoured, 0.5, 0.05)).astype(np.float32),
+                   context_tokens=np.array([[f"page:{p}"] for p in page], object))
+    train, test = data.take(slice(0, 9_000)), data.take(slice(9_000, None))
+    scores, models = {}, {}
+    for fields in (("page",), ()):
+        models[fields] = CtrModel(replace(SPEC, tokens=tuple(f"context_tokens:{f}" for f in fields)))
+        models[fields].fit(train, epochs=2, progress=False)
+        scores[fields] = auc(test.labels, models[fields].predict(test))
+    print(f"test AUC: with the page {scores[('page',)]:.3f}, without {scores[()]:.3f}")
+    assert scores[("page",)] > scores[()] + 0.1, scores
+    model = models[("page",)]
+    one = test.take(slice(0, 1))
+    on = {p: float(model.predict(replace(one, context_tokens=np.array([[f"page:{p}"]], object)))[0])
+          for p in ("home", "sale")}
+    assert abs(on["sale"] - on["home"]) > 0.1, on
+    model.save(tmp_path / "v1")
+    loaded = CtrModel.load(tmp_path / "v1")
+    assert loaded.spec.context == ("page",) and np.allclose(loaded.predict(test), model.predict(test), atol=1e-6)

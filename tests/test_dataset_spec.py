@@ -7,10 +7,11 @@ from datetime import UTC, date, datetime
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from infra.dataset import SpecError, parse_spec
-from infra.settings import SettingsError, load_settings
+from infra.settings import Settings, SettingsError, load_settings
 from streaming.events import InvalidEvent, decode
 
 SHOP = """
@@ -230,6 +231,19 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
     (("[tables.item]", '[features]\nwindow = ["1h"]\n\n[tables.item]'), "[features]: unknown key 'window'"),
     (("[tables.item]", '[demo]\nsplit = "soon"\n\n[tables.item]'), "[demo].split: expected a date such as"),
     (("[tables.item]", '[demo]\ntrain_days = 0\n\n[tables.item]'), "[demo].train_days: expected an integer >= 1"),
+    (("[tables.item]", '[events.context.page]\nkind = "number"\n\n[tables.item]'),
+     "[events.context].page.kind: expected categorical, got 'number'"),
+    (("[tables.item]", '[events.context.page]\nkind = "categorical"\ndefault = 3\n\n[tables.item]'),
+     "[events.context].page.default: expected str, got int 3"),
+    (("[tables.item]", '[events.context.Page]\nkind = "categorical"\n\n[tables.item]'),
+     "[events.context]: expected a field name of lowercase letters"),
+    (("[tables.item]", '[events.context.position]\nkind = "categorical"\n\n[tables.item]'),
+     "[events.context].position: 'position' is a context field the platform reads or writes itself"),
+    (("[tables.item]", '[events]\nkey = ["brand", "tags"]\n[events.context.tags]\nkind = "categorical"\n\n'
+                       '[tables.item]'),
+     "[events.context].tags: 'tags' is a grouping key"),
+    (("[tables.item]", '[events.context.region]\nkind = "categorical"\n\n[tables.item]'),
+     "[events.context].region: 'region' is also an attribute's token prefix"),
 ])
 def test_a_wrong_spec_is_refused_with_the_file_the_key_and_what_was_expected(
         tmp_path: Path, change: tuple[str, str], message: str) -> None:
@@ -461,16 +475,26 @@ def test_a_history_without_the_key_takes_each_items_from_the_catalog(tmp_path: P
     assert "2 items the catalog does not know keep no brand (e.g. C3, Z9)" in caplog.text
 
 
-def test_live_events_without_the_key_take_the_catalogs_in_the_stream_jobs_file_and_the_training_labels(
-        tmp_path: Path) -> None:
-    """What the replay does for a history, the stream job (from write_item_keys' file: streaming/java ItemKeys)
-    and the training labels do for live events: the item's key from the catalog, a carried one kept."""
-    from datetime import UTC, datetime
-
+def labelled(s: Settings, shown: list[tuple[str, dict]]) -> pd.DataFrame:
+    """The training labels of a view and an order of each (item, context) shown to one user, each its own request."""
     from feature_repo.event_log import write_batch
     from models.dataset import Window, labelled_impressions
     from streaming.consumer import Consumed
     from streaming.events import Event
+
+    t = 1_700_000_000_000
+    events = [Event(event_id=f"{kind}-{n}", user_id="u", item_id=item, event_type=kind, request_id=f"r{n}",
+                    event_time=t + 10 * n + (kind == "order"), context=context)
+              for n, (item, context) in enumerate(shown) for kind in ("view", "order")]
+    write_batch(s, [Consumed(e, partition=0, offset=n) for n, e in enumerate(events)])
+    return labelled_impressions(s, Window(datetime.fromtimestamp(t / 1000, UTC),
+                                          datetime.fromtimestamp(t / 1000 + 1, UTC)))
+
+
+def test_live_events_without_the_key_take_the_catalogs_in_the_stream_jobs_file_and_the_training_labels(
+        tmp_path: Path) -> None:
+    """What the replay does for a history, the stream job (from write_item_keys' file: streaming/java ItemKeys)
+    and the training labels do for live events: the item's key from the catalog, a carried one kept."""
     from streaming.history import ItemKeyFile, item_keys_path, write_item_keys
 
     (tmp_path / "products.csv").write_text("sku,brand,price,tags\nA1,acme,1999,new\nB2,zeta,250,\nC3,,1,\n")
@@ -488,17 +512,31 @@ def test_live_events_without_the_key_take_the_catalogs_in_the_stream_jobs_file_a
     assert (reader.get("A1"), reader.get("B2"), reader.get("C3")) == ("acme", "", "cirrus")
     (tmp_path / "products.csv").write_text("sku,brand,price,tags\nA1,acme,1999,new\nB2,zeta,250,\n")
     write_item_keys(s)
-    t = 1_700_000_000_000
     shown = [("A1", {}), ("B2", {"brand": "own"}), ("Z9", {}), ("B2", {"tags": "sale"})]  # Z9: not in the catalog
-    events = [Event(event_id=f"{kind}-{n}", user_id="u", item_id=item, event_type=kind, request_id=f"r{n}",
-                    event_time=t + 10 * n + (kind == "order"), context=context)
-              for n, (item, context) in enumerate(shown) for kind in ("view", "order")]
-    write_batch(s, [Consumed(e, partition=0, offset=n) for n, e in enumerate(events)])
-    window = Window(datetime.fromtimestamp(t / 1000, UTC), datetime.fromtimestamp(t / 1000 + 1, UTC))
-    rows = labelled_impressions(s, window)
+    rows = labelled(s, shown)
     assert list(rows["category"]) == ["acme", "own", "", "zeta"] and list(rows["label"]) == [1.0] * 4
     assert list(rows["tags"]) == ["new", "", "", "sale"]
     assert reader.values("A1") == ["acme", "new"] and reader.values("Z9") == [None]
+
+
+PAGE = '[events.context.page]\nkind = "categorical"\ndefault = "home"\n[events.context.device]\nkind = "categorical"\n'
+
+
+def test_a_declared_request_context_reaches_the_training_labels_with_its_defaults(tmp_path: Path) -> None:
+    """The page a list was shown on, as each exposure carries it: a label row's input, the declared default where
+    an event lacks it, values as a client may send them (a number, a boolean) read as one string each."""
+    text = SHOP.replace("[tables.item]", PAGE + "\n[tables.item]", 1)
+    spec = parse_spec(text, shop(tmp_path, text))
+    assert [(c.name, c.kind, c.default) for c in spec.context] == [("page", "categorical", "home"),
+                                                                  ("device", "categorical", "")]
+    assert spec.digest != parse_spec(SHOP, shop(tmp_path)).digest
+    assert spec.context_of({"page": 2.0, "device": True, "position": 3}) == {"page": "2", "device": "true"}
+    assert spec.context_of(None) == {"page": "home", "device": ""}
+    assert spec.undeclared_context({"page": "sale", "pgae": "x"}) == ["pgae"]
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(shop(tmp_path, text)),
+                       "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path / "data")})
+    rows = labelled(s, [("A1", {"page": "search", "device": "ios"}), ("B2", {"position": 1}), ("C3", {"page": 7})])
+    assert list(rows["page"]) == ["search", "home", "7"] and list(rows["device"]) == ["ios", "", ""]
 
 
 def test_whether_items_repeat_is_declared_by_the_data(tmp_path: Path) -> None:
