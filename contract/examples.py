@@ -11,7 +11,7 @@ PAD = ""  # a padding slot of a behavior sequence
 
 
 ARRAYS = ("user_ids", "item_ids", "categories", "sequences", "numeric", "labels", "sequence_types",
-          "long_sequences", "long_types", "item_tokens", "user_tokens", "context_tokens")
+          "long_sequences", "long_types", "item_tokens", "user_tokens", "context_tokens", "positions")
 
 
 @dataclass
@@ -34,6 +34,8 @@ class Examples:
     user_tokens: np.ndarray | None = None  # [N, T] str: the user's ("gender:F", ...)
     # [N, C] str: the request's declared context, one column per field in the spec's order ("page:search", ...)
     context_tokens: np.ndarray | None = None
+    # [N] int32: the exposure's rank in the list that showed it (0: the top, or unknown), a training input only
+    positions: np.ndarray | None = None
     numeric_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -43,6 +45,8 @@ class Examples:
                 width = (self.sequences.shape[1] if name == "sequence_types" else
                          self.long_sequences.shape[1] if name == "long_types" else 1)
                 setattr(self, name, np.full((n, width), PAD, dtype=object))
+        if self.positions is None:
+            self.positions = np.zeros(n, np.int32)
         for name in ARRAYS:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"examples: {name} has {len(getattr(self, name))} rows, labels {n}")

@@ -15,7 +15,7 @@ import pandas as pd
 
 from contract.examples import PAD, Examples
 from contract.inputs import ATTRIBUTES, CONTEXT, COUNTS, DECADES, GROUP_SHARES, NUMERIC_FEATURES, TOKENS
-from infra.dataset import DAY_MS, AttributeSpec
+from infra.dataset import DAY_MS, POSITION_FIELD, AttributeSpec
 from streaming.features import interest_columns, key_count_columns
 
 Columns = pd.DataFrame | Mapping[str, Sequence]
@@ -246,7 +246,8 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
     """Model inputs from feature rows (a frame as `get_historical_features` returns it, or columns of
     values as the online store holds them) for requests at `times_ms`, with every numeric feature of
     NUMERIC_FEATURES (each model takes its own) and, from a column per declared context field (CONTEXT), the
-    request's context tokens. Serving uses the same function."""
+    request's context tokens; from a `position` column (the training join's), each exposure's rank. Serving uses the
+    same function (no rank: scored as at the top)."""
     n = len(labels)
     categories = _strings(features["category"])
     numeric = np.zeros((n, len(NUMERIC_FEATURES)), np.float32)
@@ -274,4 +275,6 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
                     labels=np.asarray(labels, np.float32), sequence_types=types,
                     long_sequences=long, long_types=long_types,
                     item_tokens=_tokens("item_tokens", features), user_tokens=_tokens("user_tokens", features),
-                    context_tokens=_context_tokens(features, n), numeric_names=NUMERIC_FEATURES)
+                    context_tokens=_context_tokens(features, n),
+                    positions=np.asarray(features[POSITION_FIELD], np.int32) if POSITION_FIELD in features else None,
+                    numeric_names=NUMERIC_FEATURES)

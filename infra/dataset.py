@@ -45,7 +45,10 @@ CONTEXT_KINDS = ("categorical",)
 MAX_CONTEXT = 8  # declared context fields: each is a slot of every scored row
 # Context fields the platform itself reads or writes on events: not a declared field's name. The position a list
 # showed an item at is a bias of the list that served it, not the request's context (unknown when /rank scores).
-PLATFORM_CONTEXT = frozenset((SCENARIO_FIELD, "test_traffic", "position", "served_by", "source"))
+POSITION_FIELD = "position"  # an exposure's 0-based rank in the list that showed it (the platform's traffic writes it)
+PLATFORM_CONTEXT = frozenset((SCENARIO_FIELD, "test_traffic", POSITION_FIELD, "served_by", "source"))
+# `[events.position] slots`: the ranks with a bias of their own (later ones share the last); at most MAX_SLOTS.
+DEFAULT_SLOTS, MAX_SLOTS = 10, 100
 # A sliding window of the stream's counts: minutes, hours or days ("5m", "1h", "7d").
 WINDOW = re.compile(r"([1-9][0-9]{0,3})([mhd])")
 WINDOW_MINUTES = {"m": 1, "h": 60, "d": 1440}
@@ -205,6 +208,17 @@ class DatasetSpec:
     scenarios: tuple[ScenarioSpec, ...] = ()
     # The request context fields the ranker reads (`[events.context]`), in the spec's order.
     context: tuple[ContextSpec, ...] = ()
+    # `[events.position]`: the exposures' rank is a bias the ranker learns apart and leaves out when it scores
+    # (slots: ranks with a bias of their own); 0: not declared, the rank is not read.
+    position_slots: int = 0
+
+    def position_of(self, given: Mapping[str, object] | None) -> int:
+        """An event's rank in the list that showed it (`position`, 0-based), 0 (the top, no bias) where missing or
+        no whole number >= 0."""
+        value = (given or {}).get(POSITION_FIELD)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
+            return 0
+        return int(value) if float(value).is_integer() else 0
 
     @functools.cached_property
     def window_buckets(self) -> tuple[tuple[str, int, int], ...]:
@@ -258,7 +272,8 @@ class DatasetSpec:
                     + ((self.group_by,) if self.group_by else ())
                     + ((self.windows,) if self.windows != DEFAULT_WINDOWS else ())  # MovieLens' as before
                     + (("repeats",) if self.repeats else ())
-                    + ((self.context,) if self.context else ()))
+                    + ((self.context,) if self.context else ())
+                    + ((("position", self.position_slots),) if self.position_slots else ()))
         return hashlib.sha256(repr(declared).encode()).hexdigest()[:16]
 
     def source_path(self, source: str) -> Path:
@@ -384,6 +399,14 @@ def _context(where: str, raw: dict[str, Any], keys: tuple[str, ...]) -> tuple[Co
     return tuple(out)
 
 
+def _position(where: str, raw: dict[str, Any]) -> int:
+    """The ranks with a position bias of their own: 2 to MAX_SLOTS."""
+    slots = _check(where, raw, {}, {"slots": int}).get("slots", DEFAULT_SLOTS)
+    if not 2 <= slots <= MAX_SLOTS:
+        raise SpecError(f"{where}.slots: expected an integer from 2 to {MAX_SLOTS}, got {slots}")
+    return slots
+
+
 def _history(where: str, raw: Any) -> HistorySpec:
     h = _check(where, raw, {"source": str}, {"user": str, "item": str, "type": str, "time": str, "time_unit": str,
                                              "request": str, "context": list, "negatives": int})
@@ -464,7 +487,8 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
             raise SpecError(f"{path} [settings].{section}: expected a table of settings, got {type(values).__name__}")
     dataset = _check(f"{path} [dataset]", top["dataset"], {"name": str}, {"adapter": str})
     events = _check(f"{path} [events]", top["events"], {"types": list},
-                    {"history": dict, "key": (str, list), "repeats": bool, "context": dict})
+                    {"history": dict, "key": (str, list), "repeats": bool, "context": dict,
+                     "position": dict})
     keys = events.get("key", "category")
     key, *group_by = [keys] if isinstance(keys, str) else keys or [""]  # several: the category's first
     if not isinstance(key, str) or not NAME.fullmatch(key):
@@ -493,6 +517,8 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
         if clash := sorted(tokens & {c.name for c in spec.context}):
             raise SpecError(f"{path} [events.context].{clash[0]}: {clash[0]!r} is also an attribute's token prefix "
                             "([tables]): the two would share embeddings")
+    if "position" in events:
+        spec = replace(spec, position_slots=_position(f"{path} [events.position]", events["position"]))
     if not spec.exposures:
         raise SpecError(f"{path} [[events.types]]: expected at least one type with role = \"exposure\" "
                         "(the ranker's examples are exposures)")

@@ -39,7 +39,11 @@ class Architecture:
     numeric_bins: bool = False  # takes `models.numeric_bins` piecewise-linear bins per numeric feature
 
     def build(self, spec: ModelSpec) -> keras.Model:
-        return _attribute(self.network)(spec)
+        """The network, inside a position bias where the version learns one (`spec.position_slots`)."""
+        from models.networks import PositionBias  # keras: only where a network is built
+
+        network = _attribute(self.network)(spec)
+        return PositionBias(network, spec.position_slots) if spec.position_slots else network
 
     def without_long_history(self) -> Architecture:
         """The same network with none of the long history's inputs (the ablation)."""

@@ -63,6 +63,9 @@ class ModelSpec:
     # The rest of its terms (contract/terms.py): empty in versions that predate them (not checked).
     dataset: str = field(default_factory=lambda: dataset_spec().name)
     tokens: tuple[str, ...] = field(default_factory=token_prefixes)
+    # The exposures' ranks with a bias of their own, learnt apart and left out of every score (`[events.position]`
+    # when trained; 0: none).
+    position_slots: int = 0
 
     @property
     def context(self) -> tuple[str, ...]:
@@ -277,7 +280,10 @@ class CtrModel:
 
     def train_batch(self, ex: Examples) -> float:
         rows = self._lookup(ex, train=True)
-        loss, grads = self._step(self._dense_inputs(rows, ex), tf.constant(ex.labels, tf.float32))
+        inputs = self._dense_inputs(rows, ex)
+        if self.spec.position_slots:  # a training input only: scores are the item's, at the top
+            inputs["position"] = tf.constant(ex.positions, tf.int32)
+        loss, grads = self._step(inputs, tf.constant(ex.labels, tf.float32))
         # The rows get the gradient of the summed loss, not the mean: a row's update then does not
         # shrink with the batch size (each row is touched by a few examples of a batch).
         grad = dict(zip(EMBEDDED, (g.numpy() * len(ex) for g in grads)))

@@ -32,7 +32,7 @@ from contract.transform import to_examples
 from feature_repo.event_log import read_event_log
 from feature_repo.files import pinned, view_dir
 from feature_repo.predictions import logged_features, read_predictions
-from infra.dataset import SCENARIO_FIELD
+from infra.dataset import POSITION_FIELD, SCENARIO_FIELD
 from infra.settings import Settings
 from streaming.events import TEST_TRAFFIC
 from streaming.features import LONG_HISTORY_VIEW
@@ -60,9 +60,10 @@ class Window:
 def labelled_impressions(s: Settings, window: Window, scenario: str | None = None) -> pd.DataFrame:
     """One row per impression in `window` (event log, deduplicated by event id, test traffic left out):
     request_id, user_id, item_id, category (then each further key of the spec, then each declared context field's
-    value), event_time (ms), request_time (ms: its
-    request's first exposure, looked for up to a day before the window), label (1.0 if a click with its request id and item exists). `scenario`: only the
-    impressions whose context names it (a declared scenario's ranker learns from its own surface)."""
+    value, then, where the spec declares a position bias, the rank it was shown at), event_time (ms), request_time
+    (ms: its request's first exposure, looked for up to a day before the window), label (1.0 if a click with its
+    request id and item exists). `scenario`: only the impressions whose context names it (a declared scenario's
+    ranker learns from its own surface)."""
     start, end = (int(t.timestamp() * 1000) for t in (window.start, window.end))
     # A click comes after its impression: read a day past the window for the clicks of its last ones.
     log = read_event_log(s, start - DAY_MS, end + DAY_MS)
@@ -88,11 +89,13 @@ def labelled_impressions(s: Settings, window: Window, scenario: str | None = Non
             for c, of in zip(contexts, of_items)]
     for field in s.spec.context:  # the request's declared context, as the exposure carries it (its default if not)
         out[field.name] = [field.value(c.get(field.name)) for c in contexts]
+    if s.spec.position_slots:  # the rank the exposure was shown at: the position bias' input
+        out[POSITION_FIELD] = np.array([s.spec.position_of(c) for c in contexts], np.int32)
     kept = [c.get(TEST_TRAFFIC) is not True and (scenario is None or c.get(SCENARIO_FIELD) == scenario)
             for c in contexts]
     out = out.loc[np.array(kept, bool)]  # load tests teach nothing
     columns = ["request_id", "user_id", "item_id", "category", *s.spec.group_by, *(c.name for c in s.spec.context),
-               "event_time", "request_time", "label"]
+               *((POSITION_FIELD,) if s.spec.position_slots else ()), "event_time", "request_time", "label"]
     return out[columns].sort_values("event_time", kind="stable").reset_index(drop=True)
 
 
@@ -111,8 +114,8 @@ def training_frame(s: Settings, window: Window, scenario: str | None = None) -> 
     missing = [c for c in RAW_FEATURES if c not in joined.columns]
     if missing:
         raise ValueError(f"feature service ranking_training lacks {missing}")
-    for field in s.spec.context:  # the request's, not a stored feature
-        joined[field.name] = imps[field.name].to_numpy()
+    for name in (*(c.name for c in s.spec.context), *((POSITION_FIELD,) if s.spec.position_slots else ())):
+        joined[name] = imps[name].to_numpy()  # the request's or the list's, not a stored feature
     served = served_values(s, imps)
     if len(served):
         found = imps[["request_id", "item_id"]].merge(served.assign(logged=True), on=["request_id", "item_id"],

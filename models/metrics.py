@@ -77,3 +77,13 @@ def evaluate(labels: np.ndarray, probabilities: np.ndarray) -> dict[str, float]:
     return {"auc": auc(labels, probabilities), "logloss": logloss(labels, probabilities),
             "calibration": calibration(labels, probabilities), "examples": float(len(labels)),
             "ctr": float(np.mean(labels))}
+
+
+def graded_ndcg(relevance: np.ndarray, scores: np.ndarray, k: int) -> float:
+    """NDCG@k of the lists ordered by `scores` against graded `relevance` (both [lists, candidates]; a gain of
+    relevance / log2(rank + 1)), averaged over the lists: 1.0 orders each list's top k as its relevance does."""
+    relevance, scores = np.asarray(relevance, np.float64), np.asarray(scores, np.float64)
+    discount = 1.0 / np.log2(np.arange(2, min(k, relevance.shape[1]) + 2))
+    ranked = np.take_along_axis(relevance, np.argsort(-scores, axis=1, kind="stable"), axis=1)[:, : len(discount)]
+    ideal = -np.sort(-relevance, axis=1)[:, : len(discount)]
+    return float(np.mean((ranked @ discount) / np.maximum(ideal @ discount, 1e-12)))

@@ -28,6 +28,7 @@ import numpy as np
 from contract.examples import Examples
 from contract.inputs import CONTEXT
 from contract.terms import CONTEXT_TOKENS, token_prefixes
+from infra.dataset import POSITION_FIELD
 from infra.settings import RegisteredModel, Settings
 from models import plots
 from models.architectures import architecture
@@ -63,19 +64,20 @@ def model_spec(s: Settings, kind: str | None = None, long_history: bool = True, 
                ) -> ModelSpec:
     """The spec of a new model of architecture `kind` (models/architectures.py; None: `models.architecture`)
     with the inputs it declares; without `long_history`, none of the long history's (the ablation); `without`:
-    none of the numeric inputs or request context fields these names or patterns ("dept_*", "page") match
-    (ValueError where one matches none)."""
+    none of the numeric inputs, request context fields or position bias these names or patterns ("dept_*", "page",
+    "position") match (ValueError where one matches none)."""
     m, st = s.models, s.streaming
     arch = architecture(kind or m.architecture)
     if not long_history:
         arch = arch.without_long_history()
     numeric, context = arch.numeric_features, CONTEXT
+    position = (POSITION_FIELD,) if s.spec.position_slots else ()
     for pattern in without:
-        if not fnmatch.filter((*numeric, *context), pattern):
-            raise ValueError(f"--without {pattern}: no numeric input or context field of {arch.name} matches it "
-                             f"(its inputs: {', '.join((*numeric, *context))})")
-        numeric = tuple(n for n in numeric if not fnmatch.fnmatchcase(n, pattern))
-        context = tuple(n for n in context if not fnmatch.fnmatchcase(n, pattern))
+        if not fnmatch.filter((*numeric, *context, *position), pattern):
+            raise ValueError(f"--without {pattern}: no numeric input, context field or position bias of {arch.name} "
+                             f"matches it (its inputs: {', '.join((*numeric, *context, *position))})")
+        numeric, context, position = (tuple(n for n in names if not fnmatch.fnmatchcase(n, pattern))
+                                      for names in (numeric, context, position))
     dropped = {f"{CONTEXT_TOKENS}:{name}" for name in CONTEXT if name not in context}
     return ModelSpec(kind=arch.name, numeric_features=numeric, sequence_length=st.sequence_length,
                      tokens=tuple(t for t in token_prefixes() if t not in dropped),
@@ -83,7 +85,8 @@ def model_spec(s: Settings, kind: str | None = None, long_history: bool = True, 
                      sparse=SparseConfig(dim=arch.embedding_dim or m.embedding_dim, admit_after=m.admit_after,
                                          evict_after_steps=m.evict_after_steps, learning_rate=m.sparse_learning_rate),
                      learning_rate=m.dense_learning_rate, batch_size=m.batch_size,
-                     numeric_bins=m.numeric_bins if arch.numeric_bins else 0)
+                     numeric_bins=m.numeric_bins if arch.numeric_bins else 0,
+                     position_slots=s.spec.position_slots if position else 0)
 
 
 def check_labels(ex: Examples, what: str) -> None:

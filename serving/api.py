@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import tensorflow as tf
 from fastapi import FastAPI, Request
@@ -53,6 +53,9 @@ from streaming.history import ItemKeyFile, item_keys_path
 
 log = logging.getLogger(__name__)
 
+
+# A request context field's value: its token is logged with every prediction, so a string is bounded.
+ContextValue = Annotated[str, Field(max_length=128)] | int | float | bool
 
 class CandidateIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -73,7 +76,7 @@ class RankIn(BaseModel):
     scenario: str | None = Field(None, min_length=1, max_length=64,
                                  description="A scenario the dataset spec declares ([scenarios.<name>]): its ranker "
                                              "scores the request. Default: the platform's ranker.")
-    context: dict[str, str | int | float | bool] | None = Field(
+    context: dict[str, ContextValue] | None = Field(
         None, max_length=8, description="The request's context (the page, the device): the fields the dataset spec "
                                         "declares ([events.context]), each an input of the ranker; a field it lacks: "
                                         "its declared default. An undeclared field: 422.")
@@ -105,7 +108,7 @@ class RecommendIn(BaseModel):
     scenario: str | None = Field(None, min_length=1, max_length=64,
                                  description="A scenario the dataset spec declares ([scenarios.<name>]): its ranker "
                                              "scores the request. Default: the platform's ranker.")
-    context: dict[str, str | int | float | bool] | None = Field(
+    context: dict[str, ContextValue] | None = Field(
         None, max_length=8, description="The request's context (the page, the device): the fields the dataset spec "
                                         "declares ([events.context]), each an input of the ranker; a field it lacks: "
                                         "its declared default. An undeclared field: 422.")

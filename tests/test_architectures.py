@@ -41,7 +41,8 @@ def test_each_registered_architecture_declares_its_inputs(tmp_path: Path) -> Non
     without = model_spec(s, "ranker", without=("category_*", "user_ctr_total"))
     assert without.numeric_features == tuple(n for n in NUMERIC_FEATURES if not n.startswith("category_")
                                              and n != "user_ctr_total")
-    with pytest.raises(ValueError, match="--without brand_ctr: no numeric input or context field of ranker matches it"):
+    with pytest.raises(ValueError, match="--without brand_ctr: no numeric input, context field or position bias of "
+                                         "ranker matches it"):
         model_spec(s, "ranker", without=("brand_ctr",))
     with pytest.raises(ValueError, match="dimension 1"):
         CtrModel(replace(logreg, sparse=ranker.sparse))

@@ -244,6 +244,12 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
      "[events.context].tags: 'tags' is a grouping key"),
     (("[tables.item]", '[events.context.region]\nkind = "categorical"\n\n[tables.item]'),
      "[events.context].region: 'region' is also an attribute's token prefix"),
+    (("[tables.item]", '[events.position]\nslots = 1\n\n[tables.item]'),
+     "[events.position].slots: expected an integer from 2 to 100, got 1"),
+    (("[tables.item]", '[events.position]\nslots = "10"\n\n[tables.item]'),
+     "[events.position].slots: expected int, got str '10'"),
+    (("[tables.item]", '[events.position]\nfield = "rank"\n\n[tables.item]'),
+     "[events.position]: unknown key 'field' (expected: slots)"),
 ])
 def test_a_wrong_spec_is_refused_with_the_file_the_key_and_what_was_expected(
         tmp_path: Path, change: tuple[str, str], message: str) -> None:
@@ -537,6 +543,31 @@ def test_a_declared_request_context_reaches_the_training_labels_with_its_default
                        "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path / "data")})
     rows = labelled(s, [("A1", {"page": "search", "device": "ios"}), ("B2", {"position": 1}), ("C3", {"page": 7})])
     assert list(rows["page"]) == ["search", "home", "7"] and list(rows["device"]) == ["ios", "", ""]
+
+
+def test_a_declared_position_reaches_the_training_labels_as_the_rank_shown_at(tmp_path: Path) -> None:
+    """`[events.position]`: each exposure's rank in its list (the `position` the platform's traffic logs) is a label
+    row's input; an event without one, or with no whole number >= 0, is at the top (no bias). Undeclared: not
+    read. A new version learns its bias unless trained `--without position`."""
+    text = SHOP.replace("[tables.item]", "[events.position]\n\n[tables.item]", 1)
+    spec = parse_spec(text, shop(tmp_path, text))
+    assert spec.position_slots == 10 and spec.digest != parse_spec(SHOP, shop(tmp_path)).digest
+    four = text.replace("[events.position]", "[events.position]\nslots = 4")
+    assert parse_spec(four, shop(tmp_path)).position_slots == 4
+    shown = [("A1", {"position": 3}), ("B2", {}), ("C3", {"position": 2.0}), ("A1", {"position": "1"}),
+             ("B2", {"position": -1}), ("C3", {"position": True})]
+    for spec_text, wanted in ((text, [3, 0, 2, 0, 0, 0]), (SHOP, None)):
+        data = tmp_path / ("with" if wanted else "without")  # a spec is read once per path
+        data.mkdir()
+        s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(shop(data, spec_text)),
+                           "FLYWHEEL_PATHS_DATA_DIR": str(data)})
+        rows = labelled(s, shown)
+        assert (list(rows["position"]) if "position" in rows else None) == wanted
+    from models.train import model_spec
+
+    assert model_spec(s).position_slots == 0  # undeclared
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(tmp_path / "with" / "shop.toml")})
+    assert (model_spec(s).position_slots, model_spec(s, without=("position",)).position_slots) == (10, 0)
 
 
 def test_whether_items_repeat_is_declared_by_the_data(tmp_path: Path) -> None:

@@ -130,3 +130,15 @@ def test_user_attributes_and_long_history_lists_pass_once_and_score_like_the_mod
     np.testing.assert_allclose(scores, model.predict(batch), rtol=1e-5, atol=1e-6)
     assert not np.allclose(scores[:30], scores[30:])  # the same candidates, told apart by the user's attributes
     assert runner.stats.uncompiled_runs == 0
+
+
+def test_a_version_with_a_position_bias_serves_the_items_score_without_its_rank() -> None:
+    """The position bias is a training input only: the server passes no rank, and scores as the model does."""
+    model = CtrModel(replace(SPEC, position_slots=5))
+    data = synthetic(2000, seed=1)
+    model.fit(replace(data, positions=np.arange(len(data), dtype=np.int32) % 8), progress=False)
+    assert model.network.bias.numpy()[1:].any()  # trained
+    runner = DenseRunner(model, row_buckets=(16, 64), sequence_buckets=(4, 10))
+    part = synthetic(40, seed=2)
+    np.testing.assert_allclose(runner.run(_weights(model), model.scoring_inputs(part)), model.predict(part),
+                               rtol=1e-5, atol=1e-6)

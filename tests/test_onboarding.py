@@ -335,15 +335,15 @@ def test_the_second_keys_inputs_raise_the_rankers_auc_on_the_same_split(onboarde
           f"without {aucs['without']:.4f}")
     assert aucs["with"] >= aucs["without"], aucs
     refused = run_cli(environ, "train", *window, "--no-promote", "--without", "brand_*")
-    assert refused.returncode != 0 and "--without brand_*: no numeric input or context field of ranker matches it" \
-        in refused.stderr
+    assert refused.returncode != 0 and ("--without brand_*: no numeric input, context field or position bias of ranker "
+                                        "matches it") in refused.stderr
 
 
 def test_the_page_a_list_is_shown_on_is_the_rankers_input_and_a_rank_requests(onboarded) -> None:
     """The declared context field `page`: the ranker reading it beats the same ranker without it on the shop's
     split (orders are 6 to 12 times as frequent on the sale page), and a /rank request's page moves its scores:
-    higher on the sale page, the home page's where it names none. An undeclared field or a value that is no
-    scalar: a 422."""
+    higher on the sale page, the home page's where it names none. An undeclared field, a value that is no scalar or
+    a string past 128 characters: a 422."""
     s, environ, shop, _ = onboarded
     window = ["--start", START.strftime("%Y-%m-%d"), "--end", (START + timedelta(days=DAYS + 1)).strftime("%Y-%m-%d")]
     client, aucs = connect(s), {}
@@ -365,7 +365,8 @@ def test_the_page_a_list_is_shown_on_is_the_rankers_input_and_a_rank_requests(on
     assert on_sale.mean() > on_home.mean(), (on_sale, on_home)
     assert scores({}) == pytest.approx(on_home, abs=1e-6)  # the declared default: the home page
     for context, message in (({"pgae": "sale"}, "'pgae' is not a context field of dataset corner-shop (declared: "
-                                                "page)"), ({"page": ["sale"]}, "")):
+                                                "page)"), ({"page": ["sale"]}, ""),
+                             ({"page": "s" * 129}, "at most 128 characters")):
         r = httpx.post(api, json={"user_id": "c000", "candidates": candidates[:2], "context": context}, timeout=10)
         assert r.status_code == 422 and message in r.text, r.text
 
