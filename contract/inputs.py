@@ -34,7 +34,10 @@ DERIVED = (*CATEGORY_SHARES, *(n for shares in GROUP_SHARES.values() for n in sh
 # computed when its inputs are built, never stored
 # The catalog's integer and number attributes, users' first: max(x - origin, 0) * scale.
 CATALOG_NUMERIC = tuple(name for name, a in ATTRIBUTES.items() if a.numeric)
-NUMERIC_FEATURES: tuple[str, ...] = (*COUNTS, *RATES, *CATALOG_NUMERIC, *DERIVED)
+# The request's declared number context fields ("hour"): each the numeric input `context_<name>`, taken from the
+# request at serving and from the exposure's event at training, never stored (feature -> field).
+CONTEXT_NUMBERS = {c.feature: c.name for c in dataset_spec().context if not c.tokens}
+NUMERIC_FEATURES: tuple[str, ...] = (*COUNTS, *RATES, *CATALOG_NUMERIC, *DERIVED, *CONTEXT_NUMBERS)
 # What the long history adds (left out: the "long history off" ablation, and the previous architecture).
 LONG_HISTORY_FEATURES = ("history_length", "history_category_share")
 # The previous architecture's numeric inputs (ranker-v1): the stream counts and rates and the user's numbers.
@@ -52,10 +55,13 @@ TOKENS: dict[str, tuple[tuple[str, str], ...]] = {
     f"{entity}_tokens": tuple((a.token, t.feature(a)) for a in t.attributes if a.tokens != "none")
     for entity, t in (("item", _TABLES["item"]), ("user", _TABLES["user"]))}
 DECADES = tuple(name for name, a in ATTRIBUTES.items() if a.tokens == "decade")
-# The request's declared context fields ("page"): per row, the token "<name>:<value>" (`context_tokens`), taken
-# from the request at serving and from the exposure's event at training, never stored.
+# The request's declared context fields, and those read as tokens ("page", a bucketed "hour"): per row, the token
+# "<name>:<value>" (`context_tokens`), taken from the request at serving and from the exposure's event at
+# training, never stored.
 CONTEXT = tuple(c.name for c in dataset_spec().context)
+CONTEXT_TOKEN_FIELDS = tuple(c.name for c in dataset_spec().context if c.tokens)
 SIDE = tuple(dict.fromkeys(feature for pairs in TOKENS.values() for _, feature in pairs))
 # Everything a scoring row is built from, as stored online (the derived features are not stored).
 RAW_FEATURES: tuple[str, ...] = tuple(dict.fromkeys(
-    (*(n for n in NUMERIC_FEATURES if n not in DERIVED), *SEQUENCE, *LONG_HISTORY, *INTEREST, *SIDE)))
+    (*(n for n in NUMERIC_FEATURES if n not in DERIVED and n not in CONTEXT_NUMBERS), *SEQUENCE, *LONG_HISTORY,
+     *INTEREST, *SIDE)))

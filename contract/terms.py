@@ -10,7 +10,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-from contract.inputs import CONTEXT, NUMERIC_FEATURES, TOKENS
+from contract.inputs import CONTEXT_TOKEN_FIELDS, NUMERIC_FEATURES, TOKENS
 from streaming.events import dataset_spec
 
 
@@ -33,11 +33,11 @@ CONTEXT_TOKENS = "context_tokens"
 
 def token_prefixes() -> tuple[str, ...]:
     return (*(f"{column}:{prefix}" for column, pairs in TOKENS.items() for prefix, _ in pairs),
-            *(f"{CONTEXT_TOKENS}:{name}" for name in CONTEXT))
+            *(f"{CONTEXT_TOKENS}:{name}" for name in CONTEXT_TOKEN_FIELDS))
 
 
 def context_fields(tokens: tuple[str, ...]) -> tuple[str, ...]:
-    """The context fields a version reads, from its terms' tokens (`token_prefixes`)."""
+    """The context fields a version reads as tokens, from its terms' tokens (`token_prefixes`)."""
     return tuple(t.partition(":")[2] for t in tokens if t.partition(":")[0] == CONTEXT_TOKENS)
 
 

@@ -14,7 +14,8 @@ import numpy as np
 import pandas as pd
 
 from contract.examples import PAD, Examples
-from contract.inputs import ATTRIBUTES, CONTEXT, COUNTS, DECADES, GROUP_SHARES, NUMERIC_FEATURES, TOKENS
+from contract.inputs import (ATTRIBUTES, CONTEXT_NUMBERS, CONTEXT_TOKEN_FIELDS, COUNTS, DECADES, GROUP_SHARES,
+                             NUMERIC_FEATURES, TOKENS)
 from infra.dataset import DAY_MS, POSITION_FIELD, AttributeSpec
 from streaming.features import interest_columns, key_count_columns
 
@@ -167,10 +168,11 @@ def _tokens(column: str, features: Columns) -> np.ndarray:
 
 
 def _context_tokens(features: Columns, n: int) -> np.ndarray:
-    """Per row, the request's context (CONTEXT, each field's value as `ContextSpec.value` gives it, the default
-    applied): [N, C], one column per field, "<name>:<value>", PAD where a field has none."""
-    out = np.full((n, max(1, len(CONTEXT))), PAD, dtype=object)
-    for j, name in enumerate(CONTEXT):
+    """Per row, the request's context read as tokens (CONTEXT_TOKEN_FIELDS, each field's value as
+    `ContextSpec.value` gives it, the default applied): [N, C], one column per field, "<name>:<value>", PAD where a
+    field has none."""
+    out = np.full((n, max(1, len(CONTEXT_TOKEN_FIELDS))), PAD, dtype=object)
+    for j, name in enumerate(CONTEXT_TOKEN_FIELDS):
         if name in features:
             out[:, j] = [f"{name}:{v}" if v else PAD for v in _strings(features[name])]
     return out
@@ -245,9 +247,9 @@ def _group_share(features: Columns, key: str, interest: bool) -> np.ndarray:
 def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, sequence_length: int) -> Examples:
     """Model inputs from feature rows (a frame as `get_historical_features` returns it, or columns of
     values as the online store holds them) for requests at `times_ms`, with every numeric feature of
-    NUMERIC_FEATURES (each model takes its own) and, from a column per declared context field (CONTEXT), the
-    request's context tokens; from a `position` column (the training join's), each exposure's rank. Serving uses the
-    same function (no rank: scored as at the top)."""
+    NUMERIC_FEATURES (each model takes its own, a number context field's among them) and, from a column per
+    declared context field, the request's context tokens; from a `position` column (the training join's), each
+    exposure's rank. Serving uses the same function (no rank: scored as at the top)."""
     n = len(labels)
     categories = _strings(features["category"])
     numeric = np.zeros((n, len(NUMERIC_FEATURES)), np.float32)
@@ -263,6 +265,9 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
             numeric[:, j] = _category_shares(categories, features["interest_categories"], features["interest_weights"])
         elif name in OF_GROUP:
             numeric[:, j] = _group_share(features, *OF_GROUP[name])
+        elif name in CONTEXT_NUMBERS:  # the request's number, as `ContextSpec.value` gives it (none given: 0)
+            field = CONTEXT_NUMBERS[name]
+            numeric[:, j] = _numbers(features[field]) if field in features else 0.0
         elif name in ATTRIBUTES:  # the catalog's numbers as the spec scales them (a missing one: 0)
             numeric[:, j] = attribute_input(ATTRIBUTES[name], features[name], times_ms)
         else:

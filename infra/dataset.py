@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -40,9 +41,11 @@ JVM_SEPARATOR = "|"
 # The context field of an event, and the field of a /rank or /recommend request, naming its scenario (the surface
 # it was served on: `[scenarios.<name>]`); an event without it belongs to no declared scenario.
 SCENARIO_FIELD = "scenario"
-# A declared request context field's kinds (`[events.context.<name>] kind`): a string, one token per value.
-CONTEXT_KINDS = ("categorical",)
+# A declared request context field's kinds (`[events.context.<name>] kind`): a string, one token per value; a
+# number, one token per declared bucket; a number, a numeric input of the ranker (`context_<name>`).
+CONTEXT_KINDS = ("categorical", "bucketed", "number")
 MAX_CONTEXT = 8  # declared context fields: each is a slot of every scored row
+MAX_BUCKETS = 32
 # Context fields the platform itself reads or writes on events: not a declared field's name. The position a list
 # showed an item at is a bias of the list that served it, not the request's context (unknown when /rank scores).
 POSITION_FIELD = "position"  # an exposure's 0-based rank in the list that showed it (the platform's traffic writes it)
@@ -125,18 +128,47 @@ class TableSpec:
 @dataclass(frozen=True)
 class ContextSpec:
     """A declared field of a request's context (`[events.context.<name>]`: the page a list is shown on, the
-    device): sent by the client with `/rank` and `/recommend`, carried by the events of what was shown, and a
-    request-time input of the ranker (the token "<name>:<value>"). A request or an event without it has its
-    `default` ("": none, no token)."""
+    device, the hour): sent by the client with `/rank` and `/recommend`, carried by the events of what was shown,
+    and a request-time input of the ranker: the token "<name>:<value>" (categorical; bucketed: its bucket's) or the
+    numeric input `context_<name>` (number). A request or an event without it has its `default` ("" or None: none,
+    no token; a number's: 0)."""
 
     name: str
     kind: str = "categorical"  # one of CONTEXT_KINDS
-    default: str = ""
+    default: str | float | None = ""
+    buckets: tuple[float, ...] = ()  # bucketed: the buckets' lower edges, ascending (below the first: one more)
 
-    def value(self, raw: object) -> str:
-        """The field's value as the ranker reads it, from an event's or a request's context: a string; a boolean
-        "true" or "false"; a whole number without a fraction (a client's 2 and 2.0 are one page); missing
-        (None, "") the default."""
+    @property
+    def tokens(self) -> bool:
+        """Whether the ranker reads it as a token (else as a number)."""
+        return self.kind != "number"
+
+    @property
+    def feature(self) -> str:
+        """A number's numeric input of the ranker."""
+        return f"context_{self.name}"
+
+    def accepts(self, raw: object) -> bool:
+        """Whether a request's value has the field's type: a string, number or boolean for a categorical, a
+        number (not a boolean) for the others; missing (None) always."""
+        if raw is None or self.kind == "categorical":
+            return True
+        return _number(raw) is not None
+
+    def value(self, raw: object) -> str | float:
+        """The field's value as the ranker reads it, from an event's or a request's context. Categorical: a
+        string; a boolean "true" or "false"; a whole number without a fraction (a client's 2 and 2.0 are one page);
+        missing (None, "") the default. Bucketed: its bucket's lower edge ("<6" below the first), "" where no
+        number. Number: the number, the default (0) where none."""
+        if self.kind != "categorical":
+            x = _number(raw)
+            x = _number(self.default) if x is None else x
+            if self.kind == "number":
+                return 0.0 if x is None else x
+            if x is None:
+                return ""
+            below = [b for b in self.buckets if b <= x]
+            return _plain(below[-1]) if below else f"<{_plain(self.buckets[0])}"
         if raw is None or raw == "":
             return self.default
         if isinstance(raw, bool):
@@ -144,6 +176,18 @@ class ContextSpec:
         if isinstance(raw, float) and raw.is_integer():
             return str(int(raw))
         return str(raw)
+
+
+def _number(raw: object) -> float | None:
+    """A finite int or float (not a boolean) as a float; else None."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
+        return None
+    return float(raw)
+
+
+def _plain(x: float) -> str:
+    """A number as a token's text: a whole one without its fraction."""
+    return str(int(x)) if x.is_integer() else str(x)
 
 
 @dataclass(frozen=True)
@@ -230,7 +274,7 @@ class DatasetSpec:
         """Every grouping key, the category's first."""
         return (self.key, *self.group_by)
 
-    def context_of(self, given: Mapping[str, object] | None) -> dict[str, str]:
+    def context_of(self, given: Mapping[str, object] | None) -> dict[str, str | float]:
         """Each declared context field's value in `given` (an event's or a request's context; other fields
         ignored), its default where missing."""
         given = given or {}
@@ -240,6 +284,10 @@ class DatasetSpec:
         """The fields of a request's context the spec does not declare (a client's typo, or another spec's)."""
         names = {c.name for c in self.context}
         return sorted(set(given) - names)
+
+    def mistyped_context(self, given: Mapping[str, object]) -> list[str]:
+        """The declared fields of a request's context whose value is not of their kind (a bucketed field's text)."""
+        return [c.name for c in self.context if not c.accepts(given.get(c.name))]
 
     def table(self, entity: str) -> TableSpec:
         return next(t for t in self.tables if t.entity == entity)
@@ -392,10 +440,24 @@ def _context(where: str, raw: dict[str, Any], keys: tuple[str, ...]) -> tuple[Co
         if name in PLATFORM_CONTEXT:
             raise SpecError(f"{where}.{name}: {name!r} is a context field the platform reads or writes itself "
                             f"({', '.join(sorted(PLATFORM_CONTEXT))})")
-        c = _check(f"{where}.{name}", table, {"kind": str}, {"default": str})
-        if c["kind"] not in CONTEXT_KINDS:
-            raise SpecError(f"{where}.{name}.kind: expected {' or '.join(CONTEXT_KINDS)}, got {c['kind']!r}")
-        out.append(ContextSpec(name, c["kind"], c.get("default", "")))
+        c = _check(f"{where}.{name}", table, {"kind": str}, {"default": (str, int, float), "buckets": list})
+        kind = c["kind"]
+        if kind not in CONTEXT_KINDS:
+            raise SpecError(f"{where}.{name}.kind: expected {', '.join(CONTEXT_KINDS)}, got {kind!r}")
+        default = c.get("default", "" if kind == "categorical" else None)
+        if kind == "categorical" and not isinstance(default, str):
+            raise SpecError(f"{where}.{name}.default: expected str, got {type(default).__name__} {default!r}")
+        if kind != "categorical" and "default" in c and _number(default) is None:
+            raise SpecError(f"{where}.{name}.default: expected a number, got {type(default).__name__} {default!r}")
+        if (kind == "bucketed") != ("buckets" in c):
+            raise SpecError(f"{where}.{name}.buckets: " + ("expected the buckets' lower edges of a bucketed field"
+                            if kind == "bucketed" else f"only a bucketed field has buckets, not a {kind} one"))
+        buckets = tuple(c.get("buckets", ()))
+        if kind == "bucketed" and (not 1 <= len(buckets) <= MAX_BUCKETS or any(_number(b) is None for b in buckets)
+                                   or list(buckets) != sorted(set(buckets))):
+            raise SpecError(f"{where}.{name}.buckets: expected 1 to {MAX_BUCKETS} numbers, ascending, each once; "
+                            f"got {list(buckets)!r}")
+        out.append(ContextSpec(name, kind, default, tuple(float(b) for b in buckets)))
     return tuple(out)
 
 

@@ -24,7 +24,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from contract.examples import PAD, Examples, fit_width  # noqa: E402
-from contract.inputs import CONTEXT  # noqa: E402
+from contract.inputs import CONTEXT_TOKEN_FIELDS  # noqa: E402
 from contract.terms import Terms, context_fields, token_prefixes  # noqa: E402
 from models.architectures import architecture  # noqa: E402
 from models.networks import EMBEDDED, MASK_OF, TABLE_OF  # noqa: E402
@@ -124,10 +124,10 @@ class CtrModel:
         fields = self.spec.context
         if not fields:
             return np.full((len(tokens), 1), PAD, dtype=object)
-        if fields != CONTEXT:
+        if fields != CONTEXT_TOKEN_FIELDS:
             read = np.array([str(v).partition(":")[0] in fields for v in tokens.ravel()], bool).reshape(tokens.shape)
             tokens = np.where(read, tokens, PAD)
-        return fit_width(tokens, len(CONTEXT))
+        return fit_width(tokens, len(CONTEXT_TOKEN_FIELDS))
 
     def _rows(self, table: str, ids: np.ndarray, train: bool, distinct: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Rows of a padded id list ([N, W]; padding -> the default row, never counted) and its mask.

@@ -26,7 +26,7 @@ import mlflow
 import numpy as np
 
 from contract.examples import Examples
-from contract.inputs import CONTEXT
+from contract.inputs import CONTEXT, CONTEXT_NUMBERS
 from contract.terms import CONTEXT_TOKENS, token_prefixes
 from infra.dataset import POSITION_FIELD
 from infra.settings import RegisteredModel, Settings
@@ -79,6 +79,8 @@ def model_spec(s: Settings, kind: str | None = None, long_history: bool = True, 
         numeric, context, position = (tuple(n for n in names if not fnmatch.fnmatchcase(n, pattern))
                                       for names in (numeric, context, position))
     dropped = {f"{CONTEXT_TOKENS}:{name}" for name in CONTEXT if name not in context}
+    # a number field left out takes its numeric input with it
+    numeric = tuple(n for n in numeric if n not in CONTEXT_NUMBERS or CONTEXT_NUMBERS[n] in context)
     return ModelSpec(kind=arch.name, numeric_features=numeric, sequence_length=st.sequence_length,
                      tokens=tuple(t for t in token_prefixes() if t not in dropped),
                      long_length=st.history_per_category if arch.long_history else 0,

@@ -178,15 +178,23 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
                                              "msg": _printable(str(exc))}]}, status_code=422)
 
     def undeclared_context(context: dict | None) -> JSONResponse | None:
-        """A 422 naming the declared context fields, for a request with another (before any work for it)."""
-        if not context or not (wrong := s.spec.undeclared_context(context)):
+        """A 422 naming the declared context fields, for a request with another, or the kind of a field whose value
+        is not of it (before any work for it)."""
+        if not context:
+            return None
+        if wrong := s.spec.undeclared_context(context):
+            declared = ", ".join(c.name for c in s.spec.context) or "none"
+            kind, name, msg = "undeclared_context", wrong[0], (f"{wrong[0]!r} is not a context field of dataset "
+                                                               f"{s.spec.name} (declared: {declared})")
+        elif wrong := s.spec.mistyped_context(context):
+            field = next(c for c in s.spec.context if c.name == wrong[0])
+            kind, name, msg = "context_type", field.name, (f"{field.name!r} is a {field.kind} context field: expected "
+                                                           f"a number, got {type(context[field.name]).__name__}")
+        else:
             return None
         metrics.REQUESTS.labels("-", "422").inc()
-        declared = ", ".join(c.name for c in s.spec.context) or "none"
-        return JSONResponse({"detail": [{"type": "undeclared_context", "loc": ["body", "context", _printable(wrong[0])],
-                                         "msg": _printable(f"{wrong[0]!r} is not a context field of dataset "
-                                                           f"{s.spec.name} (declared: {declared})")}]},
-                            status_code=422)
+        return JSONResponse({"detail": [{"type": kind, "loc": ["body", "context", _printable(name)],
+                                         "msg": _printable(msg)}]}, status_code=422)
 
     def refuse(reason: str, detail: str, started: float) -> JSONResponse:
         metrics.REQUESTS.labels("-", "503").inc()
@@ -226,7 +234,7 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
                                                                            category=keys.get(c.item_id))
                           for c in candidates]
         req = RankRequest(body.user_id, candidates, body.tier, body.deadline_ms, scenario=body.scenario or "",
-                          context=s.spec.context_of(body.context))
+                          context=body.context or {})
         if body.request_id:
             req.request_id = body.request_id
         try:
@@ -258,7 +266,7 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         try:
             exclude = not s.spec.repeats if body.exclude_seen is None else body.exclude_seen
             out = await recommender.recommend(body.user_id, body.k, exclude, body.tier, body.deadline_ms,
-                                              body.request_id, body.scenario or "", s.spec.context_of(body.context))
+                                              body.request_id, body.scenario or "", body.context or {})
         except NotReady as exc:
             return refuse("not_ready", str(exc), started)
         except Shed as exc:

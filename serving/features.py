@@ -166,10 +166,10 @@ class OnlineFeatures:
         self.fetch(_WARM_UP, [_WarmUp()], int(time.time() * 1000), 1)
 
     def fetch(self, user_id: str, candidates: Sequence[Candidate], now_ms: int, sequence_length: int,
-              keep_behaviors: int | None = None, context: Mapping[str, str] | None = None) -> Fetched:
-        """Inputs for scoring `candidates` for `user_id` at `now_ms` in the request's `context` (each declared
-        field's value, `DatasetSpec.context_of`); sequences keep the newest `keep_behaviors` (compute allocation)
-        of at most `sequence_length`."""
+              keep_behaviors: int | None = None, context: Mapping[str, object] | None = None) -> Fetched:
+        """Inputs for scoring `candidates` for `user_id` at `now_ms` in the request's `context` (as sent: each
+        declared field's value read by `DatasetSpec.context_of`); sequences keep the newest `keep_behaviors`
+        (compute allocation) of at most `sequence_length`."""
         # Imported here, once a call: pandas, which they load, is not needed to read features (`flywheel features`).
         from contract.examples import PAD
         from contract.transform import entity_tokens, to_examples

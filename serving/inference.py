@@ -78,9 +78,10 @@ class RankRequest:
     top_k: int | None = None
     sources: Sequence[Sequence[str]] | None = None
     scenario: str = ""  # a declared scenario's ranker scores it; "": the platform's
-    # The request's declared context fields' values (`DatasetSpec.context_of`: the defaults applied), an input of
-    # every row it scores; logged with the prediction.
-    context: Mapping[str, str] = field(default_factory=dict)
+    # The request's context as the client sent it (declared fields, of their kinds): the features read each field's
+    # value once (`DatasetSpec.context_of`: a bucket, the defaults), an input of every row it scores, logged with
+    # the prediction.
+    context: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass

@@ -111,7 +111,7 @@ class Recommender:
                          current)
 
     async def recommend(self, user_id: str, k: int, exclude_seen: bool, tier: str, deadline_ms: float | None,
-                        request_id: str | None, scenario: str = "", context: Mapping[str, str] | None = None
+                        request_id: str | None, scenario: str = "", context: Mapping[str, object] | None = None
                         ) -> Recommended:
         """The best `k` of the merged candidates, ranked by `scenario`'s ranker ("": the platform's) in the request's
         `context`. Raises what `Inference.rank` raises (NotReady, Shed, UnknownScenario); Shed("features") when

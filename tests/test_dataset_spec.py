@@ -231,8 +231,16 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
     (("[tables.item]", '[features]\nwindow = ["1h"]\n\n[tables.item]'), "[features]: unknown key 'window'"),
     (("[tables.item]", '[demo]\nsplit = "soon"\n\n[tables.item]'), "[demo].split: expected a date such as"),
     (("[tables.item]", '[demo]\ntrain_days = 0\n\n[tables.item]'), "[demo].train_days: expected an integer >= 1"),
-    (("[tables.item]", '[events.context.page]\nkind = "number"\n\n[tables.item]'),
-     "[events.context].page.kind: expected categorical, got 'number'"),
+    (("[tables.item]", '[events.context.page]\nkind = "text"\n\n[tables.item]'),
+     "[events.context].page.kind: expected categorical, bucketed, number, got 'text'"),
+    (("[tables.item]", '[events.context.hour]\nkind = "bucketed"\n\n[tables.item]'),
+     "[events.context].hour.buckets: expected the buckets' lower edges of a bucketed field"),
+    (("[tables.item]", '[events.context.page]\nkind = "categorical"\nbuckets = [1]\n\n[tables.item]'),
+     "[events.context].page.buckets: only a bucketed field has buckets, not a categorical one"),
+    (("[tables.item]", '[events.context.hour]\nkind = "bucketed"\nbuckets = [12, 6]\n\n[tables.item]'),
+     "[events.context].hour.buckets: expected 1 to 32 numbers, ascending, each once; got [12, 6]"),
+    (("[tables.item]", '[events.context.hour]\nkind = "number"\ndefault = "noon"\n\n[tables.item]'),
+     "[events.context].hour.default: expected a number, got str 'noon'"),
     (("[tables.item]", '[events.context.page]\nkind = "categorical"\ndefault = 3\n\n[tables.item]'),
      "[events.context].page.default: expected str, got int 3"),
     (("[tables.item]", '[events.context.Page]\nkind = "categorical"\n\n[tables.item]'),
@@ -543,6 +551,42 @@ def test_a_declared_request_context_reaches_the_training_labels_with_its_default
                        "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path / "data")})
     rows = labelled(s, [("A1", {"page": "search", "device": "ios"}), ("B2", {"position": 1}), ("C3", {"page": 7})])
     assert list(rows["page"]) == ["search", "home", "7"] and list(rows["device"]) == ["ios", "", ""]
+
+
+KINDS = ('[events.context.band]\nkind = "bucketed"\nbuckets = [6, 12, 18.5]\n'
+         '[events.context.hour]\nkind = "number"\ndefault = 12\n')
+
+
+def test_a_bucketed_context_field_is_a_token_of_its_bucket_and_a_number_one_a_numeric_input(tmp_path: Path) -> None:
+    """A bucketed field reads a number as its bucket's lower edge (the token "band:12"), a number field is the
+    ranker's numeric input `context_<name>` (never a stored feature), each from the exposure's event in the
+    training labels; a request's value of another type is refused, an event's is the default."""
+    import subprocess
+    import sys
+
+    text = SHOP.replace("[tables.item]", KINDS + "\n[tables.item]", 1)
+    spec = parse_spec(text, shop(tmp_path, text))
+    band, hour = spec.context
+    assert [band.value(x) for x in (3, 6, 13.5, 18.5, 40, None, "7", True)] == ["<6", "6", "12", "18.5", "18.5", "",
+                                                                                "", ""]
+    assert [hour.value(x) for x in (7, 7.5, None, "7", True)] == [7.0, 7.5, 12.0, 12.0, 12.0]
+    assert spec.mistyped_context({"band": "evening", "hour": 7}) == ["band"]
+    assert spec.mistyped_context({"band": 7, "hour": True}) == ["hour"] and not spec.mistyped_context({})
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(shop(tmp_path, text)),
+                       "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path / "data")})
+    rows = labelled(s, [("A1", {"band": 19, "hour": 19}), ("B2", {}), ("C3", {"band": "x", "hour": 2.5})])
+    assert list(rows["band"]) == ["18.5", "", ""] and list(rows["hour"]) == [19.0, 12.0, 2.5]
+    code = ("from contract.inputs import NUMERIC_FEATURES, RAW_FEATURES; from contract.terms import token_prefixes; "
+            "from contract.transform import _context_tokens; from models.train import model_spec; "
+            "from infra.settings import load_settings; s = load_settings(); "
+            "print(NUMERIC_FEATURES[-1], 'context_hour' in RAW_FEATURES, "
+            "[t for t in token_prefixes() if 'context' in t], _context_tokens({'band': ['6', '']}, 2).tolist(), 'context_hour' in model_spec(s).numeric_features,"
+            " 'context_hour' in model_spec(s, without=['hour']).numeric_features)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(shop(tmp_path, text)),
+                              "PATH": "/usr/bin"})
+    assert out.stdout.strip().splitlines()[-1] == ("context_hour False ['context_tokens:band'] [['band:6'], ['']] "
+                                                   "True False"), out.stderr[-2000:]
 
 
 def test_a_declared_position_reaches_the_training_labels_as_the_rank_shown_at(tmp_path: Path) -> None:

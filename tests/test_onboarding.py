@@ -64,11 +64,17 @@ type = "action"
 time = "at"
 time_unit = "s"
 request = "visit"
-context = ["page"]  # the page each visit's list was shown on, into each event's context
+context = ["page", "hour", "position"]  # each visit's page and hour, each view's rank in its list
 
 [events.context.page]  # the ranker's request-time input; a /rank request names it
 kind = "categorical"
 default = "home"
+
+[events.context.hour]  # the visit's hour of the day: the ranker's numeric input context_hour
+kind = "number"
+
+[events.position]  # each view's rank in the visit's list of 8: a bias learnt apart, not served
+slots = 8
 
 [features]
 windows = ["1h", "1d"]  # a shop's customers come back daily, not every five minutes
@@ -147,15 +153,17 @@ def write_shop(root: Path, seed: int = 5) -> Shop:
             visit, page = f"{customer}-{day}", "sale" if rng.random() < 0.4 else "home"
             for k, sku in enumerate(rng.sample(list(products.sku), 8)):
                 t = at + 10 * k
-                rows.append((customer, sku, "view", t, visit, page, brand[sku], dept[sku]))
+                rows.append((customer, sku, "view", t, visit, page, brand[sku], dept[sku], k))
                 liked = BRANDS.index(brand[sku]) == REGIONS.index(region[customer])
                 own = DEPTS.index(dept[sku]) == int(customer[1:]) // 3 % 3
                 deal = 0.5 if page == "home" else 6.0 if "sale" in tagged[sku] else 3.0
                 if rng.random() < (0.35 if liked else 0.05) * (1.0 if own else 0.15) * deal:
                     if rng.random() < 0.4:
-                        rows.append((customer, sku, "cart", t + 2, visit, page, brand[sku], dept[sku]))
-                    rows.append((customer, sku, "order", t + 5, visit, page, brand[sku], dept[sku]))
-    history = pd.DataFrame(rows, columns=["customer", "sku", "action", "at", "visit", "page", "brand", "dept"])
+                        rows.append((customer, sku, "cart", t + 2, visit, page, brand[sku], dept[sku], k))
+                    rows.append((customer, sku, "order", t + 5, visit, page, brand[sku], dept[sku], k))
+    history = pd.DataFrame(rows, columns=["customer", "sku", "action", "at", "visit", "page", "brand", "dept",
+                                          "position"])
+    history["hour"] = history["at"] // 3600 % 24
     (root / "dataset.toml").write_text(SPEC)
     products.to_csv(root / "products.csv", index=False)
     customers.to_parquet(root / "customers.parquet", index=False)
@@ -297,6 +305,9 @@ def test_the_ranker_is_trained_through_the_dag_on_the_shops_vocabulary_and_serve
     client = connect(s)
     metrics = client.get_run(client.get_model_version(s.models.name, "1").run_id).data.metrics
     assert metrics["test_auc"] > 0.65, metrics  # the regions' brands are learnt
+    from models.registry import load_version
+
+    assert load_version(s, "1").spec.position_slots == 8  # the views' ranks: a bias learnt apart, served without
     api = f"http://{s.serving.host}:{s.serving.port}/rank"
     brand = dict(zip(shop.products.sku, shop.products.brand))
     body = answered(api, {"user_id": "c000", "candidates": [{"item_id": i, "category": brand[i]} for i in brand]})
@@ -365,8 +376,9 @@ def test_the_page_a_list_is_shown_on_is_the_rankers_input_and_a_rank_requests(on
     assert on_sale.mean() > on_home.mean(), (on_sale, on_home)
     assert scores({}) == pytest.approx(on_home, abs=1e-6)  # the declared default: the home page
     for context, message in (({"pgae": "sale"}, "'pgae' is not a context field of dataset corner-shop (declared: "
-                                                "page)"), ({"page": ["sale"]}, ""),
-                             ({"page": "s" * 129}, "at most 128 characters")):
+                                                "page, hour)"), ({"page": ["sale"]}, ""),
+                             ({"page": "s" * 129}, "at most 128 characters"),
+                             ({"hour": "noon"}, "'hour' is a number context field: expected a number, got str")):
         r = httpx.post(api, json={"user_id": "c000", "candidates": candidates[:2], "context": context}, timeout=10)
         assert r.status_code == 422 and message in r.text, r.text
 
