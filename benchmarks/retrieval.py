@@ -28,7 +28,7 @@ import keras
 import numpy as np
 import psutil
 
-from feature_repo.catalog import catalog_rows
+from feature_repo.tables import catalog_rows
 from infra import stack
 from infra.settings import Settings, get_settings, load_settings, override, redis_password
 from models.baselines import Interactions, ease, item_knn

@@ -241,7 +241,7 @@ def topics(names: tuple[str, ...]) -> None:
 def _preflight(s: Settings, tables: bool = True) -> None:
     """The spec's history file (and with `tables` its tables) against the spec, by their headers: every
     column it names, before any service starts or any event is produced: what to fix, in one line."""
-    from feature_repo.catalog import CatalogError, check_tables
+    from feature_repo.tables import CatalogError, check_tables
     from streaming.history import HistoryError, check_history
 
     try:
@@ -286,7 +286,8 @@ def replay(limit: int | None, speed: float, topic: str | None) -> None:
 
 
 def _load_catalog(s: Settings) -> None:
-    from feature_repo.catalog import CatalogError, load_catalog, materialize
+    from feature_repo.catalog import load_catalog, materialize
+    from feature_repo.tables import CatalogError
 
     try:
         rows = load_catalog(s)
@@ -739,7 +740,6 @@ def demo(split: datetime | None, history_limit: int | None, sessions: int | None
     rolls back; then the summary."""
     import warnings
 
-    from flywheel.demo import LoopError, LoopPlan, run_loop, summary_lines
     from infra.airflow_api import AirflowApiError
 
     # The drill loads and logs a model in this process: keep TensorFlow's and MLflow's chatter out of the demo.
@@ -749,7 +749,9 @@ def demo(split: datetime | None, history_limit: int | None, sessions: int | None
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     s = _settings()
     click.echo(f"dataset {s.spec.name} ({s.spec.path}); data in {s.paths.data_dir}")
-    _preflight(s)
+    _preflight(s)  # before the loop's imports (Feast, MLflow: seconds) and any service
+    from flywheel.demo import LoopError, LoopPlan, run_loop, summary_lines
+
     click.get_current_context().invoke(up)
     plan = LoopPlan.of(s, _utc(split) if split else None, history_limit=history_limit, sessions=sessions, tail_s=tail,
                        **({"rate": rate} if rate else {}))
