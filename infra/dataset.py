@@ -17,6 +17,7 @@ Standard library only: the Flink job's environment reads it too.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import math
@@ -29,7 +30,9 @@ from typing import Any
 
 import tomllib
 
-ROLES = ("exposure", "positive")  # shown to a user / an action that signals interest
+# Shown to a user / an action that signals interest / one that says the user did not want it (a hide, a dislike:
+# its exposure's label is 0 even if clicked)
+ROLES = ("exposure", "positive", "negative")
 ENTITIES = ("item", "user")  # the tables a spec declares, each keyed by the entity's id
 # An attribute's kind: a string, a list of strings, an integer or a number.
 KINDS = ("categorical", "multi", "integer", "number", "date")
@@ -167,8 +170,8 @@ class ContextSpec:
                 return 0.0 if x is None else x
             if x is None:
                 return ""
-            below = [b for b in self.buckets if b <= x]
-            return _plain(below[-1]) if below else f"<{_plain(self.buckets[0])}"
+            at = bisect.bisect_right(self.buckets, x)  # the buckets below or at x
+            return _plain(self.buckets[at - 1]) if at else f"<{_plain(self.buckets[0])}"
         if raw is None or raw == "":
             return self.default
         if isinstance(raw, bool):
@@ -259,10 +262,8 @@ class DatasetSpec:
     def position_of(self, given: Mapping[str, object] | None) -> int:
         """An event's rank in the list that showed it (`position`, 0-based), 0 (the top, no bias) where missing or
         no whole number >= 0."""
-        value = (given or {}).get(POSITION_FIELD)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
-            return 0
-        return int(value) if float(value).is_integer() else 0
+        x = _number((given or {}).get(POSITION_FIELD))
+        return int(x) if x is not None and x >= 0 and x.is_integer() else 0
 
     @functools.cached_property
     def window_buckets(self) -> tuple[tuple[str, int, int], ...]:
@@ -285,9 +286,9 @@ class DatasetSpec:
         names = {c.name for c in self.context}
         return sorted(set(given) - names)
 
-    def mistyped_context(self, given: Mapping[str, object]) -> list[str]:
+    def mistyped_context(self, given: Mapping[str, object]) -> list[ContextSpec]:
         """The declared fields of a request's context whose value is not of their kind (a bucketed field's text)."""
-        return [c.name for c in self.context if not c.accepts(given.get(c.name))]
+        return [c for c in self.context if not c.accepts(given.get(c.name))]
 
     def table(self, entity: str) -> TableSpec:
         return next(t for t in self.tables if t.entity == entity)
@@ -303,6 +304,10 @@ class DatasetSpec:
     @functools.cached_property
     def positives(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.event_types if t.role == "positive")
+
+    @functools.cached_property
+    def negatives(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.event_types if t.role == "negative")
 
     @functools.cached_property
     def labels(self) -> tuple[str, ...]:
@@ -363,7 +368,8 @@ def _event_type(where: str, raw: Any) -> EventTypeSpec:
     if positive and weight <= 0:
         raise SpecError(f"{where}.weight: expected a number > 0 for a positive, got {weight}")
     if not positive and ("weight" in t or t.get("label")):
-        raise SpecError(f"{where}: an exposure has no weight and labels nothing (only positives do)")
+        article = "an" if t["role"][0] in "aeiou" else "a"
+        raise SpecError(f"{where}: {article} {t['role']} has no weight and labels nothing (only positives do)")
     return EventTypeSpec(t["name"], t["role"], weight, t.get("label", False))
 
 

@@ -62,8 +62,8 @@ def labelled_impressions(s: Settings, window: Window, scenario: str | None = Non
     request_id, user_id, item_id, category (then each further key of the spec, then each declared context field's
     value, then, where the spec declares a position bias, the rank it was shown at), event_time (ms), request_time
     (ms: its request's first exposure, looked for up to a day before the window), label (1.0 if a click with its
-    request id and item exists). `scenario`: only the impressions whose context names it (a declared scenario's
-    ranker learns from its own surface)."""
+    request id and item exists and no negative does). `scenario`: only the impressions whose context names it (a
+    declared scenario's ranker learns from its own surface)."""
     start, end = (int(t.timestamp() * 1000) for t in (window.start, window.end))
     # A click comes after its impression: read a day past the window for the clicks of its last ones.
     log = read_event_log(s, start - DAY_MS, end + DAY_MS)
@@ -78,6 +78,10 @@ def labelled_impressions(s: Settings, window: Window, scenario: str | None = Non
     clicks["label"] = 1.0
     out = imps.merge(clicks, on=["request_id", "item_id"], how="left")
     out["label"] = out["label"].fillna(0.0)
+    # A negative (a hide, a dislike) on the same request and item is the user's last word: 0 even if clicked.
+    refused = frame[frame.event_type.isin(s.spec.negatives)][["request_id", "item_id"]].drop_duplicates()
+    out = out.merge(refused.assign(refused=True), on=["request_id", "item_id"], how="left")
+    out.loc[out["refused"].notna(), "label"] = 0.0
     contexts = [json.loads(c) for c in out["context"]]
     # The keys the stream groups by (the category's first); an event without one has the catalog's, as the stream
     # job counts it.

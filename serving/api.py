@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 # A request context field's value: its token is logged with every prediction, so a string is bounded.
 ContextValue = Annotated[str, Field(max_length=128)] | int | float | bool
 
+
 class CandidateIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     item_id: str = Field(min_length=1, max_length=256)
@@ -177,7 +178,7 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             return JSONResponse({"detail": [{"type": "unknown_scenario", "loc": ["body", "scenario"],
                                              "msg": _printable(str(exc))}]}, status_code=422)
 
-    def undeclared_context(context: dict | None) -> JSONResponse | None:
+    def refused_context(context: dict | None) -> JSONResponse | None:
         """A 422 naming the declared context fields, for a request with another, or the kind of a field whose value
         is not of it (before any work for it)."""
         if not context:
@@ -187,7 +188,7 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             kind, name, msg = "undeclared_context", wrong[0], (f"{wrong[0]!r} is not a context field of dataset "
                                                                f"{s.spec.name} (declared: {declared})")
         elif wrong := s.spec.mistyped_context(context):
-            field = next(c for c in s.spec.context if c.name == wrong[0])
+            field = wrong[0]
             kind, name, msg = "context_type", field.name, (f"{field.name!r} is a {field.kind} context field: expected "
                                                            f"a number, got {type(context[field.name]).__name__}")
         else:
@@ -222,7 +223,7 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             body = RankIn.model_validate_json(raw)
         except ValidationError as exc:
             return invalid(exc.errors(include_input=False))
-        if (unknown := unknown_scenario(body.scenario) or undeclared_context(body.context)) is not None:
+        if (unknown := unknown_scenario(body.scenario) or refused_context(body.context)) is not None:
             return unknown
         if len(body.candidates) > s.serving.max_candidates:
             metrics.REQUESTS.labels("-", "413").inc()
@@ -261,7 +262,7 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             body = RecommendIn.model_validate_json(raw)
         except ValidationError as exc:
             return invalid(exc.errors(include_input=False))
-        if (unknown := unknown_scenario(body.scenario) or undeclared_context(body.context)) is not None:
+        if (unknown := unknown_scenario(body.scenario) or refused_context(body.context)) is not None:
             return unknown
         try:
             exclude = not s.spec.repeats if body.exclude_seen is None else body.exclude_seen

@@ -208,7 +208,7 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
     (('name = "shop"', 'name = "shop"\nowner = "me"'), "[dataset]: unknown key 'owner' (expected: name, adapter)"),
     (('name = "shop"', ""), "[dataset]: missing key 'name'"),
     (('name = "shop"', "name = 7"), "[dataset].name: expected str, got int 7"),
-    (('role = "exposure"', 'role = "seen"'), "#1.role: expected one of exposure, positive, got 'seen'"),
+    (('role = "exposure"', 'role = "seen"'), "#1.role: expected one of exposure, positive, negative, got 'seen'"),
     (('role = "exposure"', "role = true"), "#1.role: expected str, got bool"),
     (("weight = 2", 'weight = "2"'), "#2.weight: expected int or float, got str '2'"),
     (("weight = 2", "weight = 0"), "#2.weight: expected a number > 0 for a positive, got 0.0"),
@@ -567,8 +567,9 @@ def test_a_bucketed_context_field_is_a_token_of_its_bucket_and_a_number_one_a_nu
     assert [band.value(x) for x in (3, 6, 13.5, 18.5, 40, None, "7", True)] == ["<6", "6", "12", "18.5", "18.5", "",
                                                                                 "", ""]
     assert [hour.value(x) for x in (7, 7.5, None, "7", True)] == [7.0, 7.5, 12.0, 12.0, 12.0]
-    assert spec.mistyped_context({"band": "evening", "hour": 7}) == ["band"]
-    assert spec.mistyped_context({"band": 7, "hour": True}) == ["hour"] and not spec.mistyped_context({})
+    assert [c.name for c in spec.mistyped_context({"band": "evening", "hour": 7})] == ["band"]
+    assert [c.name for c in spec.mistyped_context({"band": 7, "hour": True})] == ["hour"]
+    assert not spec.mistyped_context({})
     s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(shop(tmp_path, text)),
                        "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path / "data")})
     rows = labelled(s, [("A1", {"band": 19, "hour": 19}), ("B2", {}), ("C3", {"band": "x", "hour": 2.5})])
@@ -609,6 +610,38 @@ def test_a_declared_position_reaches_the_training_labels_as_the_rank_shown_at(tm
     assert model_spec(s).position_slots == 0  # undeclared
     s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(tmp_path / "with" / "shop.toml")})
     assert (model_spec(s).position_slots, model_spec(s, without=("position",)).position_slots) == (10, 0)
+
+
+HIDE = '\n[[events.types]]\nname = "hide"\nrole = "negative"\n\n[tables.item]'
+
+
+def test_a_negative_labels_its_exposure_0_even_when_clicked_and_is_no_positive_anywhere(tmp_path: Path) -> None:
+    """A `negative` type (a hide): the exposure it follows on the same request and item is labelled 0, whatever
+    label positive follows it too; no graph weight, retrieval positive or label of its own; a weight or a label on
+    it is refused."""
+    from feature_repo.event_log import write_batch
+    from models.dataset import Window, labelled_impressions
+    from streaming.consumer import Consumed
+    from streaming.events import Event
+
+    text = SHOP.replace("\n[tables.item]", HIDE, 1)
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(shop(tmp_path, text)),
+                       "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path)})
+    assert (s.spec.negatives, s.spec.positives, s.spec.labels) == (("hide",), ("cart", "order"), ("order",))
+    assert "hide" not in s.spec.weights and "hide" in s.spec.type_names
+    t = 1_700_000_000_000
+    acts = {"A1": ["order"], "B2": ["order", "hide"], "C3": ["hide"], "D4": [], "E5": ["cart", "order"]}
+    events = [Event(event_id=f"{kind}-{item}", user_id="u", item_id=item, event_type=kind, request_id="r1",
+                    event_time=t + 10 * n + k, context={})
+              for n, (item, kinds) in enumerate(acts.items()) for k, kind in enumerate(["view", *kinds])]
+    events.append(Event(event_id="hide-elsewhere", user_id="u", item_id="E5", event_type="hide", request_id="r2",
+                        event_time=t + 100, context={}))  # another request's hide is not this exposure's
+    write_batch(s, [Consumed(e, partition=0, offset=n) for n, e in enumerate(events)])
+    rows = labelled_impressions(s, Window(*(datetime.fromtimestamp(t / 1000 + d, UTC) for d in (0, 1))))
+    assert dict(zip(rows["item_id"], rows["label"])) == {"A1": 1.0, "B2": 0.0, "C3": 0.0, "D4": 0.0, "E5": 1.0}
+    for extra in ("weight = 2", "label = true"):
+        with pytest.raises(SpecError, match=r"#4: a negative has no weight and labels nothing"):
+            parse_spec(text.replace('role = "negative"', f'role = "negative"\n{extra}'), shop(tmp_path))
 
 
 def test_whether_items_repeat_is_declared_by_the_data(tmp_path: Path) -> None:
