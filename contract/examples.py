@@ -11,7 +11,8 @@ PAD = ""  # a padding slot of a behavior sequence
 
 
 ARRAYS = ("user_ids", "item_ids", "categories", "sequences", "numeric", "labels", "sequence_types",
-          "long_sequences", "long_types", "item_tokens", "user_tokens", "context_tokens", "positions")
+          "long_sequences", "long_types", "item_tokens", "user_tokens", "context_tokens", "positions",
+          "weights")
 
 
 @dataclass
@@ -36,6 +37,8 @@ class Examples:
     context_tokens: np.ndarray | None = None
     # [N] int32: the exposure's rank in the list that showed it (0: the top, or unknown), a training input only
     positions: np.ndarray | None = None
+    # [N] float32: how much the example weighs in training (a label's declared value over its window's mean), 1 if none
+    weights: np.ndarray | None = None
     numeric_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -47,6 +50,8 @@ class Examples:
                 setattr(self, name, np.full((n, width), PAD, dtype=object))
         if self.positions is None:
             self.positions = np.zeros(n, np.int32)
+        if self.weights is None:
+            self.weights = np.ones(n, np.float32)
         for name in ARRAYS:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"examples: {name} has {len(getattr(self, name))} rows, labels {n}")

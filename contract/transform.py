@@ -16,7 +16,7 @@ import pandas as pd
 from contract.examples import PAD, Examples
 from contract.inputs import (ATTRIBUTES, CONTEXT_NUMBERS, CONTEXT_TOKEN_FIELDS, COUNTS, DECADES, GROUP_SHARES,
                              NUMERIC_FEATURES, TOKENS)
-from infra.dataset import DAY_MS, POSITION_FIELD, AttributeSpec
+from infra.dataset import DAY_MS, LABEL_WEIGHT, POSITION_FIELD, AttributeSpec
 from streaming.features import interest_columns, key_count_columns
 
 Columns = pd.DataFrame | Mapping[str, Sequence]
@@ -249,7 +249,8 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
     values as the online store holds them) for requests at `times_ms`, with every numeric feature of
     NUMERIC_FEATURES (each model takes its own, a number context field's among them) and, from a column per
     declared context field, the request's context tokens; from a `position` column (the training join's), each
-    exposure's rank. Serving uses the same function (no rank: scored as at the top)."""
+    exposure's rank, and from a `label_weight` column each example's weight. Serving uses the same function (no rank:
+    scored as at the top)."""
     n = len(labels)
     categories = _strings(features["category"])
     numeric = np.zeros((n, len(NUMERIC_FEATURES)), np.float32)
@@ -282,4 +283,5 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
                     item_tokens=_tokens("item_tokens", features), user_tokens=_tokens("user_tokens", features),
                     context_tokens=_context_tokens(features, n),
                     positions=np.asarray(features[POSITION_FIELD], np.int32) if POSITION_FIELD in features else None,
+                    weights=np.asarray(features[LABEL_WEIGHT], np.float32) if LABEL_WEIGHT in features else None,
                     numeric_names=NUMERIC_FEATURES)

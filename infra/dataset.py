@@ -52,6 +52,8 @@ MAX_BUCKETS = 32
 # Context fields the platform itself reads or writes on events: not a declared field's name. The position a list
 # showed an item at is a bias of the list that served it, not the request's context (unknown when /rank scores).
 POSITION_FIELD = "position"  # an exposure's 0-based rank in the list that showed it (the platform's traffic writes it)
+# A training example's weight: a label's declared value over the mean of its window's values (1 without one)
+LABEL_WEIGHT = "label_weight"
 PLATFORM_CONTEXT = frozenset((SCENARIO_FIELD, "test_traffic", POSITION_FIELD, "served_by", "source"))
 # `[events.position] slots`: the ranks with a bias of their own (later ones share the last); at most MAX_SLOTS.
 DEFAULT_SLOTS, MAX_SLOTS = 10, 100
@@ -71,6 +73,9 @@ class EventTypeSpec:
     role: str  # one of ROLES
     weight: float = 0.0  # a positive's weight as an edge of the behavior graph
     label: bool = False  # a positive that labels the ranker's examples
+    # A label's context field holding its number (an order's amount, a view's dwell seconds): the example it labels
+    # weighs that much against the others (LABEL_WEIGHT)
+    value: str = ""
 
 
 @dataclass(frozen=True)
@@ -313,6 +318,16 @@ class DatasetSpec:
     def labels(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.event_types if t.label)
 
+    @functools.cached_property
+    def valued(self) -> dict[str, str]:
+        """Each label type declaring a value: the context field holding its number."""
+        return {t.name: t.value for t in self.event_types if t.label and t.value}
+
+    def label_value(self, event_type: str, given: Mapping[str, object] | None) -> float | None:
+        """A label event's declared number (its amount, its dwell), where it has one > 0."""
+        x = _number((given or {}).get(self.valued.get(event_type, ""))) if event_type in self.valued else None
+        return x if x is not None and x > 0 else None
+
     @property
     def weights(self) -> dict[str, float]:
         """Each positive's weight (graph edges, retrieval positives)."""
@@ -357,7 +372,7 @@ def _check(where: str, table: Any, required: dict[str, type | tuple[type, ...]],
 
 
 def _event_type(where: str, raw: Any) -> EventTypeSpec:
-    t = _check(where, raw, {"name": str, "role": str}, {"weight": (int, float), "label": bool})
+    t = _check(where, raw, {"name": str, "role": str}, {"weight": (int, float), "label": bool, "value": str})
     if not NAME.fullmatch(t["name"]):
         raise SpecError(f"{where}.name: expected a name of letters, digits, '_' or '-' starting with a letter "
                         f"(at most 64), got {t['name']!r}")
@@ -370,7 +385,11 @@ def _event_type(where: str, raw: Any) -> EventTypeSpec:
     if not positive and ("weight" in t or t.get("label")):
         article = "an" if t["role"][0] in "aeiou" else "a"
         raise SpecError(f"{where}: {article} {t['role']} has no weight and labels nothing (only positives do)")
-    return EventTypeSpec(t["name"], t["role"], weight, t.get("label", False))
+    value = t.get("value", "")
+    if "value" in t and not (t.get("label") and re.fullmatch(r"[a-z][a-z0-9_]{0,31}", value)):
+        raise SpecError(f"{where}.value: expected the context field holding a label's number (lowercase letters, "
+                        f"digits and '_', at most 32) on a positive with label = true, got {value!r}")
+    return EventTypeSpec(t["name"], t["role"], weight, t.get("label", False), value)
 
 
 def _attribute(where: str, name: str, raw: Any) -> AttributeSpec:
@@ -412,7 +431,7 @@ def _table(where: str, entity: str, raw: Any) -> TableSpec:
 # A further key names its features ("brand_ctr", "interest_brand_share") and a stream column: not these.
 RESERVED_KEYS = frozenset(("category", "user", "item", "user_id", "item_id", "event_id", "event_type", "event_time",
                            "request_id", "history", "interest", "seq", "sequence", "total", "profile", "row", "label",
-                           "keys", "proctime"))
+                           "keys", "proctime", LABEL_WEIGHT))
 
 
 def _group_by(where: str, key: str, names: list, item: dict) -> tuple[str, ...]:

@@ -262,13 +262,13 @@ class CtrModel:
 
     # --- compiled dense parts --------------------------------------------------------------------
 
-    def _dense_step(self, inputs: dict[str, tf.Tensor], labels: tf.Tensor):
+    def _dense_step(self, inputs: dict[str, tf.Tensor], labels: tf.Tensor, weights: tf.Tensor):
         embedded = [inputs[k] for k in EMBEDDED]
         variables = self.network.trainable_variables
         with tf.GradientTape() as tape:
             tape.watch(embedded)
             logits = self.network(inputs, training=True)
-            loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits))
+            loss = tf.reduce_mean(weights * tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits))
         grads = tape.gradient(loss, [*variables, *embedded], unconnected_gradients=tf.UnconnectedGradients.ZERO)
         self.optimizer.apply(grads[: len(variables)], variables)
         return loss, grads[len(variables):]
@@ -283,7 +283,7 @@ class CtrModel:
         inputs = self._dense_inputs(rows, ex)
         if self.spec.position_slots:  # a training input only: scores are the item's, at the top
             inputs["position"] = tf.constant(ex.positions, tf.int32)
-        loss, grads = self._step(inputs, tf.constant(ex.labels, tf.float32))
+        loss, grads = self._step(inputs, tf.constant(ex.labels, tf.float32), tf.constant(ex.weights, tf.float32))
         # The rows get the gradient of the summed loss, not the mean: a row's update then does not
         # shrink with the batch size (each row is touched by a few examples of a batch).
         grad = dict(zip(EMBEDDED, (g.numpy() * len(ex) for g in grads)))

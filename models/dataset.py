@@ -32,7 +32,7 @@ from contract.transform import to_examples
 from feature_repo.event_log import read_event_log
 from feature_repo.files import pinned, view_dir
 from feature_repo.predictions import logged_features, read_predictions
-from infra.dataset import POSITION_FIELD, SCENARIO_FIELD
+from infra.dataset import LABEL_WEIGHT, POSITION_FIELD, SCENARIO_FIELD
 from infra.settings import Settings
 from streaming.events import TEST_TRAFFIC
 from streaming.features import LONG_HISTORY_VIEW
@@ -62,7 +62,8 @@ def labelled_impressions(s: Settings, window: Window, scenario: str | None = Non
     request_id, user_id, item_id, category (then each further key of the spec, then each declared context field's
     value, then, where the spec declares a position bias, the rank it was shown at), event_time (ms), request_time
     (ms: its request's first exposure, looked for up to a day before the window), label (1.0 if a click with its
-    request id and item exists and no negative does). `scenario`: only the impressions whose context names it (a
+    request id and item exists and no negative does), and where a label declares a value, label_weight (the
+    value over the mean of the window's, 1 for the rest). `scenario`: only the impressions whose context names it (a
     declared scenario's ranker learns from its own surface)."""
     start, end = (int(t.timestamp() * 1000) for t in (window.start, window.end))
     # A click comes after its impression: read a day past the window for the clicks of its last ones.
@@ -74,7 +75,12 @@ def labelled_impressions(s: Settings, window: Window, scenario: str | None = Non
     exposures = frame[frame.event_type.isin(s.spec.exposures)]
     first = exposures.groupby("request_id")["event_time"].min().rename("request_time")
     imps = exposures[(exposures.event_time >= start) & (exposures.event_time < end)].join(first, on="request_id")
-    clicks = frame[frame.event_type.isin(s.spec.labels)][["request_id", "item_id"]].drop_duplicates()
+    clicks = frame[frame.event_type.isin(s.spec.labels)]
+    # A declared value (an order's amount): the exposure's is its labels' largest
+    values = [s.spec.label_value(t, json.loads(c)) if t in s.spec.valued else None
+              for t, c in zip(clicks["event_type"], clicks["context"])]
+    clicks = (clicks[["request_id", "item_id"]].assign(value=np.array(values, float))
+              .groupby(["request_id", "item_id"], as_index=False)["value"].max())
     clicks["label"] = 1.0
     out = imps.merge(clicks, on=["request_id", "item_id"], how="left")
     out["label"] = out["label"].fillna(0.0)
@@ -82,6 +88,10 @@ def labelled_impressions(s: Settings, window: Window, scenario: str | None = Non
     refused = frame[frame.event_type.isin(s.spec.negatives)][["request_id", "item_id"]].drop_duplicates()
     out = out.merge(refused.assign(refused=True), on=["request_id", "item_id"], how="left")
     out.loc[out["refused"].notna(), "label"] = 0.0
+    if s.spec.valued:  # each valued label weighs its value against the window's mean; the rest 1
+        valued = out["value"].notna() & (out["label"] > 0)
+        mean = out.loc[valued, "value"].mean() if valued.any() else 1.0
+        out[LABEL_WEIGHT] = np.where(valued, out["value"] / mean, 1.0)
     contexts = [json.loads(c) for c in out["context"]]
     # The keys the stream groups by (the category's first); an event without one has the catalog's, as the stream
     # job counts it.
@@ -99,7 +109,8 @@ def labelled_impressions(s: Settings, window: Window, scenario: str | None = Non
             for c in contexts]
     out = out.loc[np.array(kept, bool)]  # load tests teach nothing
     columns = ["request_id", "user_id", "item_id", "category", *s.spec.group_by, *(c.name for c in s.spec.context),
-               *((POSITION_FIELD,) if s.spec.position_slots else ()), "event_time", "request_time", "label"]
+               *((POSITION_FIELD,) if s.spec.position_slots else ()), "event_time", "request_time", "label",
+               *((LABEL_WEIGHT,) if s.spec.valued else ())]
     return out[columns].sort_values("event_time", kind="stable").reset_index(drop=True)
 
 
@@ -118,7 +129,8 @@ def training_frame(s: Settings, window: Window, scenario: str | None = None) -> 
     missing = [c for c in RAW_FEATURES if c not in joined.columns]
     if missing:
         raise ValueError(f"feature service ranking_training lacks {missing}")
-    for name in (*(c.name for c in s.spec.context), *((POSITION_FIELD,) if s.spec.position_slots else ())):
+    for name in (*(c.name for c in s.spec.context), *((POSITION_FIELD,) if s.spec.position_slots else ()),
+                 *((LABEL_WEIGHT,) if s.spec.valued else ())):
         joined[name] = imps[name].to_numpy()  # the request's or the list's, not a stored feature
     served = served_values(s, imps)
     if len(served):

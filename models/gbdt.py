@@ -85,7 +85,7 @@ def gbdt_scores(train: Examples, validation: Examples, test: Examples) -> np.nda
     # LightGBM's names refuse JSON's punctuation: a position keeps them apart whatever the values hold.
     names = [f"f{j}_{re.sub(r'[^0-9A-Za-z]+', '_', n)}" for j, n in enumerate(columns.names(train))]
     categorical = names[train.numeric.shape[1]:train.numeric.shape[1] + len(columns.ids)]
-    data = lightgbm.Dataset(columns.matrix(train), train.labels, feature_name=names,
+    data = lightgbm.Dataset(columns.matrix(train), train.labels, weight=train.weights, feature_name=names,
                             categorical_feature=categorical, free_raw_data=False)
     valid = data.create_valid(columns.matrix(validation), validation.labels)
     booster = lightgbm.train(PARAMS | {"metric": "auc"}, data, ROUNDS, valid_sets=[valid],

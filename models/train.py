@@ -128,6 +128,7 @@ def train_full(s: Settings, window: Window, kind: str | None = None, promote: bo
         samples_per_s = len(train) * len(losses) / seconds
         metrics = _log_evaluation(model, test, "test") | {"train_samples_per_s": samples_per_s,
                                                            "epochs": float(len(losses)), "examples": float(len(ex))}
+        mlflow.log_metric("valued_labels", float((train.weights != 1).sum()))  # examples a label's value weighed
         if baselines:
             metrics |= baseline_aucs(s, train, validation, test, Path(tmp) / "logreg")
             mlflow.log_metrics({k: v for k, v in metrics.items() if k.startswith("test_auc_")})
@@ -212,7 +213,7 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
         started = time.perf_counter()
         losses = model.fit(train, progress=progress)
         samples_per_s = len(train) / (time.perf_counter() - started)
-        mlflow.log_metric("train_logloss", losses[-1])
+        mlflow.log_metrics({"train_logloss": losses[-1], "valued_labels": float((train.weights != 1).sum())})
         metrics = _log_evaluation(model, evaluation, "eval") | {"train_samples_per_s": samples_per_s}
         delta = Path(tmp) / "delta"
         changed = model.save_delta(delta, since=base_versions)

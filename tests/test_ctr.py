@@ -207,3 +207,35 @@ def test_a_position_bias_learnt_apart_ranks_by_the_items_appeal_not_the_former_r
     model.save(tmp_path / "v1")
     loaded = CtrModel.load(tmp_path / "v1")
     assert loaded.spec.position_slots == 10 and np.allclose(loaded.predict(shown), model.predict(shown), atol=1e-6)
+
+
+def test_a_labels_declared_value_as_its_weight_ranks_for_value_not_only_for_clicks() -> None:
+    """Orders of items alike in how often they are bought but not in what they are worth: the ranker whose
+    examples weigh each order's amount (over the mean, as the training labels' `label_weight`) puts the items
+    that earn more on top, and the value of its top 3 per list beats the same ranker's learnt from orders alone."""
+    rng = np.random.default_rng(21)
+    items, n = 300, 30_000
+    bought = 1 / (1 + np.exp(-rng.normal(-1.5, 0.7, items)))
+    amount = rng.lognormal(3.0, 1.0, items)
+    shown = rng.integers(0, items, n)
+    ordered = rng.random(n) < bought[shown]
+    weights = np.where(ordered, amount[shown] / amount[shown][ordered].mean(), 1.0).astype(np.float32)
+
+    def examples(item: np.ndarray, labels: np.ndarray, w: np.ndarray | None = None) -> Examples:
+        m = len(item)
+        return Examples(np.array([f"u{u}" for u in rng.integers(0, 50, m)], object),
+                        np.array([f"i{i}" for i in item], object),
+                        np.array([f"c{i % CATEGORIES}" for i in item], object), np.full((m, 10), PAD, object),
+                        np.zeros((m, 1), np.float32), labels.astype(np.float32), weights=w)
+
+    lists = np.array([rng.choice(items, 20, replace=False) for _ in range(500)])
+    candidates = examples(lists.ravel(), np.zeros(lists.size))
+    worth = {}
+    for weighted in (True, False):
+        model = CtrModel(SPEC)
+        model.fit(examples(shown, ordered, weights if weighted else None), epochs=3, progress=False)
+        top = np.take_along_axis(lists, np.argsort(-model.predict(candidates).reshape(lists.shape), axis=1)[:, :3], 1)
+        worth[weighted] = float((bought[top] * amount[top]).sum(axis=1).mean())
+    print(f"expected value of the top 3 per list: weighted by amount {worth[True]:.1f}, "
+          f"orders alone {worth[False]:.1f}")
+    assert worth[True] >= 1.2 * worth[False], worth

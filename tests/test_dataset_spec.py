@@ -644,6 +644,38 @@ def test_a_negative_labels_its_exposure_0_even_when_clicked_and_is_no_positive_a
             parse_spec(text.replace('role = "negative"', f'role = "negative"\n{extra}'), shop(tmp_path))
 
 
+def test_a_labels_declared_value_weighs_its_example_by_the_amount_over_its_windows_mean(tmp_path: Path) -> None:
+    """`value = "amount"` on a label: the example an order labels weighs its amount over the mean of the window's
+    amounts (an exposure's largest where several); an order without a number > 0, and every unlabelled exposure,
+    weighs 1. A value on anything but a label is refused; undeclared, there is no weight column."""
+    from feature_repo.event_log import write_batch
+    from models.dataset import Window, labelled_impressions
+    from streaming.consumer import Consumed
+    from streaming.events import Event
+
+    text = SHOP.replace("label = true", 'label = true\nvalue = "amount"', 1)
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(shop(tmp_path, text)),
+                       "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path)})
+    (tmp_path / "plain").mkdir()
+    assert s.spec.valued == {"order": "amount"} and s.spec.digest != parse_spec(SHOP, shop(tmp_path / "plain")).digest
+    t = 1_700_000_000_000
+    orders = {"A1": [{"amount": 10}], "B2": [{"amount": 50}, {"amount": 30.0}], "C3": [{"amount": "lots"}],
+              "D4": [{}], "E5": []}
+    events = [Event(event_id=f"{item}-{k}", user_id="u", item_id=item, event_type="order" if k else "view",
+                    request_id="r1", event_time=t + 10 * n + k, context=context)
+              for n, (item, given) in enumerate(orders.items()) for k, context in enumerate([{}, *given])]
+    write_batch(s, [Consumed(e, partition=0, offset=n) for n, e in enumerate(events)])
+    rows = labelled_impressions(s, Window(*(datetime.fromtimestamp(t / 1000 + d, UTC) for d in (0, 1))))
+    assert dict(zip(rows["item_id"], rows["label_weight"])) == {"A1": 10 / 30, "B2": 50 / 30, "C3": 1.0, "D4": 1.0,
+                                                                "E5": 1.0}
+    assert list(rows["label"]) == [1.0, 1.0, 1.0, 1.0, 0.0]
+    for where, change in (("#1", 'role = "exposure"\nvalue = "amount"'), ("#2", 'weight = 2\nvalue = "amount"'),
+                          ("#3", 'label = true\nvalue = "the amount"')):
+        before = change.split("\n")[0]
+        with pytest.raises(SpecError, match=rf"{where}.value: expected the context field holding a label's number"):
+            parse_spec(SHOP.replace(before, change, 1), shop(tmp_path))
+
+
 def test_whether_items_repeat_is_declared_by_the_data(tmp_path: Path) -> None:
     """Groceries are bought again, films are not watched twice: the bundled specs say which, a bad value is
     refused, and the default is films'."""

@@ -66,6 +66,10 @@ def test_each_candidate_gets_its_categorys_long_history_shares_and_attributes() 
     for part in ("categories", "numeric", "sequences", "sequence_types", "long_sequences", "long_types",
                  "item_tokens", "user_tokens"):
         assert getattr(own, part).tolist() == getattr(ex, part).tolist(), part
+    # the training join's label_weight (a label's declared value over its window's mean): each example's weight in
+    # the loss; a frame without it (serving's, a spec declaring none) weighs each 1
+    weighed = to_examples(columns | {"label_weight": [2.5, 1.0, 0.5]}, np.full(n, 500), np.ones(n), sequence_length=4)
+    assert weighed.weights.tolist() == [2.5, 1.0, 0.5] and ex.weights.tolist() == [1.0] * n
 
 
 def test_training_rows_read_the_long_history_point_in_time_and_only_their_category(tmp_path: Path) -> None:
