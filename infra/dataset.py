@@ -74,8 +74,8 @@ class EventTypeSpec:
     weight: float = 0.0  # a positive's weight as an edge of the behavior graph
     label: bool = False  # a positive that labels the ranker's examples
     # A label's context field holding its number (an order's amount, a view's dwell seconds): the example it labels
-    # weighs that much against the others (LABEL_WEIGHT)
-    value: str = ""
+    # weighs that much against the others (LABEL_WEIGHT). Out of the repr: a spec without one keeps its digest.
+    value: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -325,7 +325,8 @@ class DatasetSpec:
 
     def label_value(self, event_type: str, given: Mapping[str, object] | None) -> float | None:
         """A label event's declared number (its amount, its dwell), where it has one > 0."""
-        x = _number((given or {}).get(self.valued.get(event_type, ""))) if event_type in self.valued else None
+        holder = self.valued.get(event_type)
+        x = _number((given or {}).get(holder)) if holder else None
         return x if x is not None and x > 0 else None
 
     @property
@@ -341,7 +342,8 @@ class DatasetSpec:
                     + ((self.windows,) if self.windows != DEFAULT_WINDOWS else ())  # MovieLens' as before
                     + (("repeats",) if self.repeats else ())
                     + ((self.context,) if self.context else ())
-                    + ((("position", self.position_slots),) if self.position_slots else ()))
+                    + ((("position", self.position_slots),) if self.position_slots else ())
+                    + ((("values", tuple(self.valued.items())),) if self.valued else ()))
         return hashlib.sha256(repr(declared).encode()).hexdigest()[:16]
 
     def source_path(self, source: str) -> Path:
