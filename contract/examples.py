@@ -12,7 +12,7 @@ PAD = ""  # a padding slot of a behavior sequence
 
 ARRAYS = ("user_ids", "item_ids", "categories", "sequences", "numeric", "labels", "sequence_types",
           "long_sequences", "long_types", "item_tokens", "user_tokens", "context_tokens", "positions",
-          "weights")
+          "weights", "objectives")
 
 
 @dataclass
@@ -39,6 +39,8 @@ class Examples:
     positions: np.ndarray | None = None
     # [N] float32: how much the example weighs in training (a label's declared value over its window's mean), 1 if none
     weights: np.ndarray | None = None
+    # [N, K] float32: each objective's label (`[objectives]`; column 0 is `labels`), the labels alone if not given
+    objectives: np.ndarray | None = None
     numeric_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -52,6 +54,8 @@ class Examples:
             self.positions = np.zeros(n, np.int32)
         if self.weights is None:
             self.weights = np.ones(n, np.float32)
+        if self.objectives is None:
+            self.objectives = np.asarray(self.labels, np.float32).reshape(n, 1)
         for name in ARRAYS:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"examples: {name} has {len(getattr(self, name))} rows, labels {n}")

@@ -249,8 +249,11 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
     values as the online store holds them) for requests at `times_ms`, with every numeric feature of
     NUMERIC_FEATURES (each model takes its own, a number context field's among them) and, from a column per
     declared context field, the request's context tokens; from a `position` column (the training join's), each
-    exposure's rank, and from a `label_weight` column each example's weight. Serving uses the same function (no rank:
-    scored as at the top)."""
+    exposure's rank, and from a `label_weight` column each example's weight. `labels` [N], or [N, K]: each objective's
+    (the first's are the labels). Serving uses the same function (no rank: scored as at the top)."""
+    labels = np.asarray(labels, np.float32)
+    objectives = labels if labels.ndim == 2 else labels[:, None]
+    labels = objectives[:, 0]
     n = len(labels)
     categories = _strings(features["category"])
     numeric = np.zeros((n, len(NUMERIC_FEATURES)), np.float32)
@@ -278,10 +281,10 @@ def to_examples(features: Columns, times_ms: np.ndarray, labels: np.ndarray, seq
                                        features["history_event_types"])
     return Examples(user_ids=_strings(features["user_id"]), item_ids=item_ids,
                     categories=categories, sequences=sequences, numeric=numeric,
-                    labels=np.asarray(labels, np.float32), sequence_types=types,
+                    labels=labels, sequence_types=types,
                     long_sequences=long, long_types=long_types,
                     item_tokens=_tokens("item_tokens", features), user_tokens=_tokens("user_tokens", features),
                     context_tokens=_context_tokens(features, n),
                     positions=np.asarray(features[POSITION_FIELD], np.int32) if POSITION_FIELD in features else None,
                     weights=np.asarray(features[LABEL_WEIGHT], np.float32) if LABEL_WEIGHT in features else None,
-                    numeric_names=NUMERIC_FEATURES)
+                    objectives=objectives, numeric_names=NUMERIC_FEATURES)

@@ -52,8 +52,9 @@ MAX_BUCKETS = 32
 # Context fields the platform itself reads or writes on events: not a declared field's name. The position a list
 # showed an item at is a bias of the list that served it, not the request's context (unknown when /rank scores).
 POSITION_FIELD = "position"  # an exposure's 0-based rank in the list that showed it (the platform's traffic writes it)
-# A training example's weight: a label's declared value over the mean of its window's values (1 without one)
-LABEL_WEIGHT = "label_weight"
+# Objectives (`[objectives.<name>]`): at most this many, each a network of the ranker; the training frame's label
+# column of each after the first is this prefix and its name (the first's: `label`).
+MAX_OBJECTIVES, OBJECTIVE_COLUMN = 4, "objective_"
 PLATFORM_CONTEXT = frozenset((SCENARIO_FIELD, "test_traffic", POSITION_FIELD, "served_by", "source"))
 # `[events.position] slots`: the ranks with a bias of their own (later ones share the last); at most MAX_SLOTS.
 DEFAULT_SLOTS, MAX_SLOTS = 10, 100
@@ -76,6 +77,18 @@ class EventTypeSpec:
     # A label's context field holding its number (an order's amount, a view's dwell seconds): the example it labels
     # weighs that much against the others (LABEL_WEIGHT). Out of the repr: a spec without one keeps its digest.
     value: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """A named objective (`[objectives.<name>]`): the probability that an exposure is followed by one of its label
+    types on the same request, or with `over`, by one of its types and by the other objective's (ESMM's CTCVR: a buy
+    over the clicks, predicted for every exposure as P(click) x P(buy | click), so that the conditional rate is
+    trained where it is scored, over every exposure, not only over clicked ones)."""
+
+    name: str
+    labels: tuple[str, ...]
+    over: str = ""  # an objective declared before it
 
 
 @dataclass(frozen=True)
@@ -263,6 +276,13 @@ class DatasetSpec:
     # `[events.position]`: the exposures' rank is a bias the ranker learns apart and leaves out when it scores
     # (slots: ranks with a bias of their own); 0: not declared, the rank is not read.
     position_slots: int = 0
+    # `[objectives]`: what the ranker predicts, by name, the first's labels being `labels`; (): one objective, the
+    # types declaring label = true.
+    objectives: tuple[ObjectiveSpec, ...] = ()
+
+    def objective_column(self, name: str) -> str:
+        """The training frame's label column of an objective: `label` for the first, else `objective_<name>`."""
+        return "label" if not self.objectives or name == self.objectives[0].name else OBJECTIVE_COLUMN + name
 
     def position_of(self, given: Mapping[str, object] | None) -> int:
         """An event's rank in the list that showed it (`position`, 0-based), 0 (the top, no bias) where missing or
@@ -343,7 +363,8 @@ class DatasetSpec:
                     + (("repeats",) if self.repeats else ())
                     + ((self.context,) if self.context else ())
                     + ((("position", self.position_slots),) if self.position_slots else ())
-                    + ((("values", tuple(self.valued.items())),) if self.valued else ()))
+                    + ((("values", tuple(self.valued.items())),) if self.valued else ())
+                    + ((("objectives", self.objectives),) if self.objectives else ()))
         return hashlib.sha256(repr(declared).encode()).hexdigest()[:16]
 
     def source_path(self, source: str) -> Path:
@@ -388,10 +409,13 @@ def _event_type(where: str, raw: Any) -> EventTypeSpec:
         article = "an" if t["role"][0] in "aeiou" else "a"
         raise SpecError(f"{where}: {article} {t['role']} has no weight and labels nothing (only positives do)")
     value = t.get("value", "")
-    if "value" in t and not (t.get("label") and re.fullmatch(r"[a-z][a-z0-9_]{0,31}", value)):
-        raise SpecError(f"{where}.value: expected the context field holding a label's number (lowercase letters, "
-                        f"digits and '_', at most 32) on a positive with label = true, got {value!r}")
+    if "value" in t and not (positive and re.fullmatch(r"[a-z][a-z0-9_]{0,31}", value)):
+        raise SpecError(f"{where}.value: {VALUE_EXPECTED}, got {value!r}")
     return EventTypeSpec(t["name"], t["role"], weight, t.get("label", False), value)
+
+
+VALUE_EXPECTED = ("expected the context field holding a label's number (lowercase letters, digits and '_', at most "
+                  "32) on a positive with label = true (or a label of the first objective)")
 
 
 def _attribute(where: str, name: str, raw: Any) -> AttributeSpec:
@@ -430,20 +454,28 @@ def _table(where: str, entity: str, raw: Any) -> TableSpec:
     return TableSpec(entity, t["source"], t["id"], attributes, category)
 
 
+# A training example's weight: a label's declared value over the mean of its window's values (1 without one)
+LABEL_WEIGHT = "label_weight"
 # A further key names its features ("brand_ctr", "interest_brand_share") and a stream column: not these.
 RESERVED_KEYS = frozenset(("category", "user", "item", "user_id", "item_id", "event_id", "event_type", "event_time",
                            "request_id", "history", "interest", "seq", "sequence", "total", "profile", "row", "label",
                            "keys", "proctime", LABEL_WEIGHT))
 
 
+def _identifier(where: str, what: str, name: object) -> None:
+    """A name that becomes a column or a feature's: lowercase letters, digits and '_', none reserved or prefixed as
+    the objectives' label columns."""
+    if (not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", name) or name in RESERVED_KEYS
+            or name.startswith(OBJECTIVE_COLUMN)):
+        raise SpecError(f"{where}: expected {what} of lowercase letters, digits and '_' (at most 32, not "
+                        f"{', '.join(sorted(RESERVED_KEYS))}, nor starting with {OBJECTIVE_COLUMN!r}), got {name!r}")
+
+
 def _group_by(where: str, key: str, names: list, item: dict) -> tuple[str, ...]:
     """The keys after the first: distinct item attributes, categorical or multi, whose names are identifiers."""
     attributes = item.get("attributes", {}) if isinstance(item, dict) else {}
     for name in names:
-        if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", name) or name in RESERVED_KEYS:
-            raise SpecError(f"{where}: expected the keys after the first to be item attribute names of lowercase "
-                            f"letters, digits and '_' (at most 32, not {', '.join(sorted(RESERVED_KEYS))}), "
-                            f"got {name!r}")
+        _identifier(where, "the keys after the first to be item attribute names", name)
         if name == key or names.count(name) > 1:
             raise SpecError(f"{where}: {name!r} is named twice")
         if not isinstance(attributes.get(name), dict) or attributes[name].get("kind") not in ("categorical", "multi"):
@@ -458,9 +490,7 @@ def _context(where: str, raw: dict[str, Any], keys: tuple[str, ...]) -> tuple[Co
         raise SpecError(f"{where}: at most {MAX_CONTEXT} fields, got {len(raw)}")
     out = []
     for name, table in raw.items():
-        if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", name) or name in RESERVED_KEYS:
-            raise SpecError(f"{where}: expected a field name of lowercase letters, digits and '_' (at most 32, not "
-                            f"{', '.join(sorted(RESERVED_KEYS))}), got {name!r}")
+        _identifier(where, "a field name", name)
         if name in keys:
             raise SpecError(f"{where}.{name}: {name!r} is a grouping key ([events] key): its values come from the "
                             "catalog and have features of their own")
@@ -485,6 +515,31 @@ def _context(where: str, raw: dict[str, Any], keys: tuple[str, ...]) -> tuple[Co
             raise SpecError(f"{where}.{name}.buckets: expected 1 to {MAX_BUCKETS} numbers, ascending, each once; "
                             f"got {list(buckets)!r}")
         out.append(ContextSpec(name, kind, default, tuple(float(b) for b in buckets)))
+    return tuple(out)
+
+
+def _objectives(where: str, raw: dict[str, Any], types: tuple[EventTypeSpec, ...]) -> tuple[ObjectiveSpec, ...]:
+    """The named objectives: 1 to MAX_OBJECTIVES, each labelled by positives, `over` one declared before it."""
+    if not 1 <= len(raw) <= MAX_OBJECTIVES:
+        raise SpecError(f"{where}: expected 1 to {MAX_OBJECTIVES} objectives, got {len(raw)}")
+    if labelled := [t.name for t in types if t.label]:
+        raise SpecError(f"{where}: the objectives name what is predicted: drop label = true from {labelled[0]!r}")
+    positives = [t.name for t in types if t.role == "positive"]
+    out: list[ObjectiveSpec] = []
+    for name, table in raw.items():
+        _identifier(where, "an objective name", name)
+        o = _check(f"{where}.{name}", table, {"labels": list}, {"over": str})
+        labels = o["labels"]
+        if not labels or any(label not in positives for label in labels) or len(set(labels)) < len(labels):
+            raise SpecError(f"{where}.{name}.labels: expected event types with role = \"positive\" (of "
+                            f"{', '.join(positives)}), each once, got {labels!r}")
+        over = o.get("over", "")
+        if over and over not in [d.name for d in out]:
+            raise SpecError(f"{where}.{name}.over: expected an objective declared before it (its exposure space), "
+                            f"got {over!r}")
+        out.append(ObjectiveSpec(name, tuple(labels), over))
+    if out[0].over:
+        raise SpecError(f"{where}.{out[0].name}.over: the first objective is over the exposures")
     return tuple(out)
 
 
@@ -570,7 +625,7 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{path}: not TOML: {exc}") from None
     top = _check(str(path), raw, {"dataset": dict, "events": dict, "tables": dict},
-                 {"features": dict, "demo": dict, "settings": dict, "scenarios": dict})
+                 {"features": dict, "demo": dict, "settings": dict, "scenarios": dict, "objectives": dict})
     for section, values in top.get("settings", {}).items():
         if not isinstance(values, dict):
             raise SpecError(f"{path} [settings].{section}: expected a table of settings, got {type(values).__name__}")
@@ -588,6 +643,12 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise SpecError(f"{path} [[events.types]]: the name {twice[0]!r} is declared twice")
+    objectives = _objectives(f"{path} [objectives]", top["objectives"], types) if "objectives" in top else ()
+    if objectives:  # the first objective's labels are the spec's labels (the stream's clicks, the gate's AUC)
+        types = tuple(replace(t, label=t.name in objectives[0].labels) for t in types)
+    for n, t in enumerate(types):
+        if t.value and not t.label:
+            raise SpecError(f"{path} [[events.types]] #{n + 1}.value: {VALUE_EXPECTED}, got {t.value!r}")
     tables = _check(f"{path} [tables]", top["tables"], {e: dict for e in ENTITIES}, {})
     spec = DatasetSpec(dataset["name"], path, types,
                        tuple(_table(f"{path} [tables.{e}]", e, tables[e]) for e in ENTITIES),
@@ -595,7 +656,8 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
                        key, _group_by(f"{path} [events].key", key, group_by, tables.get("item", {})),
                        adapter=dataset.get("adapter"),
                        demo=_demo(f"{path} [demo]", top["demo"]) if "demo" in top else DemoSpec(),
-                       repeats=events.get("repeats", False), settings=top.get("settings", {}))
+                       repeats=events.get("repeats", False), settings=top.get("settings", {}),
+                       objectives=objectives)
     if "features" in top:
         spec = replace(spec, windows=_windows(f"{path} [features]", top["features"]))
     if "scenarios" in top:

@@ -6,8 +6,10 @@ where the attribute is an `Architecture` (a user's record, with its own inputs a
 (`ModelSpec -> keras.Model`, every input, the platform's defaults). A network takes the inputs documented in
 models/networks.py (a dict of tensors: embeddings [B, D], sequences [B, L, D] with masks, numeric [B, F]),
 returns click logits [B], and may have `adapt(numeric [N, F])`, called with the training part's numeric
-features before the first step. The same module must import wherever the version is trained and served:
-the DAG trains it, the gate judges it, the ranking server compiles it on the batched XLA path as any other.
+features before the first step. Where the dataset declares several objectives (`[objectives]`), the builder is
+called once per objective, each network's logits one objective's (models/networks.py Objectives). The same module
+must import wherever the version is trained and served: the DAG trains it, the gate judges it, the ranking server
+compiles it on the batched XLA path as any other.
 
 Standard library and the contract only: the CLI and the DAGs read the names without loading TensorFlow.
 """
@@ -39,10 +41,12 @@ class Architecture:
     numeric_bins: bool = False  # takes `models.numeric_bins` piecewise-linear bins per numeric feature
 
     def build(self, spec: ModelSpec) -> keras.Model:
-        """The network, inside a position bias where the version learns one (`spec.position_slots`)."""
-        from models.networks import PositionBias  # keras: only where a network is built
+        """The network (one per objective where the version has several: `spec.objectives`), inside a position bias
+        where the version learns one (`spec.position_slots`)."""
+        from models.networks import Objectives, PositionBias  # keras: only where a network is built
 
-        network = _attribute(self.network)(spec)
+        build = _attribute(self.network)
+        network = Objectives([build(spec) for _ in spec.objectives]) if len(spec.objectives) > 1 else build(spec)
         return PositionBias(network, spec.position_slots) if spec.position_slots else network
 
     def without_long_history(self) -> Architecture:

@@ -66,6 +66,9 @@ class ModelSpec:
     # The exposures' ranks with a bias of their own, learnt apart and left out of every score (`[events.position]`
     # when trained; 0: none).
     position_slots: int = 0
+    # Its objectives (`[objectives]` when trained): (name, the name of the one it is over or ""), a network each;
+    # (): one, the spec's labels.
+    objectives: tuple[tuple[str, str], ...] = ()
 
     @property
     def context(self) -> tuple[str, ...]:
@@ -87,7 +90,8 @@ class ModelSpec:
         return cls(**raw | {"sparse": SparseConfig(**raw["sparse"]), "numeric_features": tuple(raw["numeric_features"]),
                             "hidden": tuple(raw["hidden"])}
                    | ({"event_types": tuple(raw["event_types"])} if "event_types" in raw else {})
-                   | {"dataset": raw.get("dataset", ""), "tokens": tuple(raw.get("tokens", ()))})
+                   | {"dataset": raw.get("dataset", ""), "tokens": tuple(raw.get("tokens", ())),
+                      "objectives": tuple(tuple(o) for o in raw.get("objectives", ()))})
 
 
 class CtrModel:
@@ -100,11 +104,19 @@ class CtrModel:
         self.tables = {name: SparseTable(name, spec.sparse) for name in TABLES} | (tables or {})
         self.network = arch.build(spec)
         self.optimizer = keras.optimizers.Adam(spec.learning_rate)
+        # Each objective's exposure space: the index of the objective it is over, -1 for the exposures; (): one.
+        names = [name for name, _ in spec.objectives]
+        self._over = tuple(names.index(over) if over else -1 for _, over in spec.objectives) if len(names) > 1 else ()
         # Build the variables eagerly: the compiled step must not create any.
-        self.network(self._dense_inputs(self._lookup(_empty(spec), train=False), _empty(spec)))
+        inputs = self._dense_inputs(self._lookup(_empty(spec), train=False), _empty(spec))
+        self.network(inputs)
+        if self._over:  # every objective's network, not only the first's (the scores')
+            self.network.heads(inputs)
         self.optimizer.build(self.network.trainable_variables)
         self._step = tf.function(self._dense_step, jit_compile=spec.jit_compile, reduce_retracing=True)
         self._predict = tf.function(self._dense_predict, jit_compile=spec.jit_compile, reduce_retracing=True)
+        self._predict_objectives = tf.function(lambda x: tf.exp(self._log_probabilities(self.network.heads(x))[0]),
+                                               jit_compile=spec.jit_compile, reduce_retracing=True)
 
     # --- inputs ----------------------------------------------------------------------------------
 
@@ -267,11 +279,29 @@ class CtrModel:
         variables = self.network.trainable_variables
         with tf.GradientTape() as tape:
             tape.watch(embedded)
-            logits = self.network(inputs, training=True)
-            loss = tf.reduce_mean(weights * tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits))
+            if self._over:  # labels [B, K]: each objective's, over its probability
+                log_p, log_not = self._log_probabilities(self.network.heads(inputs, training=True))
+                losses = -tf.reduce_sum(labels * log_p + (1.0 - labels) * log_not, axis=-1)
+            else:
+                logits = self.network(inputs, training=True)
+                losses = tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)
+            loss = tf.reduce_mean(weights * losses)
         grads = tape.gradient(loss, [*variables, *embedded], unconnected_gradients=tf.UnconnectedGradients.ZERO)
         self.optimizer.apply(grads[: len(variables)], variables)
         return loss, grads[len(variables):]
+
+    def _log_probabilities(self, heads: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """log p and log(1 - p) [B, K] of each objective from its logit: over the exposures, its sigmoid; over
+        another objective, its sigmoid (the rate given that one) times that one's probability (ESMM)."""
+        log_p, log_not = [], []
+        for k, over in enumerate(self._over):
+            if over < 0:
+                log_p.append(tf.math.log_sigmoid(heads[:, k]))
+                log_not.append(tf.math.log_sigmoid(-heads[:, k]))
+            else:
+                log_p.append(tf.math.log_sigmoid(heads[:, k]) + log_p[over])
+                log_not.append(tf.math.log(tf.maximum(-tf.math.expm1(log_p[-1]), 1e-7)))
+        return tf.stack(log_p, axis=-1), tf.stack(log_not, axis=-1)
 
     def _dense_predict(self, inputs: dict[str, tf.Tensor]) -> tf.Tensor:
         return tf.sigmoid(self.network(inputs, training=False))
@@ -283,7 +313,11 @@ class CtrModel:
         inputs = self._dense_inputs(rows, ex)
         if self.spec.position_slots:  # a training input only: scores are the item's, at the top
             inputs["position"] = tf.constant(ex.positions, tf.int32)
-        loss, grads = self._step(inputs, tf.constant(ex.labels, tf.float32), tf.constant(ex.weights, tf.float32))
+        if self._over and ex.objectives.shape[1] != len(self._over):
+            raise ValueError(f"examples with the labels of {ex.objectives.shape[1]} objectives; the model predicts "
+                             f"{len(self._over)} ({', '.join(name for name, _ in self.spec.objectives)})")
+        labels = ex.objectives if self._over else ex.labels
+        loss, grads = self._step(inputs, tf.constant(labels, tf.float32), tf.constant(ex.weights, tf.float32))
         # The rows get the gradient of the summed loss, not the mean: a row's update then does not
         # shrink with the batch size (each row is touched by a few examples of a batch).
         grad = dict(zip(EMBEDDED, (g.numpy() * len(ex) for g in grads)))
@@ -320,6 +354,14 @@ class CtrModel:
             part = ex.take(slice(start, start + batch_size))
             out.append(self._predict(self._dense_inputs(self._lookup(part, train=False), part)).numpy())
         return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+    def predict_objectives(self, ex: Examples, batch_size: int = 1024) -> np.ndarray:
+        """Each objective's probability over the exposures [N, K] (one objective: `predict`'s)."""
+        if not self._over:
+            return self.predict(ex, batch_size)[:, None]
+        out = [self._predict_objectives(self._dense_inputs(self._lookup(part, train=False), part)).numpy()
+               for part in (ex.take(slice(start, start + batch_size)) for start in range(0, len(ex), batch_size))]
+        return np.concatenate(out) if out else np.zeros((0, len(self._over)), np.float32)
 
     # --- export ----------------------------------------------------------------------------------
 

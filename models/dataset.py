@@ -62,9 +62,10 @@ def labelled_impressions(s: Settings, window: Window, scenario: str | None = Non
     request_id, user_id, item_id, category (then each further key of the spec, then each declared context field's
     value, then, where the spec declares a position bias, the rank it was shown at), event_time (ms), request_time
     (ms: its request's first exposure, looked for up to a day before the window), label (1.0 if a click with its
-    request id and item exists and no negative does), and where a label declares a value, label_weight (the
-    value over the mean of the window's, 1 for the rest). `scenario`: only the impressions whose context names it (a
-    declared scenario's ranker learns from its own surface)."""
+    request id and item exists and no negative does; the first objective's), each further objective's label
+    (`objective_<name>`: one of its types on the request and item, no negative, and its `over`'s label), and where a
+    label declares a value, label_weight (the value over the mean of the window's, 1 for the rest). `scenario`: only
+    the impressions whose context names it (a declared scenario's ranker learns from its own surface)."""
     start, end = (int(t.timestamp() * 1000) for t in (window.start, window.end))
     # A click comes after its impression: read a day past the window for the clicks of its last ones.
     log = read_event_log(s, start - DAY_MS, end + DAY_MS)
@@ -75,19 +76,27 @@ def labelled_impressions(s: Settings, window: Window, scenario: str | None = Non
     exposures = frame[frame.event_type.isin(s.spec.exposures)]
     first = exposures.groupby("request_id")["event_time"].min().rename("request_time")
     imps = exposures[(exposures.event_time >= start) & (exposures.event_time < end)].join(first, on="request_id")
+    pair = ["request_id", "item_id"]
     clicks = frame[frame.event_type.isin(s.spec.labels)]
-    # A declared value (an order's amount): the exposure's is its labels' largest
-    values = [s.spec.label_value(t, json.loads(c)) if t in s.spec.valued else None
-              for t, c in zip(clicks["event_type"], clicks["context"])]
-    clicks = (clicks[["request_id", "item_id"]].assign(value=np.array(values, float))
-              .groupby(["request_id", "item_id"], as_index=False)["value"].max())
-    clicks["label"] = 1.0
-    out = imps.merge(clicks, on=["request_id", "item_id"], how="left")
+    if s.spec.valued:  # a declared value (an order's amount): the exposure's is its labels' largest
+        values = [s.spec.label_value(t, json.loads(c)) for t, c in zip(clicks["event_type"], clicks["context"])]
+        clicks = clicks[pair].assign(value=np.array(values, float)).groupby(pair, as_index=False)["value"].max()
+    else:
+        clicks = clicks[pair].drop_duplicates()
+    out = imps.merge(clicks.assign(label=1.0), on=pair, how="left")
     out["label"] = out["label"].fillna(0.0)
     # A negative (a hide, a dislike) on the same request and item is the user's last word: 0 even if clicked.
-    refused = frame[frame.event_type.isin(s.spec.negatives)][["request_id", "item_id"]].drop_duplicates()
-    out = out.merge(refused.assign(refused=True), on=["request_id", "item_id"], how="left")
-    out.loc[out["refused"].notna(), "label"] = 0.0
+    refused = np.zeros(len(out), bool)
+    if s.spec.negatives:
+        hidden = frame[frame.event_type.isin(s.spec.negatives)][pair].drop_duplicates()
+        refused = out[pair].merge(hidden.assign(refused=True), on=pair, how="left")["refused"].eq(True).to_numpy()
+        out.loc[refused, "label"] = 0.0
+    for objective in s.spec.objectives[1:]:  # each further objective's label: its types, and its `over`'s label
+        hits = frame[frame.event_type.isin(objective.labels)][pair].drop_duplicates().assign(hit=True)
+        hit = out[pair].merge(hits, on=pair, how="left")["hit"].eq(True).to_numpy() & ~refused
+        if objective.over:
+            hit &= out[s.spec.objective_column(objective.over)].to_numpy() > 0
+        out[s.spec.objective_column(objective.name)] = hit.astype(float)
     if s.spec.valued:  # each valued label weighs its value against the window's mean; the rest 1
         valued = out["value"].notna() & (out["label"] > 0)
         mean = out.loc[valued, "value"].mean() if valued.any() else 1.0
@@ -110,6 +119,7 @@ def labelled_impressions(s: Settings, window: Window, scenario: str | None = Non
     out = out.loc[np.array(kept, bool)]  # load tests teach nothing
     columns = ["request_id", "user_id", "item_id", "category", *s.spec.group_by, *(c.name for c in s.spec.context),
                *((POSITION_FIELD,) if s.spec.position_slots else ()), "event_time", "request_time", "label",
+               *(s.spec.objective_column(o.name) for o in s.spec.objectives[1:]),
                *((LABEL_WEIGHT,) if s.spec.valued else ())]
     return out[columns].sort_values("event_time", kind="stable").reset_index(drop=True)
 
@@ -149,7 +159,8 @@ def training_set(s: Settings, window: Window, sequence_length: int,
     """The examples of `window` (of `scenario` alone, when named) in time order (of their impressions), each with its
     features as of its request (`training_frame`), and their event times (ms)."""
     imps, joined = training_frame(s, window, scenario)
-    return to_examples(joined, imps["request_time"].to_numpy(), imps["label"].to_numpy(), sequence_length), \
+    labels = imps[[s.spec.objective_column(o.name) for o in s.spec.objectives] or ["label"]].to_numpy()
+    return to_examples(joined, imps["request_time"].to_numpy(), labels, sequence_length), \
         imps["event_time"].to_numpy()
 
 

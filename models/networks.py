@@ -143,10 +143,19 @@ class PositionBias(keras.Model):
 
     def call(self, inputs, training=None):
         logits = self.network({k: v for k, v in inputs.items() if k != "position"}, training=training)
+        return logits if "position" not in inputs else logits + self._bias(inputs["position"])
+
+    def heads(self, inputs, training=None):
+        """Each objective's logit [B, K] (`Objectives.heads`), the rank's bias on the first's (the click it draws:
+        an objective `over` it inherits it through its probability, one over the exposures is left alone)."""
+        heads = self.network.heads({k: v for k, v in inputs.items() if k != "position"}, training=training)
         if "position" not in inputs:
-            return logits
-        rank = ops.minimum(ops.cast(inputs["position"], "int32"), self.slots - 1)
-        return logits + ops.where(rank > 0, ops.take(self.bias, rank) * self.STEP, 0.0)
+            return heads
+        return ops.concatenate([heads[:, :1] + self._bias(inputs["position"])[:, None], heads[:, 1:]], axis=-1)
+
+    def _bias(self, position):
+        rank = ops.minimum(ops.cast(position, "int32"), self.slots - 1)
+        return ops.where(rank > 0, ops.take(self.bias, rank) * self.STEP, 0.0)
 
     def adapt(self, numeric: np.ndarray) -> None:
         if hasattr(self.network, "adapt"):
@@ -154,6 +163,33 @@ class PositionBias(keras.Model):
 
     def get_config(self) -> dict:
         return {"slots": self.slots}
+
+
+class Objectives(keras.Model):
+    """One network per declared objective (`[objectives]`), over the embeddings they share: the sparse tables, the
+    bulk of the parameters, learn from every objective's labels, the sparse ones' (a buy) most from the dense ones'
+    (a click), as ESMM shares its embeddings between its CTR and CVR towers. `heads` gives each objective's logit
+    [B, K]: of the objective's probability over the exposures, or for one `over` another, of its rate given that
+    one's positive (models/ctr.py chains them: P(buy) = P(click) x P(buy | click)). Scores are the first's: `call`
+    runs its network alone."""
+
+    def __init__(self, networks: list[keras.Model], **kwargs):
+        super().__init__(**kwargs)
+        self.networks = networks
+
+    def call(self, inputs, training=None):
+        return self.networks[0](inputs, training=training)
+
+    def heads(self, inputs, training=None):
+        return ops.stack([network(inputs, training=training) for network in self.networks], axis=-1)
+
+    def adapt(self, numeric: np.ndarray) -> None:
+        for network in self.networks:
+            if hasattr(network, "adapt"):
+                network.adapt(numeric)
+
+    def get_config(self) -> dict:
+        return {"objectives": len(self.networks)}
 
 
 class RankerV1(keras.Model):

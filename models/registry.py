@@ -20,6 +20,7 @@ from __future__ import annotations
 import getpass
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -242,7 +243,7 @@ class Decision:
     score: float  # the gate's measure of the candidate: AUC for the ranker, recall@K for retrieval
     champion_version: str | None
     champion_score: float | None  # the champion's, on the same window (None: not compared)
-    guardrail: str | None = None  # what refused it: evidence, calibration, auc (recall), lineage
+    guardrail: str | None = None  # what refused it: evidence, calibration, auc (recall), objective, floor, lineage
 
 
 def lacking_evidence(s: Settings, evaluation: Examples) -> str | None:
@@ -271,10 +272,12 @@ def gate(s: Settings, version: str, candidate: CtrModel | ForeignModel, evaluati
     record why. In order: lineage (a version continuing a parent that is no longer the champion), evidence
     (too few examples or clicks in `evaluation` to judge anything), calibration (mean predicted CTR out
     of bounds), auc (worse than the champion's on the same window by more than the tolerance, with
-    one-sided significance `gate_alpha` by DeLong's test), floor (worse, by the same test, than the last
-    version that passed a canary or the first champion (`floor_version`), or than a constant score). A
-    difference the window cannot tell from noise does not hold back a fresher model. `scored`: versions' scores of `evaluation` the caller has
-    (an incremental run's parent's), not loaded again. `model`: whose version it is (the ranker by default)."""
+    one-sided significance `gate_alpha` by DeLong's test), objective (a further objective of the spec's
+    `[objectives]` predicted worse than the champion predicts it, by the same test on its own labels), floor
+    (worse, by the same test, than the last version that passed a canary or the first champion (`floor_version`), or
+    than a constant score). A difference the window cannot tell from noise does not hold back a fresher model.
+    `scored`: versions' scores of `evaluation` the caller has (an incremental run's parent's), not loaded again.
+    `model`: whose version it is (the ranker by default)."""
     client, name, m = connect(s), (model or s.ranker).name, s.models
     probabilities = candidate.predict(evaluation)
     candidate_auc = auc(evaluation.labels, probabilities)  # fails before any alias moves
@@ -302,6 +305,9 @@ def gate(s: Settings, version: str, candidate: CtrModel | ForeignModel, evaluati
             worse, verdict = _versus(m, evaluation.labels, probabilities, champion_scores, f"champion v{champion}")
             guardrail = "auc" if worse else None
             said.append(f"{verdict} on {window}")
+            if guardrail is None and len(objectives(candidate)) > 1:
+                guardrail = _objectives_versus(m, candidate, lambda: load_version(s, champion, model), champion,
+                                               evaluation, said)
         # The floor: whatever the champion is (an inverted one that ramped, say), never below the last version
         # that passed a canary (else the first champion), nor below a constant score (chance) on this window.
         if guardrail is None:
@@ -318,6 +324,34 @@ def gate(s: Settings, version: str, candidate: CtrModel | ForeignModel, evaluati
         reason = "; ".join(said)
     return decide(s, version, guardrail, reason, candidate_auc, champion, champion_auc,
                   {"gate_auc": f"{candidate_auc:.6f}"}, canary=s.for_model(model).canary.enabled, model=model)
+
+
+def objectives(model: CtrModel | ForeignModel) -> tuple[str, ...]:
+    """The names of the objectives a version predicts (none declared: one, unnamed)."""
+    return tuple(name for name, _ in getattr(getattr(model, "spec", None), "objectives", ()))
+
+
+def _objectives_versus(m: ModelsSettings, candidate: CtrModel, champion_model: Callable[[], CtrModel | ForeignModel],
+                       champion: str, evaluation: Examples, said: list[str]) -> str | None:
+    """"objective" where the candidate predicts a further objective worse than the champion does (by the AUC test,
+    on that objective's labels), else None; each verdict appended to `said`. Judged where the champion predicts the
+    same objectives, and each on at least `gate_min_clicks` of its positives (fewer: said, not judged)."""
+    reference = champion_model()
+    if objectives(reference) != objectives(candidate):
+        said.append(f"objectives not compared: champion v{champion} predicts "
+                    f"{', '.join(objectives(reference)) or 'one'}")
+        return None
+    mine, theirs = candidate.predict_objectives(evaluation), reference.predict_objectives(evaluation)
+    for k, name in enumerate(objectives(candidate)[1:], 1):
+        labels = evaluation.objectives[:, k]
+        if labels.sum() < m.gate_min_clicks:
+            said.append(f"{name}: {int(labels.sum())} positives, fewer than {m.gate_min_clicks}: not judged")
+            continue
+        worse, verdict = _versus(m, labels, mine[:, k], theirs[:, k], f"champion v{champion}")
+        said.append(f"{name}: {verdict}")
+        if worse:
+            return "objective"
+    return None
 
 
 def _versus(m: ModelsSettings, labels: np.ndarray, candidate: np.ndarray, reference: np.ndarray, what: str) -> tuple[bool, str]:

@@ -88,7 +88,8 @@ def model_spec(s: Settings, kind: str | None = None, long_history: bool = True, 
                                          evict_after_steps=m.evict_after_steps, learning_rate=m.sparse_learning_rate),
                      learning_rate=m.dense_learning_rate, batch_size=m.batch_size,
                      numeric_bins=m.numeric_bins if arch.numeric_bins else 0,
-                     position_slots=s.spec.position_slots if position else 0)
+                     position_slots=s.spec.position_slots if position else 0,
+                     objectives=tuple((o.name, o.over) for o in s.spec.objectives))
 
 
 def check_labels(ex: Examples, what: str) -> None:
@@ -284,6 +285,10 @@ def _spec_params(spec: ModelSpec) -> dict[str, object]:
 def _log_evaluation(model: CtrModel, ex: Examples, prefix: str) -> dict[str, float]:
     probabilities = model.predict(ex)
     metrics = {f"{prefix}_{k}": v for k, v in evaluate(ex.labels, probabilities).items()}
+    if len(model.spec.objectives) > 1:  # each objective's AUC over the exposures (the first's is the AUC above)
+        metrics |= {f"{prefix}_{name}_auc": auc(ex.objectives[:, k], p) for k, ((name, _), p)
+                    in enumerate(zip(model.spec.objectives, model.predict_objectives(ex).T))
+                    if 0 < ex.objectives[:, k].sum() < len(ex)}
     mlflow.log_metrics(metrics)
     mlflow.log_figure(plots.roc(ex.labels, probabilities), "plots/roc.png")
     mlflow.log_figure(plots.calibration(ex.labels, np.asarray(probabilities)), "plots/calibration.png")

@@ -16,7 +16,7 @@ from models.ctr import CtrModel, ModelSpec
 from models.metrics import auc
 from models.networks import RankerV1
 from models.sparse import SparseConfig
-from tests.ctr_data import CATEGORIES, SPEC, synthetic
+from tests.ctr_data import CATEGORIES, SPEC, synthetic, with_buys
 
 
 @pytest.fixture(autouse=True)
@@ -239,3 +239,26 @@ def test_a_labels_declared_value_as_its_weight_ranks_for_value_not_only_for_clic
     print(f"expected value of the top 3 per list: weighted by amount {worth[True]:.1f}, "
           f"orders alone {worth[False]:.1f}")
     assert worth[True] >= 1.2 * worth[False], worth
+
+
+def test_a_conversion_over_the_clicks_learns_from_them_and_the_clicks_lose_nothing(tmp_path: Path) -> None:
+    """Two objectives, ESMM's: a click over the exposures, a buy over the clicks (an item's quality decides it, a
+    rare label). The two-objective ranker scores the buy over every exposure as P(click) x P(buy | click): its buy
+    AUC is at least the ranker's trained on the buys alone, and its click AUC within 0.005 of the ranker's trained on
+    the clicks alone, on the same split; its export scores as it does."""
+    data = with_buys(synthetic(50_000, seed=5, long_history=True), seed=5)
+    train, test = data.take(slice(0, 35_000)), data.take(slice(35_000, None))
+    both = CtrModel(replace(SPEC, objectives=(("click", ""), ("buy", "click"))))
+    both.fit(train, epochs=2, progress=False)
+    scores = both.predict_objectives(test)
+    assert np.allclose(scores[:, 0], both.predict(test), atol=1e-6) and (scores[:, 1] <= scores[:, 0] + 1e-6).all()
+    assert np.array_equal(CtrModel.load(both.save(tmp_path / "both")).predict_objectives(test), scores)
+    alone = {}
+    for k in (0, 1):
+        keras.utils.set_random_seed(7)
+        single = CtrModel(SPEC)
+        single.fit(replace(train, labels=train.objectives[:, k], objectives=None), epochs=2, progress=False)
+        alone[k] = auc(test.objectives[:, k], single.predict(test))
+    click, buy = (auc(test.objectives[:, k], scores[:, k]) for k in (0, 1))
+    print(f"test AUC: click {click:.4f} (alone {alone[0]:.4f}), buy {buy:.4f} (alone {alone[1]:.4f})")
+    assert buy >= alone[1] and click >= alone[0] - 0.005, (click, buy, alone)

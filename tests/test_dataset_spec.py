@@ -193,7 +193,8 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    (("[dataset]", "[datasets]"), "unknown key 'datasets' (expected: dataset, events, tables, features, demo, settings, scenarios)"),
+    (("[dataset]", "[datasets]"), "unknown key 'datasets' (expected: dataset, events, tables, features, demo, "
+     "settings, scenarios, objectives)"),
     (('kind = "categorical"', 'kind = "text"'), "[tables.item].attributes.brand.kind: expected one of categorical"),
     (('kind = "categorical"', 'kind = "categorical"\nseparator = ","'), "brand.separator: only a multi attribute"),
     (('kind = "categorical"', 'kind = "categorical"\ntokens = "decade"'),
@@ -704,3 +705,64 @@ def test_a_spec_carries_the_settings_its_data_was_tuned_with_under_the_config_an
     bad = shop(tmp_path / "bad", SHOP + '\n[settings.kafka]\nbootstrap_servers = "elsewhere:9092"\n')
     with pytest.raises(SettingsError, match=r"\[settings\]: a spec may tune models, .*, not kafka"):
         load_settings(environ | {"FLYWHEEL_DATASET_SPEC": str(bad)})
+
+
+OBJECTIVES = '''
+[objectives.click]
+labels = ["cart"]
+
+[objectives.conversion]
+labels = ["order"]
+over = "click"
+
+[objectives.order]
+labels = ["order"]
+'''
+
+
+def test_named_objectives_label_each_exposure_over_its_own_space_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    """`[objectives]`: the first's labels are the spec's (no type declares label = true), each further one's label
+    is its types' on the same request and item, times its `over`'s (an order over the carts), none where a negative
+    follows; the model spec records them. Each wrong declaration is refused with its key."""
+    from feature_repo.event_log import write_batch
+    from models.dataset import Window, labelled_impressions
+    from models.train import model_spec
+    from streaming.consumer import Consumed
+    from streaming.events import Event
+
+    text = SHOP.replace("label = true\n", "").replace("\n[tables.item]", HIDE, 1) + OBJECTIVES
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(shop(tmp_path, text)),
+                       "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path)})
+    assert s.spec.labels == ("cart",) and [(o.name, o.over) for o in s.spec.objectives] == [
+        ("click", ""), ("conversion", "click"), ("order", "")]
+    assert model_spec(s).objectives == (("click", ""), ("conversion", "click"), ("order", ""))
+    t = 1_700_000_000_000
+    acts = {"A1": ["cart", "order"], "B2": ["order"], "C3": ["cart"], "D4": [], "E5": ["cart", "order", "hide"]}
+    events = [Event(event_id=f"{kind}-{item}", user_id="u", item_id=item, event_type=kind, request_id="r1",
+                    event_time=t + 10 * n + k, context={})
+              for n, (item, kinds) in enumerate(acts.items()) for k, kind in enumerate(["view", *kinds])]
+    write_batch(s, [Consumed(e, partition=0, offset=n) for n, e in enumerate(events)])
+    rows = labelled_impressions(s, Window(*(datetime.fromtimestamp(t / 1000 + d, UTC) for d in (0, 1))))
+    assert {c: list(rows[c]) for c in ("label", "objective_conversion", "objective_order")} == {
+        "label": [1.0, 0.0, 1.0, 0.0, 0.0], "objective_conversion": [1.0, 0.0, 0.0, 0.0, 0.0],
+        "objective_order": [1.0, 1.0, 0.0, 0.0, 0.0]}
+    where = "[objectives]"
+    (tmp_path / "bad").mkdir()
+    for change, message in (
+            ((OBJECTIVES, OBJECTIVES.replace('["cart"]', '["view"]')), r"\.click\.labels: expected event types with "
+             r'role = "positive" \(of cart, order\)'),
+            ((OBJECTIVES, OBJECTIVES.replace('["cart"]', '["cart", "cart"]')), r"\.click\.labels: .* each once"),
+            ((OBJECTIVES, OBJECTIVES.replace('over = "click"', 'over = "order"')),
+             r"\.conversion\.over: expected an objective declared before it"),
+            ((OBJECTIVES, OBJECTIVES.replace('labels = ["cart"]', 'labels = ["cart"]\nover = "order"')),
+             r"\.click\.over: expected an objective declared before it"),
+            (('role = "positive"\nweight = 5.0', 'role = "positive"\nweight = 5.0\nlabel = true'),
+             r": the objectives name what is predicted: drop label = true from 'order'"),
+            ((OBJECTIVES, OBJECTIVES.replace("objectives.order", "objectives.objective_x")), r": expected an objective "
+             r"name"),
+            ((OBJECTIVES, "\n[objectives]\n"), r": expected 1 to 4 objectives, got 0")):
+        with pytest.raises(SpecError, match=re.escape(where) + message):
+            parse_spec(text.replace(*change), shop(tmp_path / "bad"))
+    one = text.replace(OBJECTIVES, '\n[objectives.order]\nlabels = ["order"]\nover = "order"\n')
+    with pytest.raises(SpecError, match=r"\[objectives\]\.order\.over: expected an objective declared before it"):
+        parse_spec(one, shop(tmp_path / "bad"))

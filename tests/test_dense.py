@@ -15,7 +15,7 @@ import tensorflow as tf
 from contract.examples import PAD, concat
 from models.ctr import CtrModel
 from serving.dense import DenseRunner
-from tests.ctr_data import SPEC, synthetic
+from tests.ctr_data import SPEC, synthetic, with_buys
 
 
 def _weights(model: CtrModel) -> list[tf.Tensor]:
@@ -142,3 +142,17 @@ def test_a_version_with_a_position_bias_serves_the_items_score_without_its_rank(
     part = synthetic(40, seed=2)
     np.testing.assert_allclose(runner.run(_weights(model), model.scoring_inputs(part)), model.predict(part),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_version_of_two_objectives_serves_the_first_objectives_score() -> None:
+    """A network per objective under a position bias: trained through every objective (the bias too), served by
+    the first's network alone, scoring as the model and as its first objective."""
+    model = CtrModel(replace(SPEC, position_slots=5, objectives=(("click", ""), ("buy", "click"))))
+    data = with_buys(synthetic(2000, seed=1), seed=1)
+    model.fit(replace(data, positions=np.arange(len(data), dtype=np.int32) % 8), progress=False)
+    assert model.network.bias.numpy()[1:].any()
+    runner = DenseRunner(model, row_buckets=(16, 64), sequence_buckets=(4, 10))
+    part = synthetic(40, seed=2)
+    scores = runner.run(_weights(model), model.scoring_inputs(part))
+    np.testing.assert_allclose(scores, model.predict(part), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(scores, model.predict_objectives(part)[:, 0], rtol=1e-5, atol=1e-6)

@@ -25,7 +25,7 @@ from models.registry import (
     log_model, rollback, routing)
 from models.train import train_full
 from tests.conftest import running_stack
-from tests.ctr_data import SPEC, synthetic
+from tests.ctr_data import SPEC, synthetic, with_buys
 
 pytestmark = pytest.mark.stack
 
@@ -118,6 +118,40 @@ def test_the_gate_never_promotes_below_the_floor_whatever_the_champion_is(regist
     # The floor moves to the newest version that passed a canary.
     connect(s).set_model_version_tag(s.models.name, v2, "canary_decision", f"{RAMPED}: shown not worse")
     assert floor_version(connect(s), s.models.name) == v2
+
+
+def test_a_version_predicting_a_further_objective_worse_is_refused_naming_it(registry: Settings,
+                                                                            tmp_path: Path) -> None:
+    """Two objectives, a buy over the clicks: a version whose buys were joined on the wrong key (each click's buy
+    another click's) predicts clicks as well as the champion and buys worse: refused by the objective guardrail, the reason
+    naming the buy; an honest one (trained on) is promoted."""
+    s = replace(registry, models=replace(registry.models, name="objectives"))
+    keras.utils.set_random_seed(3)
+    data = with_buys(synthetic(16_000, seed=6, long_history=True), seed=6)
+    train, evaluation = data.take(slice(0, 10_000)), data.take(slice(10_000, None))
+    spec = replace(SPEC, objectives=(("click", ""), ("buy", "click")))
+    good = CtrModel(spec)
+    good.fit(train, epochs=2, progress=False)
+    v1 = register(s, good, tmp_path, "good")
+    assert gate(s, v1, good, evaluation, "synthetic evaluation").promoted
+
+    buys = train.objectives.copy()  # each click's buy shuffled among the clicks (joined on the wrong key)
+    clicked = np.flatnonzero(buys[:, 0] > 0)
+    buys[clicked, 1] = np.random.default_rng(0).permutation(buys[clicked, 1])
+    keras.utils.set_random_seed(3)
+    wrong = CtrModel(spec)
+    wrong.fit(replace(train, objectives=buys), epochs=2, progress=False)
+    v2 = register(s, wrong, tmp_path, "wrong-buys")
+    refused = gate(s, v2, wrong, evaluation, "synthetic evaluation")
+    print(f"buys joined on the wrong key: {refused.reason}")
+    assert not refused.promoted and refused.guardrail == "objective" and "buy: AUC" in refused.reason, refused.reason
+    assert champion(s) == v1 and connect(s).get_model_version(s.models.name, v2).tags["gate_guardrail"] == "objective"
+
+    honest = CtrModel.load(tmp_path / "good")
+    honest.fit(train, epochs=1, progress=False)
+    v3 = register(s, honest, tmp_path, "honest")
+    promoted = gate(s, v3, honest, evaluation, "synthetic evaluation")
+    assert promoted.promoted and "buy: AUC" in promoted.reason, promoted.reason
 
 
 def test_too_little_evidence_or_a_miscalibrated_version_is_refused_naming_the_guardrail(registry: Settings,
