@@ -56,6 +56,8 @@ class Examples:
             self.weights = np.ones(n, np.float32)
         if self.objectives is None:
             self.objectives = np.asarray(self.labels, np.float32).reshape(n, 1)
+        elif not np.array_equal(self.objectives[:, 0], self.labels):  # the labels are the first's (replaced ones too)
+            self.objectives = np.column_stack([self.labels, self.objectives[:, 1:]]).astype(np.float32)
         for name in ARRAYS:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"examples: {name} has {len(getattr(self, name))} rows, labels {n}")

@@ -538,8 +538,6 @@ def _objectives(where: str, raw: dict[str, Any], types: tuple[EventTypeSpec, ...
             raise SpecError(f"{where}.{name}.over: expected an objective declared before it (its exposure space), "
                             f"got {over!r}")
         out.append(ObjectiveSpec(name, tuple(labels), over))
-    if out[0].over:
-        raise SpecError(f"{where}.{out[0].name}.over: the first objective is over the exposures")
     return tuple(out)
 
 

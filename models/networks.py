@@ -192,6 +192,13 @@ class Objectives(keras.Model):
         return {"objectives": len(self.networks)}
 
 
+def scorer(network: keras.Model) -> keras.Model:
+    """The network whose logits are the scores: inside a position bias, the first objective's."""
+    while isinstance(network, (PositionBias, Objectives)):
+        network = network.network if isinstance(network, PositionBias) else network.networks[0]
+    return network
+
+
 class RankerV1(keras.Model):
     """The previous ranker: target attention over the behavior sequence, then an MLP over every input."""
 

@@ -305,8 +305,8 @@ def gate(s: Settings, version: str, candidate: CtrModel | ForeignModel, evaluati
             worse, verdict = _versus(m, evaluation.labels, probabilities, champion_scores, f"champion v{champion}")
             guardrail = "auc" if worse else None
             said.append(f"{verdict} on {window}")
-            if guardrail is None and len(objectives(candidate)) > 1:
-                guardrail = _objectives_versus(m, candidate, lambda: load_version(s, champion, model), champion,
+            if guardrail is None and len(objective_names(candidate)) > 1:
+                guardrail = _objectives_versus(s, candidate, lambda: load_version(s, champion, model), champion,
                                                evaluation, said)
         # The floor: whatever the champion is (an inverted one that ramped, say), never below the last version
         # that passed a canary (else the first champion), nor below a constant score (chance) on this window.
@@ -326,23 +326,29 @@ def gate(s: Settings, version: str, candidate: CtrModel | ForeignModel, evaluati
                   {"gate_auc": f"{candidate_auc:.6f}"}, canary=s.for_model(model).canary.enabled, model=model)
 
 
-def objectives(model: CtrModel | ForeignModel) -> tuple[str, ...]:
+def objective_names(model: CtrModel | ForeignModel) -> tuple[str, ...]:
     """The names of the objectives a version predicts (none declared: one, unnamed)."""
     return tuple(name for name, _ in getattr(getattr(model, "spec", None), "objectives", ()))
 
 
-def _objectives_versus(m: ModelsSettings, candidate: CtrModel, champion_model: Callable[[], CtrModel | ForeignModel],
+def _objectives_versus(s: Settings, candidate: CtrModel, champion_model: Callable[[], CtrModel | ForeignModel],
                        champion: str, evaluation: Examples, said: list[str]) -> str | None:
     """"objective" where the candidate predicts a further objective worse than the champion does (by the AUC test,
     on that objective's labels), else None; each verdict appended to `said`. Judged where the champion predicts the
-    same objectives, and each on at least `gate_min_clicks` of its positives (fewer: said, not judged)."""
+    same objectives and the evaluation window labels them (a column each, in their order: the spec declares them,
+    or none), each on at least `gate_min_clicks` of its positives (fewer: said, not judged)."""
+    m, names = s.models, objective_names(candidate)
+    declared = tuple(o.name for o in s.spec.objectives)
     reference = champion_model()
-    if objectives(reference) != objectives(candidate):
+    if objective_names(reference) != names:
         said.append(f"objectives not compared: champion v{champion} predicts "
-                    f"{', '.join(objectives(reference)) or 'one'}")
+                    f"{', '.join(objective_names(reference)) or 'one'}")
+        return None
+    if evaluation.objectives.shape[1] != len(names) or (len(declared) > 1 and declared != names):
+        said.append(f"objectives not compared: the evaluation window does not label {', '.join(names)}")
         return None
     mine, theirs = candidate.predict_objectives(evaluation), reference.predict_objectives(evaluation)
-    for k, name in enumerate(objectives(candidate)[1:], 1):
+    for k, name in enumerate(names[1:], 1):
         labels = evaluation.objectives[:, k]
         if labels.sum() < m.gate_min_clicks:
             said.append(f"{name}: {int(labels.sum())} positives, fewer than {m.gate_min_clicks}: not judged")

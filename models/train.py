@@ -89,7 +89,13 @@ def model_spec(s: Settings, kind: str | None = None, long_history: bool = True, 
                      learning_rate=m.dense_learning_rate, batch_size=m.batch_size,
                      numeric_bins=m.numeric_bins if arch.numeric_bins else 0,
                      position_slots=s.spec.position_slots if position else 0,
-                     objectives=tuple((o.name, o.over) for o in s.spec.objectives))
+                     objectives=declared_objectives(s))
+
+
+def declared_objectives(s: Settings) -> tuple[tuple[str, str], ...]:
+    """A new version's objectives (`ModelSpec.objectives`): the spec's, where it declares two or more (one is the
+    labels, as without any)."""
+    return tuple((o.name, o.over) for o in s.spec.objectives) if len(s.spec.objectives) > 1 else ()
 
 
 def check_labels(ex: Examples, what: str) -> None:
@@ -236,6 +242,7 @@ def train_incremental(s: Settings, until: datetime | None = None, promote: bool 
 def _warm_start(s: Settings, parent: str, ex: Examples, registered: RegisteredModel) -> tuple[CtrModel, bool]:
     """The model an incremental run on `ex` starts from, and whether it came from the embedding store (only
     the rows `ex` touches, with their training state) rather than the registry (the parent whole)."""
+    model, pulled = None, False
     if s.sparse_tier.enabled:
         import redis
 
@@ -247,13 +254,21 @@ def _warm_start(s: Settings, parent: str, ex: Examples, registered: RegisteredMo
             log.warning("v%s not continued from the embedding store (%s: %s): loading it whole", parent,
                         type(exc).__name__, exc)
             model = None
-        if model is not None:
-            return model, True
-    model = load_version(s, parent, registered)
+        pulled = model is not None
+    if model is None:
+        model = load_version(s, parent, registered)
     if not isinstance(model, CtrModel):
         raise ValueError(f"@champion v{parent} is a model of another flavor: incremental training continues only "
                          "the platform's own (train a full version, or register the next foreign one)")
-    return model, False
+    declared = declared_objectives(s)
+    if model.spec.objectives != declared:  # its networks would learn other labels than they were trained on
+        raise ValueError(f"@champion v{parent} predicts the objectives {_named(model.spec.objectives)}, the spec "
+                         f"declares {_named(declared)}: train a full version")
+    return model, pulled
+
+
+def _named(declared: tuple[tuple[str, str], ...]) -> str:
+    return ", ".join(f"{name} over {over}" if over else name for name, over in declared) or "(one, unnamed)"
 
 
 def gate_version(s: Settings, version: str, model: RegisteredModel | None = None) -> Decision:
@@ -279,7 +294,8 @@ def _spec_params(spec: ModelSpec) -> dict[str, object]:
             "sparse_learning_rate": spec.sparse.learning_rate, "dense_learning_rate": spec.learning_rate,
             "batch_size": spec.batch_size, "sequence_length": spec.sequence_length, "long_length": spec.long_length,
             "numeric_features": len(spec.numeric_features),
-            "hidden": ",".join(map(str, spec.hidden)), "xla": spec.jit_compile}
+            "hidden": ",".join(map(str, spec.hidden)), "xla": spec.jit_compile,
+            **({"objectives": _named(spec.objectives)} if spec.objectives else {})}
 
 
 def _log_evaluation(model: CtrModel, ex: Examples, prefix: str) -> dict[str, float]:

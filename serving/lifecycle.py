@@ -79,7 +79,8 @@ def shape_key(spec: ModelSpec) -> tuple:
     """What fixes the dense network's shapes and variables (a position bias, a network per objective): versions alike
     in this share compiled functions."""
     return (spec.kind, spec.hidden, len(spec.numeric_features), spec.numeric_bins, spec.sparse.dim, spec.long_length,
-            spec.token_length, spec.position_slots, max(len(spec.objectives), 1))
+            spec.token_length, spec.position_slots, max(len(spec.objectives), 1), bool(spec.context),
+            len(spec.event_types))
 
 
 def close_runners(runners: dict[tuple, DenseRunner]) -> None:

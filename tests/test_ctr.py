@@ -248,6 +248,8 @@ def test_a_conversion_over_the_clicks_learns_from_them_and_the_clicks_lose_nothi
     the clicks alone, on the same split; its export scores as it does."""
     data = with_buys(synthetic(50_000, seed=5, long_history=True), seed=5)
     train, test = data.take(slice(0, 35_000)), data.take(slice(35_000, None))
+    flipped = replace(test, labels=1 - test.labels)  # the labels are the first objective's, replaced ones too
+    assert np.array_equal(flipped.objectives, np.column_stack([1 - test.labels, test.objectives[:, 1]]))
     both = CtrModel(replace(SPEC, objectives=(("click", ""), ("buy", "click"))))
     both.fit(train, epochs=2, progress=False)
     scores = both.predict_objectives(test)

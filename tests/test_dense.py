@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from contract.examples import PAD, concat
 from models.ctr import CtrModel
+from models.networks import scorer
 from serving.dense import DenseRunner
 from tests.ctr_data import SPEC, synthetic, with_buys
 
@@ -146,7 +147,8 @@ def test_a_version_with_a_position_bias_serves_the_items_score_without_its_rank(
 
 def test_a_version_of_two_objectives_serves_the_first_objectives_score() -> None:
     """A network per objective under a position bias: trained through every objective (the bias too), served by
-    the first's network alone, scoring as the model and as its first objective."""
+    the first's network alone, scoring as the model and as its first objective; its output layer negated (the
+    drills' inverted version), every score is reversed."""
     model = CtrModel(replace(SPEC, position_slots=5, objectives=(("click", ""), ("buy", "click"))))
     data = with_buys(synthetic(2000, seed=1), seed=1)
     model.fit(replace(data, positions=np.arange(len(data), dtype=np.int32) % 8), progress=False)
@@ -156,3 +158,6 @@ def test_a_version_of_two_objectives_serves_the_first_objectives_score() -> None
     scores = runner.run(_weights(model), model.scoring_inputs(part))
     np.testing.assert_allclose(scores, model.predict(part), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(scores, model.predict_objectives(part)[:, 0], rtol=1e-5, atol=1e-6)
+    for variable in scorer(model.network).trainable_variables[-2:]:  # the drills' inverted version: its scores'
+        variable.assign(-variable)
+    np.testing.assert_allclose(model.predict(part), 1 - scores, atol=1e-5)

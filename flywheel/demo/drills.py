@@ -90,8 +90,10 @@ def register_inverted(s: Settings, champion: str, labels_swapped: bool = False) 
     from models.dataset import Window, training_set
     from models.train import gate_version  # imports TensorFlow (~10 s): only once the drill runs
 
+    from models.networks import scorer
+
     model = load_version(s, champion)
-    for variable in model.network.trainable_variables[-2:]:  # the output layer's kernel and bias
+    for variable in scorer(model.network).trainable_variables[-2:]:  # the scores' output layer: kernel and bias
         variable.assign(-variable)
     root = champion
     while parent := version_tags(s, root).get("parent_version"):
