@@ -124,6 +124,9 @@ def concat(parts: list[Examples]) -> Examples:
     padding is what a consuming model ignores, so each part scores as it does alone."""
     if len(parts) == 1:
         return parts[0]
+    if len({p.objectives.shape[1] for p in parts}) > 1:
+        raise ValueError(f"examples labelled for {sorted({p.objectives.shape[1] for p in parts})} objectives: "
+                         "parts to join must label the same ones")
     arrays = {}
     for name in ARRAYS:
         values = [getattr(p, name) for p in parts]

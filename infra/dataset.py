@@ -30,6 +30,8 @@ from typing import Any
 
 import tomllib
 
+from infra.value import ValueExpression
+
 # Shown to a user / an action that signals interest / one that says the user did not want it (a hide, a dislike:
 # its exposure's label is 0 even if clicked)
 ROLES = ("exposure", "positive", "negative")
@@ -279,6 +281,8 @@ class DatasetSpec:
     # `[objectives]`: what the ranker predicts, by name, the first's labels being `labels`; (): one objective, the
     # types declaring label = true.
     objectives: tuple[ObjectiveSpec, ...] = ()
+    # `[ranking] value`: what a list is ordered by (infra/value.py); None: the first objective's prediction.
+    value: ValueExpression | None = None
 
     def objective_column(self, name: str) -> str:
         """The training frame's label column of an objective: `label` for the first, else `objective_<name>`."""
@@ -314,6 +318,16 @@ class DatasetSpec:
     def mistyped_context(self, given: Mapping[str, object]) -> list[ContextSpec]:
         """The declared fields of a request's context whose value is not of their kind (a bucketed field's text)."""
         return [c for c in self.context if not c.accepts(given.get(c.name))]
+
+    @property
+    def context_numbers(self) -> tuple[str, ...]:
+        """The request's context fields a value may weigh by: the `number` ones (a bucketed one's bucket is none)."""
+        return tuple(c.name for c in self.context if c.kind == "number")
+
+    @property
+    def item_numbers(self) -> tuple[str, ...]:
+        """The item's attributes a value may weigh by: its integers and numbers (a price, a bid), not its dates."""
+        return tuple(a.name for a in self.table("item").attributes if a.kind in ("integer", "number"))
 
     def table(self, entity: str) -> TableSpec:
         return next(t for t in self.tables if t.entity == entity)
@@ -541,6 +555,31 @@ def _objectives(where: str, raw: dict[str, Any], types: tuple[EventTypeSpec, ...
     return tuple(out)
 
 
+def _value(where: str, raw: dict[str, Any], spec: DatasetSpec) -> ValueExpression:
+    """`[ranking] value`: an expression of the objectives' predictions, the item's numbers and the request's, naming
+    at least one objective, each name one of one kind."""
+    text = _check(where, raw, {"value": str}, {})["value"]
+    if not spec.objectives:
+        raise SpecError(f"{where}.value: a value weighs the objectives' predictions: declare [objectives] (one may "
+                        "be the labels)")
+    try:
+        value = ValueExpression.parse(text)
+    except ValueError as exc:
+        raise SpecError(f"{where}.value: {exc}") from None
+    kinds = {"an objective": [o.name for o in spec.objectives], "an item's number": list(spec.item_numbers),
+             "a request's number": list(spec.context_numbers)}
+    for name in value.names:
+        of = [kind for kind, names in kinds.items() if name in names]
+        if not of:
+            expected = ", ".join(f"{kind} ({', '.join(names) or 'none declared'})" for kind, names in kinds.items())
+            raise SpecError(f"{where}.value: unknown name {name!r} in {text!r}: expected {expected}")
+        if len(of) > 1:
+            raise SpecError(f"{where}.value: {name!r} is both {' and '.join(of)}: rename one")
+    if not set(value.names) & set(kinds["an objective"]):
+        raise SpecError(f"{where}.value: {text!r} names no objective: a value ranks by what the ranker predicts")
+    return value
+
+
 def _position(where: str, raw: dict[str, Any]) -> int:
     """The ranks with a position bias of their own: 2 to MAX_SLOTS."""
     slots = _check(where, raw, {}, {"slots": int}).get("slots", DEFAULT_SLOTS)
@@ -623,7 +662,8 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{path}: not TOML: {exc}") from None
     top = _check(str(path), raw, {"dataset": dict, "events": dict, "tables": dict},
-                 {"features": dict, "demo": dict, "settings": dict, "scenarios": dict, "objectives": dict})
+                 {"features": dict, "demo": dict, "settings": dict, "scenarios": dict, "objectives": dict,
+                  "ranking": dict})
     for section, values in top.get("settings", {}).items():
         if not isinstance(values, dict):
             raise SpecError(f"{path} [settings].{section}: expected a table of settings, got {type(values).__name__}")
@@ -668,6 +708,8 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
                             "([tables]): the two would share embeddings")
     if "position" in events:
         spec = replace(spec, position_slots=_position(f"{path} [events.position]", events["position"]))
+    if "ranking" in top:
+        spec = replace(spec, value=_value(f"{path} [ranking]", top["ranking"], spec))
     if not spec.exposures:
         raise SpecError(f"{path} [[events.types]]: expected at least one type with role = \"exposure\" "
                         "(the ranker's examples are exposures)")

@@ -71,6 +71,13 @@ class ModelSpec:
     objectives: tuple[tuple[str, str], ...] = ()
 
     @property
+    def chain(self) -> tuple[int, ...]:
+        """Each objective's exposure space: the index of the objective it is over, -1 for the exposures; (): one
+        objective (two or more have a network each)."""
+        names = [name for name, _ in self.objectives]
+        return tuple(names.index(over) if over else -1 for _, over in self.objectives) if len(names) > 1 else ()
+
+    @property
     def context(self) -> tuple[str, ...]:
         """The request context fields it reads (`[events.context]` when trained, less an ablation's)."""
         return context_fields(self.tokens)
@@ -104,9 +111,7 @@ class CtrModel:
         self.tables = {name: SparseTable(name, spec.sparse) for name in TABLES} | (tables or {})
         self.network = arch.build(spec)
         self.optimizer = keras.optimizers.Adam(spec.learning_rate)
-        # Each objective's exposure space: the index of the objective it is over, -1 for the exposures; (): one.
-        names = [name for name, _ in spec.objectives]
-        self._over = tuple(names.index(over) if over else -1 for _, over in spec.objectives) if len(names) > 1 else ()
+        self._over = spec.chain
         # Build the variables eagerly: the compiled step must not create any.
         inputs = self._dense_inputs(self._lookup(_empty(spec), train=False), _empty(spec))
         self.network(inputs)
@@ -115,7 +120,7 @@ class CtrModel:
         self.optimizer.build(self.network.trainable_variables)
         self._step = tf.function(self._dense_step, jit_compile=spec.jit_compile, reduce_retracing=True)
         self._predict = tf.function(self._dense_predict, jit_compile=spec.jit_compile, reduce_retracing=True)
-        self._predict_objectives = tf.function(lambda x: tf.exp(self._log_probabilities(self.network.heads(x))[0]),
+        self._predict_objectives = tf.function(lambda x: probabilities(self.network.heads(x), self._over),
                                                jit_compile=spec.jit_compile, reduce_retracing=True)
 
     # --- inputs ----------------------------------------------------------------------------------
@@ -280,7 +285,7 @@ class CtrModel:
         with tf.GradientTape() as tape:
             tape.watch(embedded)
             if self._over:  # labels [B, K]: each objective's, over its probability
-                log_p, log_not = self._log_probabilities(self.network.heads(inputs, training=True))
+                log_p, log_not = log_probabilities(self.network.heads(inputs, training=True), self._over)
                 losses = -tf.reduce_sum(labels * log_p + (1.0 - labels) * log_not, axis=-1)
             else:
                 logits = self.network(inputs, training=True)
@@ -290,32 +295,19 @@ class CtrModel:
         self.optimizer.apply(grads[: len(variables)], variables)
         return loss, grads[len(variables):]
 
-    def _log_probabilities(self, heads: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """log p and log(1 - p) [B, K] of each objective from its logit: over the exposures, its sigmoid; over
-        another objective, its sigmoid (the rate given that one) times that one's probability (ESMM)."""
-        log_p, log_not = [], []
-        for k, over in enumerate(self._over):
-            if over < 0:
-                log_p.append(tf.math.log_sigmoid(heads[:, k]))
-                log_not.append(tf.math.log_sigmoid(-heads[:, k]))
-            else:
-                log_p.append(tf.math.log_sigmoid(heads[:, k]) + log_p[over])
-                log_not.append(tf.math.log(tf.maximum(-tf.math.expm1(log_p[-1]), 1e-7)))
-        return tf.stack(log_p, axis=-1), tf.stack(log_not, axis=-1)
-
     def _dense_predict(self, inputs: dict[str, tf.Tensor]) -> tf.Tensor:
         return tf.sigmoid(self.network(inputs, training=False))
 
     # --- training and scoring --------------------------------------------------------------------
 
     def train_batch(self, ex: Examples) -> float:
+        if self._over and ex.objectives.shape[1] != len(self._over):  # before a lookup admits any id
+            raise ValueError(f"examples with the labels of {ex.objectives.shape[1]} objectives; the model predicts "
+                             f"{len(self._over)} ({', '.join(name for name, _ in self.spec.objectives)})")
         rows = self._lookup(ex, train=True)
         inputs = self._dense_inputs(rows, ex)
         if self.spec.position_slots:  # a training input only: scores are the item's, at the top
             inputs["position"] = tf.constant(ex.positions, tf.int32)
-        if self._over and ex.objectives.shape[1] != len(self._over):
-            raise ValueError(f"examples with the labels of {ex.objectives.shape[1]} objectives; the model predicts "
-                             f"{len(self._over)} ({', '.join(name for name, _ in self.spec.objectives)})")
         labels = ex.objectives if self._over else ex.labels
         loss, grads = self._step(inputs, tf.constant(labels, tf.float32), tf.constant(ex.weights, tf.float32))
         # The rows get the gradient of the summed loss, not the mean: a row's update then does not
@@ -463,3 +455,22 @@ def load_snapshot(path: Path) -> TableSnapshot:
                              last_seen=z["last_seen"], pending_ids=z["pending_ids"].astype(object),
                              pending_counts=z["pending_counts"], version=int(z["version"]),
                              removed=z["removed"].astype(object))
+
+
+def log_probabilities(heads: tf.Tensor, chain: tuple[int, ...]) -> tuple[tf.Tensor, tf.Tensor]:
+    """log p and log(1 - p) [B, K] of each objective from its logit (`ModelSpec.chain`): over the exposures, its
+    sigmoid; over another objective, its sigmoid (the rate given that one) times that one's probability (ESMM)."""
+    log_p, log_not = [], []
+    for k, over in enumerate(chain):
+        if over < 0:
+            log_p.append(tf.math.log_sigmoid(heads[:, k]))
+            log_not.append(tf.math.log_sigmoid(-heads[:, k]))
+        else:
+            log_p.append(tf.math.log_sigmoid(heads[:, k]) + log_p[over])
+            log_not.append(tf.math.log(tf.maximum(-tf.math.expm1(log_p[-1]), 1e-7)))
+    return tf.stack(log_p, axis=-1), tf.stack(log_not, axis=-1)
+
+
+def probabilities(heads: tf.Tensor, chain: tuple[int, ...]) -> tf.Tensor:
+    """Each objective's probability over the exposures [B, K], from the networks' logits (`heads`)."""
+    return tf.exp(log_probabilities(heads, chain)[0])

@@ -85,15 +85,17 @@ def labelled_impressions(s: Settings, window: Window, scenario: str | None = Non
         clicks = clicks[pair].drop_duplicates()
     out = imps.merge(clicks.assign(label=1.0), on=pair, how="left")
     out["label"] = out["label"].fillna(0.0)
+
+    def followed(types: tuple[str, ...]) -> np.ndarray:
+        """Whether an event of one of `types` has each exposure's request and item."""
+        hits = frame[frame.event_type.isin(types)][pair].drop_duplicates().assign(hit=True)
+        return out[pair].merge(hits, on=pair, how="left")["hit"].eq(True).to_numpy()
+
     # A negative (a hide, a dislike) on the same request and item is the user's last word: 0 even if clicked.
-    refused = np.zeros(len(out), bool)
-    if s.spec.negatives:
-        hidden = frame[frame.event_type.isin(s.spec.negatives)][pair].drop_duplicates()
-        refused = out[pair].merge(hidden.assign(refused=True), on=pair, how="left")["refused"].eq(True).to_numpy()
-        out.loc[refused, "label"] = 0.0
+    refused = followed(s.spec.negatives) if s.spec.negatives else np.zeros(len(out), bool)
+    out.loc[refused, "label"] = 0.0
     for objective in s.spec.objectives[1:]:  # each further objective's label: its types, and its `over`'s label
-        hits = frame[frame.event_type.isin(objective.labels)][pair].drop_duplicates().assign(hit=True)
-        hit = out[pair].merge(hits, on=pair, how="left")["hit"].eq(True).to_numpy() & ~refused
+        hit = followed(objective.labels) & ~refused
         if objective.over:
             hit &= out[s.spec.objective_column(objective.over)].to_numpy() > 0
         out[s.spec.objective_column(objective.name)] = hit.astype(float)

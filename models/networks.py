@@ -171,11 +171,14 @@ class Objectives(keras.Model):
     (a click), as ESMM shares its embeddings between its CTR and CVR towers. `heads` gives each objective's logit
     [B, K]: of the objective's probability over the exposures, or for one `over` another, of its rate given that
     one's positive (models/ctr.py chains them: P(buy) = P(click) x P(buy | click)). Scores are the first's: `call`
-    runs its network alone."""
+    runs its network alone (the server runs `heads`, to return each objective's and order by a declared value)."""
 
     def __init__(self, networks: list[keras.Model], **kwargs):
         super().__init__(**kwargs)
         self.networks = networks
+
+    def build(self, inputs_shape=None):  # each network builds on its first call (Keras warns of a default build)
+        self.built = True
 
     def call(self, inputs, training=None):
         return self.networks[0](inputs, training=training)

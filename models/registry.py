@@ -17,6 +17,7 @@ back. The canary's state is on the version: `canary_started_at`, `canary_status`
 
 from __future__ import annotations
 
+import functools
 import getpass
 import logging
 import os
@@ -292,9 +293,11 @@ def gate(s: Settings, version: str, candidate: CtrModel | ForeignModel, evaluati
     elif failed := _guardrail(s, evaluation, probabilities):
         guardrail, reason = failed[0], f"{failed[1]}; AUC {candidate_auc:.4f} on {window}"
     else:
+        loaded = functools.lru_cache(1)(lambda v: load_version(s, v, model))  # the champion's objectives read it again
+
         def scores(v: str) -> np.ndarray:
             known = (scored or {}).get(v)
-            return known if known is not None else load_version(s, v, model).predict(evaluation)
+            return known if known is not None else loaded(v).predict(evaluation)
 
         said = []
         if champion is None:
@@ -306,7 +309,7 @@ def gate(s: Settings, version: str, candidate: CtrModel | ForeignModel, evaluati
             guardrail = "auc" if worse else None
             said.append(f"{verdict} on {window}")
             if guardrail is None and len(objective_names(candidate)) > 1:
-                guardrail = _objectives_versus(s, candidate, lambda: load_version(s, champion, model), champion,
+                guardrail = _objectives_versus(s, candidate, lambda: loaded(champion), champion,
                                                evaluation, said)
         # The floor: whatever the champion is (an inverted one that ramped, say), never below the last version
         # that passed a canary (else the first champion), nor below a constant score (chance) on this window.

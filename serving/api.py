@@ -94,6 +94,12 @@ class RankOut(BaseModel):
     defaulted: bool
     defaulted_features: list[str]
     degraded: list[str] = Field(description="`sequence` (shortened behavior sequence), `candidates`.")
+    objectives: dict[str, list[float | None]] | None = Field(
+        None, description="Where the dataset spec names objectives ([objectives]): each one's probability per "
+                          "candidate, as `scores` (the first's); one the version does not predict is absent.")
+    values: list[float | None] | None = Field(
+        None, description="Where the dataset spec declares a value ([ranking] value): each candidate's, the order "
+                          "to serve them in (highest first); null while the version lacks an objective it names.")
 
 
 class RecommendIn(BaseModel):
@@ -118,6 +124,8 @@ class RecommendIn(BaseModel):
 class RecommendedItem(BaseModel):
     item_id: str
     score: float = Field(description="The ranker's click probability.")
+    value: float | None = Field(None, description="Its declared value ([ranking] value), which orders the items; "
+                                                  "null: none declared, or the version lacks an objective it names.")
     sources: list[Literal[SOURCES]]  # type: ignore[valid-type]
 
 
@@ -250,7 +258,8 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         metrics.LATENCY.labels("ok").observe(time.monotonic() - started)
         return RankOut(request_id=result.request_id, model_version=result.model_version, route=result.route,
                        scores=result.scores, defaulted=bool(result.defaulted_features),
-                       defaulted_features=result.defaulted_features, degraded=result.degraded)
+                       defaulted_features=result.defaulted_features, degraded=result.degraded,
+                       objectives=result.objectives, values=result.values)
 
     @app.post("/recommend", response_model=RecommendOut, responses={503: {"model": Refusal}},
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
@@ -276,8 +285,8 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             return fault("/recommend", exc, started)
         metrics.REQUESTS.labels("recommend", "200").inc()
         return RecommendOut(request_id=out.request_id, model_versions=out.model_versions,
-                            items=[RecommendedItem(item_id=i, score=score, sources=names)
-                                   for i, score, names in out.items])
+                            items=[RecommendedItem(item_id=i, score=score, sources=names, value=value)
+                                   for i, score, names, value in out.items])
 
     @app.get("/healthz")
     async def healthz(request: Request) -> dict:

@@ -24,10 +24,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import keras
 import numpy as np
 import tensorflow as tf
 
-from models.ctr import CtrModel
+from models.ctr import CtrModel, probabilities
 from models.networks import DENSE_INPUTS
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class DenseRunner:
     def __init__(self, template: CtrModel, row_buckets: Sequence[int], sequence_buckets: Sequence[int],
                  buckets: bool = True, on_compile: Callable[[str], None] | None = None, groups: int = 16) -> None:
         self.network = template.network  # only its structure is used; weights come with each call
+        self.chain = template.spec.chain  # several objectives: how their logits chain into probabilities
         self.row_buckets, self.sequence_buckets = sorted(row_buckets), sorted(sequence_buckets)
         self.buckets, self.groups = buckets, groups
         self.stats = CompileStats()
@@ -61,9 +63,14 @@ class DenseRunner:
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="xla-compile")
 
     def _forward(self, weights: list[tf.Tensor], inputs: dict[str, tf.Tensor]) -> tf.Tensor:
-        trainable = len(self.network.trainable_variables)  # `CtrModel.dense_weights`: trained ones first
-        logits, _ = self.network.stateless_call(weights[:trainable], weights[trainable:], inputs)
-        return tf.sigmoid(logits)
+        """Probabilities [B] of the one objective, or [B, K] of each of several (`CtrModel.predict_objectives`)."""
+        if not self.chain:
+            trainable = len(self.network.trainable_variables)  # `CtrModel.dense_weights`: trained ones first
+            logits, _ = self.network.stateless_call(weights[:trainable], weights[trainable:], inputs)
+            return tf.sigmoid(logits)
+        variables = [*self.network.trainable_variables, *self.network.non_trainable_variables]
+        with keras.StatelessScope(state_mapping=list(zip(variables, weights, strict=True))):  # stateless_call's way
+            return probabilities(self.network.heads(inputs), self.chain)
 
     def _function_for(self, weights: list[tf.Tensor], inputs: dict[str, tf.Tensor]) -> Callable:
         """The XLA function of these inputs' shape (compiled on its first run). One tf.function per shape:
@@ -115,7 +122,8 @@ class DenseRunner:
         return min(rows, max(2 * self.groups, rows // 4))
 
     def run(self, weights: list[tf.Tensor], inputs: dict[str, np.ndarray]) -> np.ndarray:
-        """Scores [rows] of `inputs` (as `CtrModel.scoring_inputs` gives: `owner` non-decreasing)."""
+        """Probabilities [rows] (several objectives: [rows, K]) of `inputs` (as `CtrModel.scoring_inputs` gives:
+        `owner` non-decreasing)."""
         owner = inputs["owner"]
         if len(owner) and owner[-1] >= self.groups:  # too many sequences for one run: parts of `groups`
             cuts = np.searchsorted(owner, np.arange(self.groups, owner[-1] + 1, self.groups))

@@ -32,7 +32,7 @@ import redis
 from contract.examples import Examples, concat
 from contract.inputs import NUMERIC_FEATURES
 from infra.settings import Settings
-from models.registry import CHALLENGER, CHAMPION, CONTROL
+from models.registry import CHALLENGER, CHAMPION, CONTROL, objective_names
 from serving import access, metrics
 from serving.batching import Batcher, DeadlineExceeded, Overloaded
 from serving.features import PER_REQUEST, Candidate, Fetched, OnlineFeatures
@@ -92,7 +92,25 @@ class RankResult:
     scores: list[float | None]  # per candidate, in request order; None = not scored (degraded)
     defaulted_features: list[str]
     degraded: list[str]
-    top: list[int] | None = None  # with top_k: the served candidates' indices, best first
+    top: list[int] | None = None  # with top_k: the served candidates' indices, best first (by value where declared)
+    # Where the spec names objectives: each one's probability the version predicts, per candidate as `scores`
+    objectives: dict[str, list[float | None]] | None = None
+    # Where the spec declares a value (`[ranking] value`) and the version predicts its objectives: each candidate's
+    values: list[float | None] | None = None
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A job's probabilities by the version that scored it: [N], or [N, K] of each of its `objectives`."""
+
+    probabilities: np.ndarray
+    version: str
+    objectives: tuple[str, ...]
+
+    @property
+    def scores(self) -> np.ndarray:
+        """The first objective's (the click's): what the prediction log, the canary and served AUC read."""
+        return self.probabilities[:, 0] if self.probabilities.ndim == 2 else self.probabilities
 
 
 def best(scores: Sequence[float | None], k: int) -> list[int]:
@@ -140,7 +158,7 @@ class Inference:
         self.splits = {key: s.for_model(f.model).serving for key, f in self.followers.items()}
         self.features = OnlineFeatures(s)
         self.predictions = PredictionLog(s)
-        self.batcher: Batcher[_Job, tuple[np.ndarray, str]] = Batcher(
+        self.batcher: Batcher[_Job, Scored] = Batcher(
             self._run_batch, max_batch_rows=sv.max_batch_rows if sv.batching else 1,
             max_delay_s=sv.max_delay_ms / 1000, max_queue_rows=sv.max_inflight_rows, executors=sv.executors,
             name="rank")
@@ -216,18 +234,43 @@ class Inference:
             route = CHAMPION
         if route == CHAMPION and follower.current(CONTROL) is not None:  # the new champion's canary
             route = access.champion_route(req.user_id, follower.champion_percent)
-        scores, version = await self._score(_Job(req.scenario, route, fetched.examples), req.tier, deadline)
+        result = await self._score(_Job(req.scenario, route, fetched.examples), req.tier, deadline)
         if route == CHAMPION and access.shadowed(req.request_id, split.shadow_percent):
             self._shadow(req, follower, fetched)
-        top = None if req.top_k is None else best(scores.tolist(), req.top_k)
-        self._log(req, follower, scored, scores, version, route, fetched.snapshot, shadow=False, only=top)
+        scores, objectives = result.scores, self._objectives(result)
+        values = self._values(objectives, fetched.snapshot)
+        top = None if req.top_k is None else best((scores if values is None else values).tolist(), req.top_k)
+        self._log(req, follower, scored, scores, result.version, route, fetched.snapshot, shadow=False, only=top)
         degraded = [what for what, on in (("sequence", allocation.sequence_length is not None),
                                           ("candidates", len(scored) < len(req.candidates))) if on]
-        return RankResult(req.request_id, version, route,
-                          scores.tolist() + [None] * (len(req.candidates) - len(scored)),
-                          fetched.defaulted, degraded, top)
+        unscored = [None] * (len(req.candidates) - len(scored))
+        return RankResult(req.request_id, result.version, route, scores.tolist() + unscored, fetched.defaulted,
+                          degraded, top, None if not self.s.spec.objectives else
+                          {name: p.tolist() + unscored for name, p in objectives.items()},
+                          None if values is None else values.tolist() + unscored)
 
-    async def _score(self, job: _Job, tier: str, deadline: float) -> tuple[np.ndarray, str]:
+    def _objectives(self, result: Scored) -> dict[str, np.ndarray]:
+        """Each objective's probabilities by its name; a version of one objective predicts the spec's first."""
+        names = result.objectives or tuple(o.name for o in self.s.spec.objectives[:1])
+        columns = result.probabilities.T if result.probabilities.ndim == 2 else [result.probabilities]
+        return dict(zip(names, columns))
+
+    def _values(self, objectives: dict[str, np.ndarray], snapshot: dict[str, Sequence]) -> np.ndarray | None:
+        """The declared value of each candidate, of its objectives' probabilities, its item's numbers and the
+        request's (none stored: 0, as is the value); None where none is declared or the version does not predict
+        an objective it names (it is ordered by its scores)."""
+        value = self.s.spec.value
+        if value is None or any(o.name in value.names and o.name not in objectives for o in self.s.spec.objectives):
+            return None
+        spec, request = self.s.spec, snapshot.get("context", {})
+        item = spec.table("item")
+        numbers = {a.name: np.array([np.nan if v is None else float(v) for v in snapshot[item.feature(a)]])
+                   for a in item.attributes if a.name in value.names and a.name in spec.item_numbers}
+        numbers |= {name: np.nan if request.get(name) is None else float(request[name])
+                    for name in spec.context_numbers if name in value.names}
+        return value(numbers | {name: p for name, p in objectives.items() if name in value.names})
+
+    async def _score(self, job: _Job, tier: str, deadline: float) -> Scored:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             metrics.SHED.labels(tier, "deadline").inc()
@@ -256,9 +299,9 @@ class Inference:
 
         def logged(f) -> None:
             if f.exception() is None:
-                scores, version = f.result()
-                self._log(req, follower, req.candidates[: len(scores)], scores, version, CHALLENGER,
-                          fetched.snapshot, shadow=True)
+                result = f.result()
+                self._log(req, follower, req.candidates[: len(result.scores)], result.scores, result.version,
+                          CHALLENGER, fetched.snapshot, shadow=True)
 
         future.add_done_callback(logged)
 
@@ -279,20 +322,20 @@ class Inference:
 
     # --- the executors --------------------------------------------------------------------------
 
-    def _run_batch(self, jobs: Sequence[_Job]) -> list[tuple[np.ndarray, str]]:
+    def _run_batch(self, jobs: Sequence[_Job]) -> list[Scored]:
         """Score a batch: per scenario and route, the version serving it now, all its requests in one run."""
-        results: list[tuple[np.ndarray, str] | None] = [None] * len(jobs)
+        results: list[Scored | None] = [None] * len(jobs)
         for scenario, route in {(job.scenario, job.route) for job in jobs}:
             follower = self.followers[scenario]
             model = follower.current(route) or follower.current(CHAMPION)
             idx = [i for i, job in enumerate(jobs) if (job.scenario, job.route) == (scenario, route)]
             batch = concat([jobs[i].examples for i in idx])
-            scores = model.score(batch)
+            probabilities, names = model.score(batch), objective_names(model.model)
             metrics.BATCH_ROWS.observe(len(batch))
             start = 0
             for i in idx:
                 n = len(jobs[i].examples)
-                results[i] = (scores[start:start + n], model.version)
+                results[i] = Scored(probabilities[start:start + n], model.version, names)
                 start += n
         metrics.BATCH_REQUESTS.observe(len(jobs))
         return results

@@ -68,7 +68,8 @@ class ServedModel:
             settle(tables)  # the store's reply taken even when scoring failed: its connection back in the pool
 
     def score(self, ex: Examples) -> np.ndarray:
-        """Click probabilities [N]; unknown ids use the default row."""
+        """Probabilities [N] of the one objective, [N, K] of each of several (`objective_names`); unknown ids use
+        the default row."""
         if self.runner is None:  # the generic path: the whole batch through the pyfunc, no XLA
             with metrics.FOREIGN_SECONDS.time():
                 return self.model.predict(ex)
@@ -79,7 +80,7 @@ def shape_key(spec: ModelSpec) -> tuple:
     """What fixes the dense network's shapes and variables (a position bias, a network per objective): versions alike
     in this share compiled functions."""
     return (spec.kind, spec.hidden, len(spec.numeric_features), spec.numeric_bins, spec.sparse.dim, spec.long_length,
-            spec.token_length, spec.position_slots, max(len(spec.objectives), 1), bool(spec.context),
+            spec.token_length, spec.position_slots, spec.chain, bool(spec.context),
             len(spec.event_types))
 
 

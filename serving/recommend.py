@@ -53,7 +53,8 @@ class Retrieved:
 @dataclass
 class Recommended:
     request_id: str
-    items: list[tuple[str, float, list[str]]]  # (item, ranker score, sources), best first
+    # (item, ranker score, sources, declared value or None), best first: by value where the spec declares one
+    items: list[tuple[str, float, list[str], float | None]]
     model_versions: dict[str, str | None]
 
 
@@ -130,7 +131,8 @@ class Recommender:
             req.request_id = request_id
         result = await self.inference.rank(req)
         versions["ranker"] = result.model_version
-        items = [(retrieved.items[i].item_id, result.scores[i], retrieved.sources[i]) for i in result.top or []]
+        items = [(retrieved.items[i].item_id, result.scores[i], retrieved.sources[i],
+                  None if result.values is None else result.values[i]) for i in result.top or []]
         return Recommended(result.request_id, items, versions)
 
     def close(self) -> None:

@@ -194,7 +194,7 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
 
 @pytest.mark.parametrize("change, message", [
     (("[dataset]", "[datasets]"), "unknown key 'datasets' (expected: dataset, events, tables, features, demo, "
-     "settings, scenarios, objectives)"),
+     "settings, scenarios, objectives, ranking)"),
     (('kind = "categorical"', 'kind = "text"'), "[tables.item].attributes.brand.kind: expected one of categorical"),
     (('kind = "categorical"', 'kind = "categorical"\nseparator = ","'), "brand.separator: only a multi attribute"),
     (('kind = "categorical"', 'kind = "categorical"\ntokens = "decade"'),
@@ -766,3 +766,39 @@ def test_named_objectives_label_each_exposure_over_its_own_space_and_bad_ones_ar
     one = text.replace(OBJECTIVES, '\n[objectives.order]\nlabels = ["order"]\nover = "order"\n')
     with pytest.raises(SpecError, match=r"\[objectives\]\.order\.over: expected an objective declared before it"):
         parse_spec(one, shop(tmp_path / "bad"))
+
+
+def test_a_declared_value_is_checked_at_load_and_weighs_predictions_by_the_items_and_requests_numbers(
+        tmp_path: Path) -> None:
+    """`[ranking] value`: an expression of the objectives, the item's numbers and the request's, evaluated per row
+    (a division by zero worth 0); every name it holds is one the spec declares, and anything but numbers, names,
+    + - * / and parentheses is refused at load, with the key."""
+    base = (SHOP.replace("label = true\n", "") + OBJECTIVES
+            + '\n[events.context.hour]\nkind = "number"\n\n[events.context.page]\nkind = "categorical"\n'
+            + '\n[events.context.basket]\nkind = "bucketed"\nbuckets = [0, 50]\n')
+    spec = parse_spec(base + '\n[ranking]\nvalue = "(conversion + 0.1 * click) * price / hour"\n', shop(tmp_path))
+    assert spec.value.names == ("conversion", "click", "price", "hour")
+    worth = spec.value({"click": np.array([0.5, 0.2, 0.5]), "conversion": np.array([0.05, 0.1, 0.1]),
+                        "price": np.array([40.0, 10.0, 40.0]), "hour": np.array([2.0, 3.0, 0.0])})
+    assert np.allclose(worth, [2.0, 0.4, 0.0])
+    assert parse_spec(base, shop(tmp_path)).value is None  # none declared: the first objective orders
+    where = re.escape("[ranking].value: ")
+    for value, message in (
+            ("click * margin", r"unknown name 'margin' in 'click \* margin': expected an objective \(click, "
+             r"conversion, order\), an item's number \(price\), a request's number \(hour\)"),
+            ("click * page", r"unknown name 'page'"),  # a categorical field is no number
+            ("click * basket", r"unknown name 'basket'"),  # nor a bucketed one's bucket
+            ("click * 1e400", r"'1e400' in 'click \* 1e400' is no finite number"),
+            ("price * 2", r"'price \* 2' names no objective"),
+            ("click ** 2", r"'click \*\* 2' is not allowed in 'click \*\* 2': a value holds numbers, names"),
+            ("max(click, order)", r"'max\(click, order\)' is not allowed"),
+            ("click *", r"not an expression")):
+        with pytest.raises(SpecError, match=where + message):
+            parse_spec(base + f'\n[ranking]\nvalue = "{value}"\n', shop(tmp_path))
+    with pytest.raises(SpecError, match=where + r"'price' is both an objective and an item's number: rename one"):
+        parse_spec(base.replace("objectives.order", "objectives.price") + '\n[ranking]\nvalue = "price"\n',
+                   shop(tmp_path))
+    with pytest.raises(SpecError, match=where + r"a value weighs the objectives' predictions: declare \[objectives\]"):
+        parse_spec(SHOP + '\n[ranking]\nvalue = "price"\n', shop(tmp_path))
+    with pytest.raises(SpecError, match=re.escape("[ranking]: unknown key 'order'")):
+        parse_spec(base + '\n[ranking]\nvalue = "click"\norder = "value"\n', shop(tmp_path))

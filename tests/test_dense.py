@@ -145,19 +145,28 @@ def test_a_version_with_a_position_bias_serves_the_items_score_without_its_rank(
                                rtol=1e-5, atol=1e-6)
 
 
-def test_a_version_of_two_objectives_serves_the_first_objectives_score() -> None:
-    """A network per objective under a position bias: trained through every objective (the bias too), served by
-    the first's network alone, scoring as the model and as its first objective; its output layer negated (the
-    drills' inverted version), every score is reversed."""
-    model = CtrModel(replace(SPEC, position_slots=5, objectives=(("click", ""), ("buy", "click"))))
+def test_a_version_of_two_objectives_serves_each_objectives_probability() -> None:
+    """A network per objective under a position bias: trained through every objective (the bias too), served by the
+    compiled functions with each objective's probability as the model predicts it (the first's its scores), another
+    version of the same shape by the same functions with its own weights; its output layer negated (the drills'
+    inverted version), every score is reversed."""
+    spec = replace(SPEC, position_slots=5, objectives=(("click", ""), ("buy", "click")))
+    model, untrained = CtrModel(spec), CtrModel(spec)
     data = with_buys(synthetic(2000, seed=1), seed=1)
     model.fit(replace(data, positions=np.arange(len(data), dtype=np.int32) % 8), progress=False)
     assert model.network.bias.numpy()[1:].any()
     runner = DenseRunner(model, row_buckets=(16, 64), sequence_buckets=(4, 10))
     part = synthetic(40, seed=2)
-    scores = runner.run(_weights(model), model.scoring_inputs(part))
+    runner.warm(_weights(model), model.scoring_inputs(part))
+    served = runner.run(_weights(model), model.scoring_inputs(part))
+    np.testing.assert_allclose(served, model.predict_objectives(part), rtol=1e-5, atol=1e-6)
+    scores = served[:, 0]
     np.testing.assert_allclose(scores, model.predict(part), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(scores, model.predict_objectives(part)[:, 0], rtol=1e-5, atol=1e-6)
+    assert (served[:, 1] <= scores + 1e-6).all() and served[:, 1].std() > 0  # a buy over the clicks
+    other = runner.run(_weights(untrained), untrained.scoring_inputs(part))
+    np.testing.assert_allclose(other, untrained.predict_objectives(part), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(other, served, atol=1e-3) and runner.stats.uncompiled_runs == 0
+    runner.close()
     for variable in scorer(model.network).trainable_variables[-2:]:  # the drills' inverted version: its scores'
         variable.assign(-variable)
     np.testing.assert_allclose(model.predict(part), 1 - scores, atol=1e-5)

@@ -54,7 +54,6 @@ weight = 2
 name = "order"
 role = "positive"
 weight = 5
-label = true
 
 [events.history]
 source = "orders.csv"
@@ -78,6 +77,15 @@ slots = 8
 
 [features]
 windows = ["1h", "1d"]  # a shop's customers come back daily, not every five minutes
+
+[objectives.order]  # what the ranker's scores are: an order after a view
+labels = ["order"]
+
+[objectives.cart]  # a network of its own over the same embeddings: a cart after a view
+labels = ["cart"]
+
+[ranking]
+value = "order * price"  # a list's order: each product's expected takings
 
 [tables.item]
 source = "products.csv"
@@ -305,6 +313,7 @@ def test_the_ranker_is_trained_through_the_dag_on_the_shops_vocabulary_and_serve
     client = connect(s)
     metrics = client.get_run(client.get_model_version(s.models.name, "1").run_id).data.metrics
     assert metrics["test_auc"] > 0.65, metrics  # the regions' brands are learnt
+    assert metrics["test_cart_auc"] > 0.6, metrics  # and the carts, the second objective's
     from models.registry import load_version
 
     assert load_version(s, "1").spec.position_slots == 8  # the views' ranks: a bias learnt apart, served without
@@ -381,6 +390,24 @@ def test_the_page_a_list_is_shown_on_is_the_rankers_input_and_a_rank_requests(on
                              ({"hour": "noon"}, "'hour' is a number context field: expected a number, got str")):
         r = httpx.post(api, json={"user_id": "c000", "candidates": candidates[:2], "context": context}, timeout=10)
         assert r.status_code == 422 and message in r.text, r.text
+
+
+def test_rank_returns_each_objective_and_the_declared_value_orders_recommend(onboarded) -> None:
+    """`[objectives]` order and cart, `[ranking] value = "order * price"`: the version served predicts both; /rank
+    returns each one's probability per candidate (the order's its scores) and each candidate's value, the order's
+    times the catalog's price; /recommend serves its items by that value, highest first."""
+    s, _, shop, _ = onboarded
+    base = f"http://{s.serving.host}:{s.serving.port}"
+    price = dict(zip(shop.products.sku, shop.products.price))
+    body = answered(base + "/rank", {"user_id": "c000", "candidates": [{"item_id": sku} for sku in price]})
+    order, cart = (np.array(body["objectives"][name]) for name in ("order", "cart"))
+    assert np.allclose(order, body["scores"]) and cart.std() > 0 and not np.allclose(cart, order), body
+    assert np.allclose(body["values"], order * np.array(list(price.values())), rtol=1e-5), body
+    items = answered(base + "/recommend", {"user_id": "c000", "k": 10})["items"]
+    values = [x["value"] for x in items]
+    assert len(items) == 10 and values == sorted(values, reverse=True), items
+    assert all(x["value"] == pytest.approx(x["score"] * price[x["item_id"]], rel=1e-5)
+               for x in items if x["item_id"] in price), items  # not a product another test stocked for a while
 
 
 def test_recommend_answers_with_the_shops_products_and_follows_a_new_customers_orders(onboarded) -> None:
