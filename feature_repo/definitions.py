@@ -40,8 +40,9 @@ user = Entity(name="user", join_keys=["user_id"], value_type=ValueType.STRING, d
 item = Entity(name="item", join_keys=["item_id"], value_type=ValueType.STRING, description="An item (raw id).")
 category = Entity(name="category", join_keys=["category"], value_type=ValueType.STRING,
                   description="An item category.")
-# The spec's further grouping keys (a brand beside the category), each an entity of its per-user counts.
-GROUPS = tuple(Entity(name=key, join_keys=[key], value_type=ValueType.STRING, description=f"An item {key}.")
+# The spec's further grouping keys (a brand beside the category, a page), each an entity of its per-user counts.
+GROUPS = tuple(Entity(name=key, join_keys=[key], value_type=ValueType.STRING,
+                      description=f"A request's {key}." if key in dataset_spec().context_keys else f"An item {key}.")
                for key in dataset_spec().group_by)
 ENTITIES = {"user_id": user, "item_id": item, "category": category, **{e.name: e for e in GROUPS}}
 

@@ -517,15 +517,16 @@ def rollback(why: str, target: str, model_name: str | None, scenario: str | None
     click.echo(f"@champion: v{old} -> v{new}")
 
 
-def _offline_features(s, user_id: str, item_id: str | None, category: str | None, reader, names: list[str],
-                      at: datetime | None) -> dict:
+def _offline_features(s, user_id: str, item_id: str | None, category: str | None, context: dict, reader,
+                      names: list[str], at: datetime | None) -> dict:
     """`names` (what the online store holds for the same entities) as the offline store's point-in-time join
     gives them at `at` (None: now; models/dataset.py: features_as_of; None: nothing stored, or past its TTL)."""
     import pandas as pd
 
     from models.dataset import features_as_of
 
-    keys = {k: v[0] for k, v in reader.groups_of([item_id] if item_id else []).items()}
+    of_item = {k: v[0] for k, v in reader.groups_of([item_id]).items()} if item_id else {}
+    keys = of_item | {k: reader.context_of(context)[k] for k in reader.context_keys}
     entity = pd.DataFrame([{"user_id": user_id, "item_id": item_id or "", "category": category or "", **keys,
                             "event_timestamp": pd.Timestamp(at) if at else pd.Timestamp.now(tz="UTC"), "row": 0}])
     joined = features_as_of(s, entity).iloc[0]
@@ -545,12 +546,14 @@ def _plain(value: object) -> object:
 @click.option("--item", "item_id", default=None, help="Also this item's features.")
 @click.option("--category", default=None, help="Also the user x category features (default: the item's category "
               "in the catalog); the user x the item's further keys are the catalog's.")
+@click.option("--context", "context", multiple=True, metavar="FIELD=VALUE", help="A request's context field (the "
+              "spec's [events.context]): the user x the value of a key that is one (a page; default: its default).")
 @click.option("--offline", is_flag=True, help="The offline store's values instead: the point-in-time join a "
               "training set makes for an exposure at --at (a row older than its view's TTL then: null).")
 @click.option("--at", type=_DATE, default=None, help="With --offline: the exposure's time (UTC; default: now).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: feature name -> value (missing = null).")
-def features(user_id: str, item_id: str | None, category: str | None, offline: bool, at: datetime | None,
-             as_json: bool) -> None:
+def features(user_id: str, item_id: str | None, category: str | None, context: tuple[str, ...], offline: bool,
+             at: datetime | None, as_json: bool) -> None:
     """The online features the ranking server reads for a user (and an item), as stored now; or, with --offline,
     what a training set joins for them."""
     import redis
@@ -562,11 +565,15 @@ def features(user_id: str, item_id: str | None, category: str | None, offline: b
         from streaming.history import ItemKeyFile, item_keys_path
 
         category = ItemKeyFile(item_keys_path(s)).get(item_id) or None
+    given = dict(field.partition("=")[::2] for field in context)
+    if undeclared := s.spec.undeclared_context(given):
+        raise click.BadParameter(f"{', '.join(undeclared)}: not a context field of dataset {s.spec.name} (declared: "
+                                 f"{', '.join(c.name for c in s.spec.context) or 'none'})", param_hint="--context")
     try:
         reader = OnlineFeatures(s)
-        values = reader.entity_features(user_id, item_id, category)
+        values = reader.entity_features(user_id, item_id, category, given)
         if offline:
-            values = _offline_features(s, user_id, item_id, category, reader, list(values), _utc(at))
+            values = _offline_features(s, user_id, item_id, category, given, reader, list(values), _utc(at))
     except redis.RedisError as exc:
         raise click.ClickException(f"Redis at {s.redis.url}: {exc}. Is the stack up (`flywheel status`)?") from None
     except ValueError as exc:  # the feature repo was never applied

@@ -255,7 +255,8 @@ class DatasetSpec:
     # group by it, and the ranker's category inputs are its values (the item's category attribute).
     key: str = "category"
     # Further grouping keys (`[events] key = [key, *group_by]`): item attributes by name, each also the context
-    # field an event may carry it in; each has per (user, value) counts and an interest histogram of its own.
+    # field an event may carry it in, or declared categorical context fields (a page: the request's value, not the
+    # item's); each has per (user, value) counts and an interest histogram of its own.
     group_by: tuple[str, ...] = ()
     # Each entity's sliding windows of exposure and label counts and CTR (`[features] windows`)
     windows: tuple[str, ...] = DEFAULT_WINDOWS
@@ -303,6 +304,17 @@ class DatasetSpec:
     def keys(self) -> tuple[str, ...]:
         """Every grouping key, the category's first."""
         return (self.key, *self.group_by)
+
+    @property
+    def context_keys(self) -> tuple[str, ...]:
+        """The further keys that are declared context fields: a row's value is its request's, not its item's."""
+        fields = {c.name for c in self.context}
+        return tuple(k for k in self.group_by if k in fields)
+
+    def key_default(self, key: str) -> str:
+        """A key's value for an event that carries none and whose item the catalog gives none: a context key's
+        declared default ("" for none, and for the item's keys)."""
+        return next((str(c.default) for c in self.context if c.name == key and key in self.context_keys), "")
 
     def context_of(self, given: Mapping[str, object] | None) -> dict[str, str | float]:
         """Each declared context field's value in `given` (an event's or a request's context; other fields
@@ -485,16 +497,27 @@ def _identifier(where: str, what: str, name: object) -> None:
                         f"{', '.join(sorted(RESERVED_KEYS))}, nor starting with {OBJECTIVE_COLUMN!r}), got {name!r}")
 
 
-def _group_by(where: str, key: str, names: list, item: dict) -> tuple[str, ...]:
-    """The keys after the first: distinct item attributes, categorical or multi, whose names are identifiers."""
+def _group_by(where: str, key: str, names: list, item: dict, context: dict) -> tuple[str, ...]:
+    """The keys after the first: distinct identifiers, each a categorical or multi item attribute or a categorical
+    field of `[events.context]` (not both)."""
     attributes = item.get("attributes", {}) if isinstance(item, dict) else {}
     for name in names:
-        _identifier(where, "the keys after the first to be item attribute names", name)
+        _identifier(where, "the keys after the first to be item attribute or context field names", name)
         if name == key or names.count(name) > 1:
             raise SpecError(f"{where}: {name!r} is named twice")
-        if not isinstance(attributes.get(name), dict) or attributes[name].get("kind") not in ("categorical", "multi"):
+        of_item, of_request = (isinstance(d.get(name), dict) for d in (attributes, context))
+        if of_item and of_request:
+            raise SpecError(f"{where}: {name!r} is both an attribute of [tables.item] and a field of "
+                            "[events.context]: rename one")
+        if of_request and context[name].get("kind") in CONTEXT_KINDS and context[name]["kind"] != "categorical":
+            raise SpecError(f"{where}: {name!r} is a {context[name].get('kind')} context field: a key's values are "
+                            "categorical")
+        if of_request and re.search(r"""[|,:'"]""", str(context[name].get("default", ""))):
+            raise SpecError(f"{where}: {name!r}'s default is the stream job's too: expected none of | , : ' \" in "
+                            f"it, got {context[name]['default']!r}")
+        if not of_request and (not of_item or attributes[name].get("kind") not in ("categorical", "multi")):
             raise SpecError(f"{where}: {name!r} is not a categorical or multi attribute of [tables.item] (an event "
-                            "without it takes its item's)")
+                            "without it takes its item's) nor a categorical field of [events.context]")
     return tuple(names)
 
 
@@ -505,9 +528,9 @@ def _context(where: str, raw: dict[str, Any], keys: tuple[str, ...]) -> tuple[Co
     out = []
     for name, table in raw.items():
         _identifier(where, "a field name", name)
-        if name in keys:
-            raise SpecError(f"{where}.{name}: {name!r} is a grouping key ([events] key): its values come from the "
-                            "catalog and have features of their own")
+        if name == keys[0]:
+            raise SpecError(f"{where}.{name}: {name!r} is the first grouping key ([events] key): its values come "
+                            "from the catalog and have features of their own")
         if name in PLATFORM_CONTEXT:
             raise SpecError(f"{where}.{name}: {name!r} is a context field the platform reads or writes itself "
                             f"({', '.join(sorted(PLATFORM_CONTEXT))})")
@@ -691,7 +714,8 @@ def parse_spec(text: str, path: Path) -> DatasetSpec:
     spec = DatasetSpec(dataset["name"], path, types,
                        tuple(_table(f"{path} [tables.{e}]", e, tables[e]) for e in ENTITIES),
                        _history(f"{path} [events.history]", events["history"]) if "history" in events else None,
-                       key, _group_by(f"{path} [events].key", key, group_by, tables.get("item", {})),
+                       key, _group_by(f"{path} [events].key", key, group_by, tables.get("item", {}),
+                                      events.get("context", {})),
                        adapter=dataset.get("adapter"),
                        demo=_demo(f"{path} [demo]", top["demo"]) if "demo" in top else DemoSpec(),
                        repeats=events.get("repeats", False), settings=top.get("settings", {}),

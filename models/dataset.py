@@ -119,7 +119,8 @@ def labelled_impressions(s: Settings, window: Window, scenario: str | None = Non
     kept = [c.get(TEST_TRAFFIC) is not True and (scenario is None or c.get(SCENARIO_FIELD) == scenario)
             for c in contexts]
     out = out.loc[np.array(kept, bool)]  # load tests teach nothing
-    columns = ["request_id", "user_id", "item_id", "category", *s.spec.group_by, *(c.name for c in s.spec.context),
+    fields = dict.fromkeys((*s.spec.group_by, *(c.name for c in s.spec.context)))  # a key that is a page's: once
+    columns = ["request_id", "user_id", "item_id", "category", *fields,
                *((POSITION_FIELD,) if s.spec.position_slots else ()), "event_time", "request_time", "label",
                *(s.spec.objective_column(o.name) for o in s.spec.objectives[1:]),
                *((LABEL_WEIGHT,) if s.spec.valued else ())]

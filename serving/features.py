@@ -121,6 +121,7 @@ class OnlineFeatures:
         # A candidate's further keys (a brand beside its category) are the catalog's, as the stream counts events.
         self.groups = s.spec.group_by
         self.context_of = s.spec.context_of  # a request's declared context, the defaults where it lacks a field
+        self.context_keys = s.spec.context_keys
         if self.groups:
             from streaming.history import ItemKeyFile, item_keys_path  # pandas: only where a spec groups further
 
@@ -146,13 +147,15 @@ class OnlineFeatures:
         named = dict(zip(self.names[keys], values))
         return (*values, *(entity_tokens(column, named) for column in self.tokens[keys]))
 
-    def entity_features(self, user_id: str, item_id: str | None = None, category: str | None = None
-                        ) -> dict[str, object]:
+    def entity_features(self, user_id: str, item_id: str | None = None, category: str | None = None,
+                        context: Mapping[str, object] | None = None) -> dict[str, object]:
         """The raw values this server reads for a user (and an item, and the user x the item's category and
-        further keys),
-        read now, bypassing the item cache; None where nothing is stored (`flywheel features`)."""
-        given = {"user_id": user_id, "item_id": item_id, "category": category} | {
-            k: v[0] for k, v in self.groups_of([item_id] if item_id else []).items()}
+        further keys, a key that is a context field's value in a request's `context`), read now, bypassing the item
+        cache; None where nothing is stored (`flywheel features`)."""
+        request = self.context_of(context)
+        of_item = {k: v[0] for k, v in self.groups_of([item_id]).items()} if item_id else {}
+        given = {"user_id": user_id, "item_id": item_id, "category": category, **of_item,
+                 **{k: request[k] for k in self.context_keys}}
         out: dict[str, object] = {}
         for keys, refs in self.reads.items():
             if all(given.get(k) for k in keys):
@@ -174,9 +177,10 @@ class OnlineFeatures:
         from contract.examples import PAD
         from contract.transform import entity_tokens, to_examples
 
-        rows = {"user_id": [user_id] * len(candidates), "item_id": [c.item_id for c in candidates],
-                "category": [c.category for c in candidates]} | self.groups_of([c.item_id for c in candidates])
         request = self.context_of(context)
+        rows = {"user_id": [user_id] * len(candidates), "item_id": [c.item_id for c in candidates],
+                "category": [c.category for c in candidates]} | self.groups_of([c.item_id for c in candidates]) | {
+            k: [request[k]] * len(candidates) for k in self.context_keys}  # a page's: the request's, not the item's
         columns: dict[str, Sequence] = dict(rows) | {name: [value] * len(candidates) for name, value in request.items()}
         plan = []  # per entity kind: its keys, refs, the entity of each candidate row, found, missing
         for keys, refs in self.reads.items():

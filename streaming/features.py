@@ -192,7 +192,7 @@ def _interest(column: str) -> Callable[[Settings], str]:
             SELECT user_id, MAX(event_time), JSON_ARRAYAGG(JSON_ARRAY(`{column}`, weight))
             FROM (SELECT user_id, `{column}`, MAX(event_time) AS event_time,
                          SUM(EXP({_interest_rate(s)!r} * (event_time - {s.streaming.interest_epoch_ms}))) AS weight
-                  FROM valid_events WHERE is_impression = 0 AND `{column}` IS NOT NULL
+                  FROM valid_events WHERE is_impression = 0 AND is_negative = 0 AND `{column}` IS NOT NULL
                   GROUP BY user_id, `{column}`)
             GROUP BY user_id"""
 

@@ -103,12 +103,14 @@ def check_history(s: Settings) -> None:
 def item_keys(s: Settings) -> dict[str, tuple[str | None, ...]]:
     """Each item's keys as the catalog gives them, in the order of the spec's `keys`: the first value of the item
     table's category attribute, then of each further key's attribute (None: the item has none; {}: no item table
-    read here, or no category)."""
+    read here, or no category). A key that is a context field (a page) is the request's: None for every item."""
     table = next((t for t in s.spec.tables if t.entity == "item"), None)
     a = table.category_attribute if table is not None else None
     if a is None:
         return {}
-    attributes = [a, *(next(b for b in table.attributes if b.name == k) for k in s.spec.group_by)]
+    of_request = s.spec.context_keys
+    attributes = [a, *(next(b for b in table.attributes if b.name == k) for k in s.spec.group_by
+                       if k not in of_request)]
     movielens = table.source == "movielens"
     path = dataset_dir(s) / "ml-100k.item" if movielens else source_path(s, table.source)
     if not path.exists():  # the catalog's own check says so where it is loaded (`flywheel demo`'s preflight)
@@ -120,9 +122,10 @@ def item_keys(s: Settings) -> dict[str, tuple[str | None, ...]]:
     keys = {}
     for row in rows:
         values = [cell_value(b, row[b.column]) for b in attributes]  # a category (categorical) or its entries (multi)
-        firsts = tuple((v or [None])[0] if isinstance(v, list) else v for v in values)
-        if any(v is not None for v in firsts) and not missing(row[table.id]):
-            keys[str(row[table.id])] = firsts
+        firsts = iter((v or [None])[0] if isinstance(v, list) else v for v in values)
+        of = (next(firsts), *(None if k in of_request else next(firsts) for k in s.spec.group_by))
+        if any(v is not None for v in of) and not missing(row[table.id]):
+            keys[str(row[table.id])] = of
     return keys
 
 
@@ -265,7 +268,9 @@ def history_events(s: Settings, limit: int | None = None, before: int | None = N
         log.warning("%s: %d items the catalog does not know keep no %s (e.g. %s)", path, len(unknown), spec.key,
                     ", ".join(sorted(unknown)[:3]))
     if h.negatives:
-        events += sampled_exposures(events, spec.exposures, h.negatives, spec.keys, f"{spec.name}:{h.source}:shown")
+        of_item = tuple(k for k in spec.keys if k not in spec.context_keys)
+        events += sampled_exposures(events, spec.exposures, h.negatives, of_item, f"{spec.name}:{h.source}:shown",
+                                    tuple(c.name for c in spec.context))
     events.sort(key=lambda e: e.event_time)  # stable: a file's order breaks ties
     for event in events[:limit]:
         if before is not None and event.event_time >= before * 1000:
@@ -274,13 +279,13 @@ def history_events(s: Settings, limit: int | None = None, before: int | None = N
 
 
 def sampled_exposures(events: list[Event], exposures: tuple[str, ...], per_item: int, keys: tuple[str, ...],
-                      prefix: str) -> list[Event]:
+                      prefix: str, fields: tuple[str, ...] = ()) -> list[Event]:
     """Exposures (the first of `exposures`) for the requests of a history that have none (a shop's
     orders): per request, each item acted on and `per_item` times as many items the user did not act on
     there, sampled by their popularity in the history (deterministic: their ids start with `prefix`, the
     seed), all shown 1 ms before the request's first action. Each carries the item's context `keys` as its
-    newest event in the history does: the ranker learns the acted items against what else was popular,
-    and the stream counts them as exposures."""
+    newest event in the history does, and the request's context `fields` (its page) as its first action does:
+    the ranker learns the acted items against what else was popular, and the stream counts them as exposures."""
     requests: dict[str, list[Event]] = {}
     for e in events:
         requests.setdefault(e.request_id, []).append(e)
@@ -296,11 +301,12 @@ def sampled_exposures(events: list[Event], exposures: tuple[str, ...], per_item:
             continue  # shown already
         first, user = min(e.event_time for e in acted), acted[0].user_id
         shown = list(dict.fromkeys(e.item_id for e in acted))
+        request = {k: v for k, v in min(acted, key=lambda e: e.event_time).context.items() if k in fields}
         wanted = min(per_item * len(shown), len(items) - len(shown))
         drawn = np.searchsorted(cdf, rng.random(4 * wanted + 8) * cdf[-1], side="right")  # by popularity
         others = [i for i in dict.fromkeys(items[j] for j in drawn) if i not in shown][:wanted]
         for item in [*shown, *others]:
             out.append(Event(event_id=f"{prefix}:{len(out)}", user_id=user, item_id=item, event_type=exposures[0],
                              request_id=request_id, event_time=first - 1,
-                             context=dict(keyed.get(item, {}))))
+                             context=keyed.get(item, {}) | request))
     return out

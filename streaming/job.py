@@ -123,13 +123,15 @@ def table_environment(s: Settings, events_topic_id: str) -> StreamTableEnvironme
 def _job_parameters(s: Settings, events_topic_id: str) -> str:
     """`pipeline.global-job-parameters`: the spec's event types in order, its exposures ('|'-separated;
     spec names hold no separator: infra/dataset.py), the context fields of the events' keys, the file of the
-    catalog's item keys (`write_item_keys`), and the id of the events topic the job reads (the stack's
-    health check compares it with the broker's)."""
+    catalog's item keys (`write_item_keys`), the keys' defaults where a context key declares one, and the id of
+    the events topic the job reads (the stack's health check compares it with the broker's)."""
     sep, keys = JVM_SEPARATOR, str(item_keys_path(s))
     if any(c in keys for c in ",:'\""):  # the parameters' own separators: Flink would split the path
         raise ValueError(f"paths.data_dir: the stream job cannot be given a path with , : ' or \" ({keys})")
+    defaults = [s.spec.key_default(k) for k in s.spec.keys]  # spec-checked: no separator in them
+    given = f",flywheel.key-defaults:{sep.join(defaults)}" if any(defaults) else ""
     return (f"flywheel.event-types:{sep.join(s.spec.type_names)},"
-            f"flywheel.exposure-types:{sep.join(s.spec.exposures)},flywheel.key-field:{sep.join(s.spec.keys)},"
+            f"flywheel.exposure-types:{sep.join(s.spec.exposures)},flywheel.key-field:{sep.join(s.spec.keys)}{given},"
             f"flywheel.item-keys:{keys},{EVENTS_TOPIC_ID}:{events_topic_id}")
 
 
@@ -237,12 +239,14 @@ def create_tables(env: StreamTableEnvironment, s: Settings, events_topic_id: str
                source_topic, source_partition, source_offset, {PARSED}
         FROM events_raw, LATERAL TABLE(parse_event(payload, {s.kafka.max_event_bytes})) AS T({PARSED})""")
     env.create_temporary_view("parsed", _materialized(env, parsed))
-    # The counts' "impressions" and "clicks": the spec's exposures and the positives that label the ranker.
+    # The counts' "impressions" and "clicks": the spec's exposures and the positives that label the ranker; a
+    # negative (a hide) is an action of the sequences, never a sign of interest.
     env.execute_sql(f"""
         CREATE TEMPORARY VIEW valid_events AS
         SELECT event_id, user_id, item_id, event_type, event_time, category{key_columns(s)}, proctime,
                CASE WHEN {_in(s.spec.exposures)} THEN 1 ELSE 0 END AS is_impression,
-               CASE WHEN {_in(s.spec.labels)} THEN 1 ELSE 0 END AS is_click
+               CASE WHEN {_in(s.spec.labels)} THEN 1 ELSE 0 END AS is_click,
+               {f"CASE WHEN {_in(s.spec.negatives)} THEN 1 ELSE 0 END" if s.spec.negatives else "0"} AS is_negative
         FROM parsed WHERE reason IS NULL""")
 
 

@@ -226,7 +226,7 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
      "[events].key: 'price' is not a categorical or multi attribute of [tables.item]"),
     (("[[events.types]]", '[events]\nkey = ["brand", "tags", "tags"]\n\n[[events.types]]'), "'tags' is named twice"),
     (("[[events.types]]", '[events]\nkey = ["brand", "user"]\n\n[[events.types]]'),
-     "expected the keys after the first to be item attribute names"),
+     "expected the keys after the first to be item attribute or context field names"),
     (("[tables.item]", '[features]\nwindows = ["5x"]\n\n[tables.item]'), "[features].windows: expected 1 to 4 windows"),
     (("[tables.item]", '[features]\nwindows = ["60m", "1h"]\n\n[tables.item]'), "a window is declared twice"),
     (("[tables.item]", '[features]\nwindow = ["1h"]\n\n[tables.item]'), "[features]: unknown key 'window'"),
@@ -250,7 +250,14 @@ def test_a_model_keeps_the_vocabulary_it_was_trained_with() -> None:
      "[events.context].position: 'position' is a context field the platform reads or writes itself"),
     (("[tables.item]", '[events]\nkey = ["brand", "tags"]\n[events.context.tags]\nkind = "categorical"\n\n'
                        '[tables.item]'),
-     "[events.context].tags: 'tags' is a grouping key"),
+     "[events].key: 'tags' is both an attribute of [tables.item] and a field of [events.context]: rename one"),
+    (("[tables.item]", '[events]\nkey = "brand"\n[events.context.brand]\nkind = "categorical"\n\n[tables.item]'),
+     "[events.context].brand: 'brand' is the first grouping key"),
+    (("[tables.item]", '[events]\nkey = ["brand", "hour"]\n[events.context.hour]\nkind = "number"\n\n[tables.item]'),
+     "[events].key: 'hour' is a number context field: a key's values are categorical"),
+    (("[tables.item]", '[events]\nkey = ["brand", "page"]\n[events.context.page]\nkind = "categorical"\n'
+                       'default = "a,b"\n\n[tables.item]'),
+     "[events].key: 'page''s default is the stream job's too: expected none of | , : ' \" in it, got 'a,b'"),
     (("[tables.item]", '[events.context.region]\nkind = "categorical"\n\n[tables.item]'),
      "[events.context].region: 'region' is also an attribute's token prefix"),
     (("[tables.item]", '[events.position]\nslots = 1\n\n[tables.item]'),
@@ -356,19 +363,23 @@ def test_a_history_file_is_checked_whole_before_its_first_event(tmp_path: Path, 
 
 def test_a_history_without_exposures_is_replayed_with_sampled_ones(tmp_path: Path) -> None:
     """Orders only (no views): each order's items and 2x as many others, by popularity, are shown 1 ms
-    before it in its request, so the ranker has exposures to learn from and the stream counts them."""
+    before it in its request, so the ranker has exposures to learn from and the stream counts them: each with its
+    item's key (a brand) and its request's context (the page, a context key too)."""
     from collections import Counter
 
     from streaming.history import history_events
 
-    spec = shop(tmp_path, SHOP.replace("[[events.types]]", '[events]\nkey = "brand"\n\n[[events.types]]', 1).replace(
+    keyed = '[events]\nkey = ["brand", "page"]\n[events.context.page]\nkind = "categorical"\n\n[[events.types]]'
+    spec = shop(tmp_path, SHOP.replace("[[events.types]]", keyed, 1).replace(
         "[tables.item]", '[events.history]\nsource = "orders.csv"\nuser = "customer"\nitem = "sku"\ntype = "action"\n'
-        'time = "at"\ntime_unit = "s"\nrequest = "basket"\ncontext = ["brand"]\nnegatives = 2\n\n[tables.item]'))
-    rows = ["customer,sku,action,at,basket,brand"]
+        'time = "at"\ntime_unit = "s"\nrequest = "basket"\ncontext = ["brand", "page"]\nnegatives = 2\n\n'
+        '[tables.item]'))
+    rows = ["customer,sku,action,at,basket,brand,page"]
     for n in range(40):  # 40 baskets of two orders; p0 is in every basket (the most popular), p1..p20 in two
-        rows += [f"c{n % 7},p0,order,{1_700_000_000 + 60 * n},b{n},acme",
-                 f"c{n % 7},p{1 + n % 20},order,{1_700_000_000 + 60 * n + 5},b{n},b{n % 3}"]
-    rows.append("c1,p5,cart,1700009000,b99,b2")
+        page = ("home", "sale")[n % 2]
+        rows += [f"c{n % 7},p0,order,{1_700_000_000 + 60 * n},b{n},acme,{page}",
+                 f"c{n % 7},p{1 + n % 20},order,{1_700_000_000 + 60 * n + 5},b{n},b{n % 3},{page}"]
+    rows.append("c1,p5,cart,1700009000,b99,b2,home")
     (tmp_path / "orders.csv").write_text("\n".join(rows) + "\n")
     s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(spec)})
     events = list(history_events(s))
@@ -385,7 +396,9 @@ def test_a_history_without_exposures_is_replayed_with_sampled_ones(tmp_path: Pat
         assert acted <= {e.item_id for e in views}  # an order's item was shown in its request
         assert {e.event_time for e in views} == {min(e.event_time for e in its if e.event_type != "view") - 1}
         assert its[: len(views)] == views  # replayed first
-    assert all(e.context == {"brand": "acme"} for e in shown if e.item_id == "p0")  # the item's key travels
+        page = "home" if request == "b99" else ("home", "sale")[int(request[1:]) % 2]
+        assert {e.context["page"] for e in its} == {page}  # the request's
+    assert all(e.context["brand"] == "acme" for e in shown if e.item_id == "p0")  # the item's key travels
     assert len({e.event_id for e in events}) == len(events)
 
 
@@ -549,6 +562,67 @@ def test_a_declared_request_context_reaches_the_training_labels_with_its_default
                        "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path / "data")})
     rows = labelled(s, [("A1", {"page": "search", "device": "ios"}), ("B2", {"position": 1}), ("C3", {"page": 7})])
     assert list(rows["page"]) == ["search", "home", "7"] and list(rows["device"]) == ["ios", "", ""]
+
+
+def test_a_context_field_as_a_key_is_counted_per_page_shown_and_read_with_the_requests(tmp_path: Path) -> None:
+    """`key = ["brand", "page"]`, `page` a declared context field: the stream's per (user, page) counts and the
+    ranker's page inputs group by the page a list was shown on, not by the item: the training labels take the
+    exposure's page (its default where it lacks one, as the stream job counts it), a request's candidates are read
+    with the request's page (the default where it names none)."""
+    import subprocess
+    import sys
+
+    from streaming.history import item_keys_path, write_item_keys
+
+    (tmp_path / "products.csv").write_text("sku,brand,price,tags\nA1,acme,1999,new\nB2,zeta,250,\n")
+    text = SHOP.replace("[[events.types]]", '[events]\nkey = ["brand", "page"]\n\n[[events.types]]', 1).replace(
+        "[tables.item]", PAGE + "\n[tables.item]", 1)
+    environ = {"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(shop(tmp_path, text)),
+               "FLYWHEEL_PATHS_DATA_DIR": str(tmp_path / "data")}
+    s = load_settings(environ)
+    assert (s.spec.group_by, s.spec.context_keys) == (("page",), ("page",))
+    assert write_item_keys(s) == 2 and json.loads(item_keys_path(s).read_text()) == {"A1": ["acme", None],
+                                                                                   "B2": ["zeta", None]}
+    assert s.spec.key_default("page") == "home" and s.spec.key_default("brand") == ""  # the stream job's too
+    rows = labelled(s, [("A1", {"page": "sale"}), ("B2", {}), ("A1", {"page": "search", "brand": "own"})])
+    assert list(rows["page"]) == ["sale", "home", "search"] and list(rows.columns).count("page") == 1
+    assert list(rows["category"]) == ["acme", "zeta", "own"]
+    code = """
+import json, sys, time
+import serving.features as served
+from contract.inputs import NUMERIC_FEATURES
+from feature_repo.definitions import BATCH_VIEWS
+from feature_repo.online import write_layout
+from infra.settings import get_settings
+from streaming.features import STREAM_VIEWS
+s = get_settings()
+s.paths.service_dir("feast").mkdir(parents=True)
+write_layout(s, {served.SERVICE: [(v.keys, v.name, [c for c, _ in v.columns]) for v in (*STREAM_VIEWS, *BATCH_VIEWS)]})
+counts = {("u", "sale"): 4, ("u", "home"): 8}
+class Store:  # the online store: (user, page) impressions for two pages, nothing else
+    asked = []
+    def __init__(self, *args): pass
+    def read_all(self, reads):
+        Store.asked += [e for keys, entities, _ in reads if keys == ("user_id", "page") for e in entities]
+        return [[tuple(counts.get(e) if f == "page_impressions" else None for _, f in refs) for e in entities]
+                for _, entities, refs in reads]
+served.OnlineReader = Store
+class Item:
+    def __init__(self, item_id): self.item_id, self.category = item_id, ""
+features, of = served.OnlineFeatures(s), NUMERIC_FEATURES.index("page_impressions")
+out = []
+for context in ({"page": "sale"}, None, {"page": "cart"}):
+    Store.asked = []
+    ex = features.fetch("u", [Item("A1"), Item("B2")], int(time.time() * 1000), 4, context=context).examples
+    out.append([Store.asked, [round(float(x), 3) for x in ex.numeric[:, of]]])
+print(json.dumps(out))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=environ | {"PATH": "/usr/bin"})
+    assert out.returncode == 0, out.stderr
+    log4, log8 = round(float(np.log1p(4)), 3), round(float(np.log1p(8)), 3)
+    assert json.loads(out.stdout) == [[[["u", "sale"]], [log4, log4]], [[["u", "home"]], [log8, log8]],
+                                      [[["u", "cart"]], [0.0, 0.0]]]
 
 
 KINDS = ('[events.context.band]\nkind = "bucketed"\nbuckets = [6, 12, 18.5]\n'

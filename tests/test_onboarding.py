@@ -37,8 +37,9 @@ SPEC = """
 name = "corner-shop"
 
 [events]
-# the stream's per (customer, brand) and (customer, department) features; the events carry neither: the catalog's
-key = ["brand", "dept"]
+# the stream's per (customer, brand) and (customer, department) features; the events carry neither: the catalog's;
+# and per (customer, page): the page a list is shown on, a declared context field below
+key = ["brand", "dept", "page"]
 repeats = true  # a shop's customers buy again what they bought
 
 [[events.types]]
@@ -250,6 +251,14 @@ def test_the_shops_history_and_declared_features_are_online(onboarded) -> None:
     assert (got["dept_impressions"], got["dept_clicks"]) == ((dairy.action == "view").sum(),
                                                              (dairy.action == "order").sum())
     assert set(got["interest_dept_values"]) == set(mine[mine.action != "view"].dept)
+    # per (customer, page): the third key, a context field, as each visit's events carry it (not the product's): the
+    # declared default page's, or a request's
+    done = run_cli(environ, "features", "--user", customer, "--context", "page=sale", "--json")
+    assert done.returncode == 0, done.stderr
+    for page, of in (("home", got), ("sale", json.loads(done.stdout))):
+        on = mine[mine.page == page]
+        assert (of["page_impressions"], of["page_clicks"]) == ((on.action == "view").sum(),
+                                                               (on.action == "order").sum()), page
     # a date attribute: stored as days since the epoch (the ranker's input is the product's age at the request)
     assert got["item_launched"] == (datetime.fromisoformat(product.launched) - datetime(1970, 1, 1)).days
     # offline as online: what a training set joins for an exposure after the history (the windows aside: their
@@ -288,6 +297,13 @@ def test_live_events_without_the_brand_are_counted_under_the_catalogs(onboarded)
                for d in ("pantry", "dairy")]
         assert [(g["dept_impressions"], g["dept_clicks"]) for g in got] == [(2, 0), (1, 1)], got
     wait_for(by_dept, timeout_s=30)
+    # and per (customer, page), the third key, a context field the client did not send either: the declared default's
+
+    def on_home() -> tuple:
+        got = online_row(store, ["user_page:page_impressions", "user_page:page_clicks"], {"user_id": walk_in,
+                                                                                        "page": "home"})
+        return got["page_impressions"], got["page_clicks"]
+    wait_for(lambda: _assert(on_home() == (3, 1)), timeout_s=30)
 
     # a product added to the table and loaded while the stream job runs: its brand reaches the job too
     products = shop.spec.parent / "products.csv"
@@ -301,6 +317,7 @@ def test_live_events_without_the_brand_are_counted_under_the_catalogs(onboarded)
             producer.send(Event(event_id=f"{walk_in}-view-p999", user_id=walk_in, item_id="p999", event_type="view",
                                 request_id=f"{walk_in}-1", event_time=now + 10, context={}))
         wait_for(lambda: _assert(counted("umbrella") == (1, 0)), timeout_s=30)
+        wait_for(lambda: _assert(on_home() == (4, 1)), timeout_s=30)  # an item the catalog has no page for, as any
     finally:
         shop.products.to_csv(products, index=False)
 
@@ -360,14 +377,16 @@ def test_the_second_keys_inputs_raise_the_rankers_auc_on_the_same_split(onboarde
 
 
 def test_the_page_a_list_is_shown_on_is_the_rankers_input_and_a_rank_requests(onboarded) -> None:
-    """The declared context field `page`: the ranker reading it beats the same ranker without it on the shop's
-    split (orders are 6 to 12 times as frequent on the sale page), and a /rank request's page moves its scores:
+    """The declared context field `page`: the ranker reading it (its token, and as the third key the customer's
+    counts and CTR on the page) beats the same ranker without it on the shop's split (orders are 6 to 12 times as
+    frequent on the sale page), and a /rank request's page moves its scores:
     higher on the sale page, the home page's where it names none. An undeclared field, a value that is no scalar or
     a string past 128 characters: a 422."""
     s, environ, shop, _ = onboarded
     window = ["--start", START.strftime("%Y-%m-%d"), "--end", (START + timedelta(days=DAYS + 1)).strftime("%Y-%m-%d")]
     client, aucs = connect(s), {}
-    for name, without in (("with", []), ("without", ["--without", "page"])):
+    for name, without in (("with", []), ("without", ["--without", "page", "--without", "page_*",
+                                                     "--without", "interest_page_share"])):
         done = run_cli(environ, "train", *window, "--no-promote", *without, timeout=900)
         assert done.returncode == 0, (done.stdout, done.stderr)
         version = done.stdout.split("registered v")[1].split(" ")[0]

@@ -32,7 +32,7 @@ from feature_repo.files import day, view_dir, write_atomic
 from feature_repo.predictions import SCHEMA as PREDICTIONS
 from feature_repo.predictions import archive_dir
 from feature_repo.store import feature_store, online_row
-from infra import flink_rest, monitoring, process, stack
+from infra import monitoring, process, stack
 from infra.progress import read_progress
 from infra.settings import Settings, to_environ
 from models.dataset import Window, labelled_impressions, training_frame, training_set
@@ -705,27 +705,30 @@ def _assert(ok: bool) -> None:
 
 @pytest.fixture(scope="module")
 def shop_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    """A pipeline whose dataset spec is a shop's (view / cart / order), nothing else changed."""
+    """A pipeline whose dataset spec is a shop's (view / cart / order, and a hide), nothing else changed."""
     from tests.test_dataset_spec import SHOP
 
     root = tmp_path_factory.mktemp("shop")
-    (root / "shop.toml").write_text(SHOP)
+    (root / "shop.toml").write_text(SHOP + '\n[[events.types]]\nname = "hide"\nrole = "negative"\n')
     yield from running_stack(root / "data", "kafka,redis,pipeline", FLYWHEEL_DATASET_SPEC=str(root / "shop.toml"),
                              FLYWHEEL_STREAMING_HISTORY_CATEGORIES="1", FLYWHEEL_STREAMING_HISTORY_PER_CATEGORY="3")
 
 
 def test_a_shops_own_event_types_flow_through_the_stream_job(shop_pipeline: Settings) -> None:
     """The JVM's parser and long history take the spec's vocabulary: views count as exposures, orders
-    as the label, an order or a cart raises the view it follows; a MovieLens "click" is undeclared here."""
+    as the label, an order or a cart raises the view it follows, a hide is an action of the sequence but no sign
+    of interest; a MovieLens "click" is undeclared here."""
     s = shop_pipeline
     t0 = int(time.time() * 1000) - 10 * MINUTE
     events = [event(1, "shopper", "sku1", "view", t0), event(2, "shopper", "sku2", "view", t0 + 1_000),
               replace(event(3, "shopper", "sku1", "order", t0 + 2_000), request_id="r1"),
-              replace(event(4, "shopper", "sku2", "cart", t0 + 3_000), request_id="r2")]
+              replace(event(4, "shopper", "sku2", "cart", t0 + 3_000), request_id="r2"),
+              event(6, "shopper", "sku3", "view", t0 + 4_000, "c2"),
+              replace(event(7, "shopper", "sku3", "hide", t0 + 5_000, "c2"), request_id="r6")]
     with EventProducer(s) as producer:  # validated against the shop's spec, as every client is
         for e in events:
             producer.send(e)
-        with pytest.raises(InvalidEvent, match=r"unknown event_type 'click' \(declared: view, cart, order\)"):
+        with pytest.raises(InvalidEvent, match=r"unknown event_type 'click' \(declared: view, cart, order, hide\)"):
             producer.send(event(5, "shopper", "sku1", "click", t0 + 4_000))
         producer.flush()
     undeclared = json.dumps(event(5, "shopper", "sku1", "click", t0 + 4_000).to_dict()).encode()
@@ -736,12 +739,14 @@ def test_a_shops_own_event_types_flow_through_the_stream_job(shop_pipeline: Sett
     def check() -> None:
         got = online(s, ["user_total:user_impressions_total", "user_total:user_clicks_total",
                          "user_sequence:seq_event_types", "user_history:history_item_ids",
-                         "user_history:history_event_types"], {"user_id": "shopper"})
-        assert (got["user_impressions_total"], got["user_clicks_total"]) == (2, 1)
-        assert got["seq_event_types"] == ["order", "cart"]  # actions only, oldest first
-        assert got["history_item_ids"] == ["sku2", "sku1", ""]
-        assert got["history_event_types"] == ["cart", "order", ""]  # each view raised to its action
+                         "user_history:history_event_types", "user_interest:interest_categories"],
+                     {"user_id": "shopper"})
+        assert (got["user_impressions_total"], got["user_clicks_total"]) == (3, 1)
+        assert got["seq_event_types"] == ["order", "cart", "hide"]  # actions only, oldest first
+        assert got["interest_categories"] == ["c1"]  # not the hidden item's c2
+        assert got["history_item_ids"][:2] == ["sku2", "sku1"]
+        assert got["history_event_types"][:2] == ["cart", "order"]  # each view raised to its action
     wait_for(check)
     dlq = s.kafka.dlq_topic(s.kafka.events_topic)
     [letter] = wait_for(lambda: _dead_letters(s, dlq, 1))
-    assert letter.reason == "unknown event_type 'click' (declared: view, cart, order)"
+    assert letter.reason == "unknown event_type 'click' (declared: view, cart, order, hide)"

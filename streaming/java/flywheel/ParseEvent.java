@@ -49,6 +49,9 @@ public class ParseEvent extends TableFunction<RowData> {
     static final char MISSING_KEY = '\u001e';
     /** The file of the catalog's item keys, for events without the key (ItemKeys; empty: none). */
     static final String ITEM_KEYS = "flywheel.item-keys";
+    /** Each key's value for an event that carries none and whose item has none in the catalog, '|'-separated in the
+     * keys' order (empty: none; a context key's declared default, as a request without it is read). */
+    static final String KEY_DEFAULTS = "flywheel.key-defaults";
     static final Set<String> FIELDS = new TreeSet<>(List.of(
             "schema_version", "event_type", "event_time", "context", "event_id", "user_id", "item_id", "request_id"));
 
@@ -58,12 +61,14 @@ public class ParseEvent extends TableFunction<RowData> {
 
     private List<String> types;
     private List<String> keyFields;
+    private List<String> keyDefaults;
     private transient ItemKeys itemKeys;  // opened on the task: not part of the serialized function
 
     @Override
     public void open(FunctionContext context) {
         types = jobList(context, EVENT_TYPES);
         keyFields = jobList(context, KEY_FIELD);
+        keyDefaults = List.of(context.getJobParameter(KEY_DEFAULTS, "").split("\\|", -1));
         itemKeys = new ItemKeys(context.getJobParameter(ITEM_KEYS, ""));
     }
 
@@ -79,7 +84,7 @@ public class ParseEvent extends TableFunction<RowData> {
     public void eval(byte[] payload, Integer maxBytes) {
         String reason;
         try {
-            collect(parse(payload, maxBytes, types, keyFields, itemKeys));
+            collect(parse(payload, maxBytes, types, keyFields, keyDefaults, itemKeys));
             return;
         } catch (Invalid e) {
             reason = e.getMessage();
@@ -93,8 +98,8 @@ public class ParseEvent extends TableFunction<RowData> {
         }
     }
 
-    static RowData parse(byte[] payload, int maxBytes, List<String> types, List<String> keyFields, ItemKeys itemKeys)
-            throws Invalid {
+    static RowData parse(byte[] payload, int maxBytes, List<String> types, List<String> keyFields,
+                         List<String> keyDefaults, ItemKeys itemKeys) throws Invalid {
         if (payload == null) {
             throw new Invalid("empty record (null value)");
         }
@@ -181,6 +186,9 @@ public class ParseEvent extends TableFunction<RowData> {
             if (text == null) {  // not carried: the catalog's, as the replay does (streaming/history.py)
                 catalog = catalog == null ? itemKeys.get(strings[2]) : catalog;
                 text = k < catalog.length ? catalog[k] : null;
+            }
+            if (text == null && k < keyDefaults.size() && !keyDefaults.get(k).isEmpty()) {
+                text = keyDefaults.get(k);
             }
             if (k == 0) {
                 categoryText = text;
