@@ -82,7 +82,7 @@ def _use_dataset(ctx: click.Context, param: click.Parameter, value: str | None) 
 
 _DATASET = click.option(
     "--dataset", default=None, expose_value=False, callback=_use_dataset,
-    help="A bundled dataset (instacart, movielens) or the path of a dataset.toml, as the setting dataset.spec. "
+    help="A bundled dataset (instacart, movielens, world) or the path of a dataset.toml, as the setting dataset.spec. "
          "Another dataset than the default (MovieLens-100k) gets a data directory of its own "
          "(<paths.data_dir>-<name>).")
 
@@ -724,6 +724,50 @@ def trigger(dag_id: str, conf: str, wait: bool, scenario: str | None) -> None:
     click.echo(f"{dag_id}: {state}")
     if state != "success":
         sys.exit(1)
+
+
+@main.command()
+@_DATASET
+@click.option("--requests", type=click.IntRange(min=1), default=2000, show_default=True,
+              help="Requests each policy's clicks are averaged over (the same users and candidates for each).")
+def world(requests: int) -> None:
+    """What the dataset's simulated world (world.toml beside its spec) offers a ranker: the clicks per shown item
+    of the true order, a random one and, after each change, the order the world had before it. Size a world's
+    changes here before a run."""
+    import numpy as np
+
+    from infra.dataset import SpecError
+    from streaming.world import WORLD_FILE, World, load_world
+
+    s = _settings()
+    path = s.spec.path.parent / WORLD_FILE
+    if not path.exists():
+        raise click.ClickException(f"{s.spec.path}: no {WORLD_FILE} beside it: the dataset declares no world")
+    try:
+        w = World(load_world(path))
+    except SpecError as exc:
+        raise click.ClickException(str(exc)) from None
+    t, h = w.spec.truth, w.spec.history
+    shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+    click.echo(f"world {shown}: {t.users:,} users, {t.items:,} items in {t.categories} categories, {t.clusters} "
+               f"taste clusters; history {h.requests:,} requests over {h.days} days from {h.start}")
+
+    def random_order(user: int, items: np.ndarray, t_s: float) -> np.ndarray:
+        return np.random.default_rng([user, len(items), int(t_s)]).random(len(items))
+
+    def line(at_s: float, stale: float | None) -> str:
+        oracle = w.expected_ctr(w.oracle(), at_s, requests)
+        before = "" if stale is None else f"  as before {(b := w.expected_ctr(w.oracle(stale), at_s, requests)):.4f}" \
+                                          f" ({b / oracle:.2f}x)"
+        random = w.expected_ctr(random_order, at_s, requests)
+        return f"at {at_s:>6.0f} s: true order {oracle:.4f}{before}  random {random:.4f}"
+
+    click.echo(line(0.0, None))
+    for at_s in sorted({c.at_s for c in w.spec.changes}):
+        what = ", ".join(str(c.what) for c in w.spec.changes if c.at_s == at_s)
+        click.echo(f"change at {at_s:.0f} s: {what}")
+        click.echo(line(at_s, at_s - 1.0))
+    click.echo("(clicks per shown item, in expectation; the true order knows each user's taste of the moment)")
 
 
 @main.command()

@@ -347,6 +347,19 @@ class CtrModel:
             out.append(self._predict(self._dense_inputs(self._lookup(part, train=False), part)).numpy())
         return np.concatenate(out) if out else np.zeros(0, np.float32)
 
+    def predict_as_shown(self, ex: Examples, batch_size: int = 1024) -> np.ndarray:
+        """Click probabilities [N] at the position each exposure was shown at (`predict`'s where the spec declares
+        no position bias): what its clicks are measured against, not a score (scores are at the top: the top of
+        the world's lists is clicked 0.42 of the time, its tenth 0.05)."""
+        if not self.spec.position_slots:
+            return self.predict(ex, batch_size)
+        out = []
+        for start in range(0, len(ex), batch_size):
+            part = ex.take(slice(start, start + batch_size))
+            inputs = self._dense_inputs(self._lookup(part, train=False), part)
+            out.append(self._dense_predict(inputs | {"position": tf.constant(part.positions, tf.int32)}).numpy())
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
+
     def predict_objectives(self, ex: Examples, batch_size: int = 1024) -> np.ndarray:
         """Each objective's probability over the exposures [N, K] (one objective: `predict`'s)."""
         if not self._over:

@@ -34,3 +34,7 @@ class ForeignModel:
         if len(scores) != len(ex):
             raise ValueError(f"foreign model v{self.version} returned {len(scores)} scores for {len(ex)} rows")
         return scores
+
+    def predict_as_shown(self, ex: Examples) -> np.ndarray:
+        """A foreign model learns no position apart: its probabilities are those of the exposures as shown."""
+        return self.predict(ex)

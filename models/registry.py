@@ -256,10 +256,13 @@ def lacking_evidence(s: Settings, evaluation: Examples) -> str | None:
     return None
 
 
-def _guardrail(s: Settings, evaluation: Examples, probabilities: np.ndarray) -> tuple[str, str] | None:
-    """The guardrail a candidate fails before any comparison (evidence, calibration), and why."""
+def _guardrail(s: Settings, evaluation: Examples, candidate: CtrModel | ForeignModel) -> tuple[str, str] | None:
+    """The guardrail a candidate fails before any comparison (evidence, calibration), and why. Calibration
+    compares the clicks with the probabilities where the items were shown: a model that learns the position
+    apart scores every item at the top, 2x the mean CTR of the world's lists of 10."""
     if lacking := lacking_evidence(s, evaluation):
         return "evidence", lacking
+    probabilities = candidate.predict_as_shown(evaluation)
     ratio, (low, high) = calibration(evaluation.labels, probabilities), s.models.gate_calibration
     if not low <= ratio <= high:
         return "calibration", (f"mean predicted CTR {float(np.mean(probabilities)):.4f} is {ratio:.2f}x the observed "
@@ -290,7 +293,7 @@ def gate(s: Settings, version: str, candidate: CtrModel | ForeignModel, evaluati
     elif parent and parent != champion:  # e.g. its parent was rolled back while it trained
         guardrail, reason = "lineage", (f"continues v{parent}, which is no longer @champion (v{champion} is); "
                                         f"AUC {candidate_auc:.4f} on {window}")
-    elif failed := _guardrail(s, evaluation, probabilities):
+    elif failed := _guardrail(s, evaluation, candidate):
         guardrail, reason = failed[0], f"{failed[1]}; AUC {candidate_auc:.4f} on {window}"
     else:
         loaded = functools.lru_cache(1)(lambda v: load_version(s, v, model))  # the champion's objectives read it again

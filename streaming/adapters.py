@@ -10,9 +10,9 @@ from pathlib import Path
 
 from infra.dataset import SpecError
 from infra.settings import Settings
-from streaming import instacart
+from streaming import instacart, world
 
-ADAPTERS: dict[str, Callable[[Settings], Path]] = {"instacart": instacart.prepare}
+ADAPTERS: dict[str, Callable[[Settings], Path]] = {"instacart": instacart.prepare, "world": world.prepare}
 
 
 def source_path(s: Settings, source: str) -> Path:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from contract.examples import PAD, Examples, from_frame, to_frame
+from infra.settings import ModelsSettings
 from infra.value import ValueExpression
 from models.ctr import CtrModel, ModelSpec
 from models.metrics import auc
@@ -205,6 +206,11 @@ def test_a_position_bias_learnt_apart_ranks_by_the_items_appeal_not_the_former_r
     assert bias[0] == 0 and bias[9] < bias[3] < bias[1] < 0, bias  # learnt: lower ranks are clicked less
     at_seven = replace(shown, positions=np.full(len(shown), 7, np.int32))
     assert np.array_equal(model.predict(at_seven), model.predict(shown))
+    # its clicks are measured against the probabilities where the items were shown (the gate's calibration: 1.15x
+    # the observed CTR), not against the scores, which are each item's at the top (2.3x: the gate would refuse it)
+    observed, (_, high) = logged.labels.mean(), ModelsSettings().gate_calibration
+    as_shown, at_top = model.predict_as_shown(logged).mean() / observed, model.predict(logged).mean() / observed
+    assert abs(as_shown - 1.0) < 0.25 and at_top > high, (as_shown, at_top)
     model.save(tmp_path / "v1")
     loaded = CtrModel.load(tmp_path / "v1")
     assert loaded.spec.position_slots == 10 and np.allclose(loaded.predict(shown), model.predict(shown), atol=1e-6)

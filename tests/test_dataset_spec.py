@@ -286,7 +286,7 @@ def test_the_demo_cut_is_declared_as_a_date_and_an_unknown_adapter_is_named(tmp_
     assert (demo.split, demo.train_days) == (datetime(2025, 3, 8, tzinfo=UTC), 5)
     path = shop(tmp_path, SHOP.replace('name = "shop"', 'name = "shop"\nadapter = "nowhere"', 1))
     s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(path)})
-    with pytest.raises(SpecError, match="unknown adapter 'nowhere' \\(bundled: instacart\\)"):
+    with pytest.raises(SpecError, match="unknown adapter 'nowhere' \\(bundled: instacart, world\\)"):
         source_path(s, "history.csv")
 
 

@@ -113,7 +113,7 @@ def test_dataset_names_a_bundled_spec_or_a_path_and_gives_it_a_data_directory_of
         get_settings.cache_clear()
         wrong = CliRunner().invoke(show, ["--dataset", "nowhere"])
         assert wrong.exit_code == 2 and "no spec at" in wrong.output
-        assert "(bundled: instacart, movielens;" in wrong.output
+        assert "(bundled: instacart, movielens, world;" in wrong.output
         bad = tmp_path / "dataset.toml"
         bad.write_text(SPEC.read_text().replace('key = "aisle"', 'key = "the aisle"'))
         wrong = CliRunner().invoke(show, ["--dataset", str(bad)])

@@ -90,11 +90,13 @@ def register_inverted(s: Settings, champion: str, labels_swapped: bool = False) 
     from models.dataset import Window, training_set
     from models.train import gate_version  # imports TensorFlow (~10 s): only once the drill runs
 
-    from models.networks import scorer
+    from models.networks import PositionBias, scorer
 
     model = load_version(s, champion)
     for variable in scorer(model.network).trainable_variables[-2:]:  # the scores' output layer: kernel and bias
         variable.assign(-variable)
+    if isinstance(model.network, PositionBias):  # trained on inverted labels, it would have the ranks' bias inverted:
+        model.network.bias.assign(-model.network.bias)  # as the gate sees it (its calibration), not as it is served
     root = champion
     while parent := version_tags(s, root).get("parent_version"):
         root = parent
