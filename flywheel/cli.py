@@ -517,6 +517,89 @@ def rollback(why: str, target: str, model_name: str | None, scenario: str | None
     click.echo(f"@champion: v{old} -> v{new}")
 
 
+@main.group()
+def experiment() -> None:
+    """A share of users pinned to a frozen version (@holdout) beside the champion as it learns, and what each arm
+    served."""
+
+
+@experiment.command("start")
+@click.option("--percent", type=click.FloatRange(0, 100, min_open=True, max_open=True), required=True,
+              help="The frozen arm's share of users (a stable hash of the user id).")
+@click.option("--version", default=None, help="The frozen version (default: @champion's).")
+@_SCENARIO
+def experiment_start(percent: float, version: str | None, scenario: str | None) -> None:
+    """Pin a share of users to a version that never moves; the others follow @champion and its canaries."""
+    from models.registry import start_experiment
+
+    s, model = _ranker(scenario)
+    running = _models_call(start_experiment, s, percent, version, model)
+    click.echo(f"{model.name}@holdout v{running.version} serves {running.percent:g}% of users from "
+               f"{running.started_at:%Y-%m-%d %H:%M:%S} UTC; the others follow @champion")
+
+
+@experiment.command("stop")
+@_SCENARIO
+def experiment_stop(scenario: str | None) -> None:
+    """Every user back to @champion (`show --since` still reads the arms it served)."""
+    from models.registry import stop_experiment
+
+    s, model = _ranker(scenario)
+    ran = _models_call(stop_experiment, s, model)
+    click.echo(f"stopped: {model.name}@holdout v{ran.version} served {ran.percent:g}% of users since "
+               f"{ran.started_at:%Y-%m-%d %H:%M:%S} UTC; every user follows @champion")
+
+
+def _arm_line(name: str, a) -> str:
+    return (f"{name:<9} {a.requests:>8,} requests {a.items:>9,} items {a.clicks:>7,} clicks  CTR {a.ctr:.4f} "
+            f"(95%: {a.low:.4f}-{a.high:.4f}), {a.clicks_per_request:.3f} clicks per request")
+
+
+@experiment.command("show")
+@click.option("--since", type=_DATE, default=None, help="First serving time (UTC; default: the running "
+                                                          "experiment's start).")
+@click.option("--until", type=_DATE, default=None, help="End of the period (exclusive).")
+@click.option("--bucket", "bucket_s", type=click.FloatRange(min=1), default=None,
+              help="Also each arm per this many seconds of serving.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: arms, ratio and (with --bucket) buckets.")
+@_SCENARIO
+def experiment_show(since: datetime | None, until: datetime | None, bucket_s: float | None, as_json: bool,
+                    scenario: str | None) -> None:
+    """Each arm's served CTR with its 95% interval and the learning arm's over the frozen one's, from the
+    prediction archive joined to the event log's clicks."""
+    from dataclasses import asdict
+
+    from models.registry import experiment as running_experiment
+    from serving.experiments import compare, over_time
+    from serving.outcomes import served_outcomes
+
+    s, model = _ranker(scenario)
+    running = _models_call(running_experiment, s, model)
+    if since is None and running is None:
+        raise click.ClickException(f"no experiment runs on {model.name}: name the period (--since)")
+    start = _utc(since) if since is not None else running.started_at
+    served = served_outcomes(s, int(start.timestamp() * 1000),
+                             None if until is None else int(_utc(until).timestamp() * 1000), model.name)
+    arms, ratio = compare(served)
+    buckets = over_time(served, bucket_s) if bucket_s else None
+    if as_json:
+        click.echo(json.dumps({"model_name": model.name, "since": start.isoformat(),
+                               "holdout": None if running is None else running.version,
+                               "arms": {k: asdict(a) for k, a in arms.items()}, "ratio": asdict(ratio),
+                               "buckets": None if buckets is None else buckets.to_dict("records")}))
+        return
+    held = f"@holdout v{running.version} on {running.percent:g}% of users" if running else "no experiment running"
+    click.echo(f"{model.name}: {held}; served since {start:%Y-%m-%d %H:%M:%S} UTC")
+    for name, a in arms.items():
+        click.echo(_arm_line(name, a))
+    click.echo(f"learning / frozen CTR {ratio.ratio:.3f} (95%: {ratio.low:.3f}-{ratio.high:.3f})")
+    for r in [] if buckets is None else buckets.to_dict("records"):
+        stamp = datetime.fromtimestamp(r["t"] / 1000, UTC).strftime("%H:%M:%S")
+        click.echo(f"{stamp} {r['arm']:<9} {r['requests']:>6,} requests CTR {r['ctr']:.4f} "
+                   f"({r['low']:.4f}-{r['high']:.4f})" + (f"  ratio {r['ratio']:.3f}" if r["arm"] == "learning"
+                                                           else ""))
+
+
 def _offline_features(s, user_id: str, item_id: str | None, category: str | None, context: dict, reader,
                       names: list[str], at: datetime | None) -> dict:
     """`names` (what the online store holds for the same entities) as the offline store's point-in-time join
@@ -730,10 +813,16 @@ def trigger(dag_id: str, conf: str, wait: bool, scenario: str | None) -> None:
 @_DATASET
 @click.option("--requests", type=click.IntRange(min=1), default=2000, show_default=True,
               help="Requests each policy's clicks are averaged over (the same users and candidates for each).")
-def world(requests: int) -> None:
+@click.option("--live", "live_s", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
+              help="Instead: the world's users as traffic on the running stack for this long (its changes at their "
+                   "times from the start), what they do with what they are shown into Kafka.")
+@click.option("--rate", type=click.FloatRange(min=0.1), default=None, help="With --live: requests per second "
+                                                                            "(default: the world's [traffic] rate).")
+@click.option("--seed", type=int, default=0, show_default=True, help="With --live: the traffic's draws.")
+def world(requests: int, live_s: float | None, rate: float | None, seed: int) -> None:
     """What the dataset's simulated world (world.toml beside its spec) offers a ranker: the clicks per shown item
     of the true order, a random one and, after each change, the order the world had before it. Size a world's
-    changes here before a run."""
+    changes here before a run. With --live, its users are the running stack's traffic."""
     import numpy as np
 
     from infra.dataset import SpecError
@@ -747,6 +836,9 @@ def world(requests: int) -> None:
         w = World(load_world(path))
     except SpecError as exc:
         raise click.ClickException(str(exc)) from None
+    if live_s is not None:
+        _live_world(s, w, live_s, rate, seed)
+        return
     t, h = w.spec.truth, w.spec.history
     shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
     click.echo(f"world {shown}: {t.users:,} users, {t.items:,} items in {t.categories} categories, {t.clusters} "
@@ -768,6 +860,32 @@ def world(requests: int) -> None:
         click.echo(f"change at {at_s:.0f} s: {what}")
         click.echo(line(at_s, at_s - 1.0))
     click.echo("(clicks per shown item, in expectation; the true order knows each user's taste of the moment)")
+
+
+def _live_world(s: Settings, w, seconds: float, rate: float | None, seed: int) -> None:
+    """The world's traffic on the running stack, a line a minute: requests answered, items shown, clicks, CTR."""
+    from flywheel.world_traffic import WorldTraffic
+
+    server = f"http://{s.serving.host}:{s.serving.port}"
+    traffic = WorldTraffic(s, w, server, seed, rate)
+    click.echo(f"the world's users on {server} at {traffic.rate:g} requests/s for {seconds:.0f} s; changes at "
+               + (", ".join(f"{c.at_s:.0f} s ({c.what})" for c in w.spec.changes) or "none"))
+    traffic.thread.start()
+    reported = 0
+    try:
+        while traffic.thread.is_alive() and traffic.now_s() < seconds and traffic.error is None:
+            time.sleep(1.0)
+            if traffic.now_s() >= 60 * (reported + 1) or traffic.now_s() >= seconds:
+                reported += 1
+                answered, e = sum(r.status == 200 for r in traffic.results), traffic.events
+                click.echo(f"{traffic.now_s():>5.0f} s: {answered:,} answered, {len(traffic.results) - answered:,}"
+                           f" refused; shown {e['impression']:,}, clicks {e['click']:,} (CTR "
+                           f"{e['click'] / max(e['impression'], 1):.4f}), purchases {e['purchase']:,}")
+    finally:
+        traffic.stop.set()
+        traffic.thread.join()
+    if traffic.error is not None:
+        raise click.ClickException(f"the traffic stopped: {traffic.error}")
 
 
 @main.command()

@@ -13,6 +13,10 @@ it, which keeps serving the users outside the new champion's share (the register
 `champion_canary`, "<version>:<percent>": a share for that version alone, so a @champion moved by hand
 serves everyone at once) until the analysis ramps the new one to all traffic (@control removed) or rolls it
 back. The canary's state is on the version: `canary_started_at`, `canary_status`, `canary_decision`.
+
+An experiment pins a share of users to @holdout, a version that never moves while @champion learns (the
+registered model's tag `experiment`, "<percent>:<started at>"): a frozen arm to measure learning against, served
+whatever canaries run for the others (serving/access.py).
 """
 
 from __future__ import annotations
@@ -45,10 +49,11 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:  # TensorFlow takes seconds to import: only the calls that score load it
     from models.ctr import CtrModel
 
-CHAMPION, CHALLENGER, CONTROL = "champion", "challenger", "control"
+CHAMPION, CHALLENGER, CONTROL, HOLDOUT = "champion", "challenger", "control", "holdout"
 BASE_FILE = "base-model.txt"  # in a delta's export: the parent's model URI
 RAMPED = "ramped to all traffic"  # the start of `canary_decision` on a version that passed its canary
 CANARY_TAG = "champion_canary"  # registered-model tag "<version>:<percent>": a new champion's share in its canary
+EXPERIMENT_TAG = "experiment"  # registered-model tag "<percent>:<started at, ISO>": the users @holdout serves
 
 
 class RegistryError(RuntimeError):
@@ -161,20 +166,40 @@ def aliases(client: MlflowClient, name: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Routing:
-    """What the ranking server follows: the aliases, and @champion's share of users while @control serves
-    the others (100: no canary, or one for another version than @champion, which a hand moved)."""
+    """What the ranking server follows: the aliases, @champion's share of users while @control serves
+    the others (100: no canary, or one for another version than @champion, which a hand moved), and the share of
+    users @holdout serves (0: no experiment)."""
 
     aliases: dict[str, str]
     champion_percent: float = 100.0
     canary_version: str | None = None  # the version the canary tag names, whether or not it is @champion
+    holdout_percent: float = 0.0
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A running experiment: @holdout's `version` serves `percent` of users since `started_at`."""
+
+    version: str
+    percent: float
+    started_at: datetime
 
 
 def canary_tag(version: str, percent: float) -> str:
     return f"{version}:{percent:g}"
 
 
+def _experiment(named: dict[str, str], tags: dict[str, str]) -> Experiment | None:
+    percent, _, started = tags.get(EXPERIMENT_TAG, "").partition(":")
+    try:
+        return Experiment(named[HOLDOUT], float(percent), datetime.fromisoformat(started))
+    except (KeyError, ValueError):  # no @holdout, or a tag a hand broke: no experiment
+        return None
+
+
 def routing(client: MlflowClient, name: str) -> Routing:
-    """The aliases and the champion's canary share in one registry call (raises RegistryError as `aliases`)."""
+    """The aliases, the champion's canary share and the holdout's share in one registry call (raises
+    RegistryError as `aliases`)."""
     try:
         model = client.get_registered_model(name)
     except MlflowException as exc:
@@ -182,13 +207,63 @@ def routing(client: MlflowClient, name: str) -> Routing:
             return Routing({})
         return Routing(aliases(client, name))  # raises the RegistryError that says why
     named = {alias: str(version) for alias, version in model.aliases.items()}
+    running = _experiment(named, model.tags)
+    held = running.percent if running else 0.0
     version, _, percent = model.tags.get(CANARY_TAG, "").partition(":")
     try:
         share = float(percent)
     except ValueError:
-        return Routing(named)
+        return Routing(named, holdout_percent=held)
     applies = CONTROL in named and version == named.get(CHAMPION)
-    return Routing(named, share if applies else 100.0, version or None)
+    return Routing(named, share if applies else 100.0, version or None, held)
+
+
+def experiment(s: Settings, model: RegisteredModel | None = None) -> Experiment | None:
+    """The experiment running on `model` (the ranker by default), if any."""
+    client, name = connect(s), (model or s.ranker).name
+    try:
+        held = client.get_registered_model(name)
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        aliases(client, name)  # raises the RegistryError that says why
+        raise
+    return _experiment({alias: str(v) for alias, v in held.aliases.items()}, held.tags)
+
+
+def start_experiment(s: Settings, percent: float, version: str | None = None,
+                     model: RegisteredModel | None = None) -> Experiment:
+    """Pin `percent` of users (a stable hash of the user id) to `version` (@champion's by default) as @holdout: a
+    frozen arm beside the champion as it learns. Both arms' traffic trains; the holdout never moves."""
+    if not 0 < percent < 100:
+        raise RegistryError(f"an experiment's holdout share is a percentage of users in (0, 100), not {percent:g}")
+    client, name = connect(s), (model or s.ranker).name
+    running = experiment(s, model)
+    if running is not None:
+        raise RegistryError(f"an experiment runs already on {name} (v{running.version} holds {running.percent:g}% "
+                            f"of users since {running.started_at:%Y-%m-%d %H:%M:%S} UTC): stop it first")
+    version = version or alias_version(client, name, CHAMPION)
+    if version is None:
+        raise RegistryError(f"{name} has no @champion to hold out; name a version")
+    try:
+        client.get_model_version(name, version)
+    except MlflowException:
+        raise RegistryError(f"{name} has no version {version}") from None
+    started = datetime.now(UTC)
+    client.set_registered_model_tag(name, EXPERIMENT_TAG, f"{percent:g}:{started.isoformat()}")
+    client.set_registered_model_alias(name, HOLDOUT, version)  # last: the share applies once @holdout names it
+    return Experiment(version, percent, started)
+
+
+def stop_experiment(s: Settings, model: RegisteredModel | None = None) -> Experiment:
+    """Every user back to the champion's routes; returns the experiment that ran."""
+    client, name = connect(s), (model or s.ranker).name
+    running = experiment(s, model)
+    if running is None:
+        raise RegistryError(f"no experiment runs on {name}")
+    client.delete_registered_model_alias(name, HOLDOUT)  # first: the holdout's users go back at once
+    client.delete_registered_model_tag(name, EXPERIMENT_TAG)
+    return running
 
 
 def start_canary(s: Settings, version: str, previous: str, model: RegisteredModel | None = None) -> None:

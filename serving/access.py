@@ -5,7 +5,9 @@ Routing is by a stable hash of the user id, so a user sees one model for the who
 flip-flopping between versions), and raising the percentage only moves users one way. Two canaries, each
 its own hash: a refused version's (@challenger, `serving.canary_percent` of users) and a new champion's
 (the registry's `champion_percent` of the champion's users while @control, the champion before, serves
-the rest: serving/canary.py).
+the rest: serving/canary.py). An experiment's frozen arm is decided before both, by a hash of its own: its users
+(`holdout_percent`, the registry's experiment) see @holdout whatever canaries run, and the canaries split the
+others as they would without it.
 
 Compute allocation by value tier (JD's dynamic power allocation). Load is the fill of the admission
 bound (candidate rows admitted and not yet answered / `serving.max_inflight_rows`). As it rises:
@@ -29,7 +31,7 @@ import hashlib
 from dataclasses import dataclass
 
 from infra.settings import ServingSettings
-from models.registry import CHALLENGER, CHAMPION, CONTROL
+from models.registry import CHALLENGER, CHAMPION, CONTROL, HOLDOUT
 
 TIERS = ("high", "normal", "low")
 
@@ -37,6 +39,27 @@ TIERS = ("high", "normal", "low")
 def _bucket(key: str) -> float:
     """A stable number in [0, 100) for `key`."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") % 10_000 / 100
+
+
+def frozen_arm(user_id: str, holdout_percent: float) -> bool:
+    """Whether the user is in an experiment's frozen arm (@holdout): a hash apart from the canaries', so the arm
+    holds the same users through every canary and promotion."""
+    return _bucket(f"holdout:{user_id}") < holdout_percent
+
+
+def decide(user_id: str, canary_percent: float, held: frozenset[str], champion_percent: float = 100.0,
+           holdout_percent: float = 0.0) -> str:
+    """The route that scores `user_id` given the routes a worker `held` (loaded now): @holdout for the experiment's
+    frozen arm; else @challenger for the refused version's canary share, else the new champion's canary (@champion
+    for its share, @control for the others); @champion where the route chosen holds no version."""
+    if HOLDOUT in held and frozen_arm(user_id, holdout_percent):
+        return HOLDOUT
+    chosen = route(user_id, canary_percent)
+    if chosen == CHALLENGER and CHALLENGER in held:
+        return CHALLENGER
+    if CONTROL in held:
+        return champion_route(user_id, champion_percent)
+    return CHAMPION
 
 
 def route(user_id: str, canary_percent: float) -> str:

@@ -77,6 +77,9 @@ class RankIn(BaseModel):
     scenario: str | None = Field(None, min_length=1, max_length=64,
                                  description="A scenario the dataset spec declares ([scenarios.<name>]): its ranker "
                                              "scores the request. Default: the platform's ranker.")
+    top_k: int | None = Field(None, ge=1, description="Only the best k are shown: only they are logged (what the "
+                                                      "loop learns from and the served measures judge), listed in "
+                                                      "`top`. Default: every candidate is shown.")
     context: dict[str, ContextValue] | None = Field(
         None, max_length=8, description="The request's context (the page, the device): the fields the dataset spec "
                                         "declares ([events.context]), each an input of the ranker; a field it lacks: "
@@ -86,9 +89,9 @@ class RankIn(BaseModel):
 class RankOut(BaseModel):
     request_id: str
     model_version: str
-    route: Literal["champion", "challenger", "control"] = Field(description="The alias that scored it: "
-                                                                "control is the champion before, during the new "
-                                                                "one's canary.")
+    route: Literal["champion", "challenger", "control", "holdout"] = Field(
+        description="The alias that scored it: control is the champion before, during the new one's canary; holdout "
+                    "an experiment's frozen version, for the users of its frozen arm.")
     scores: list[float | None] = Field(description="Click probability per candidate, in request order; null "
                                                    "= not scored (degraded under load).")
     defaulted: bool
@@ -100,6 +103,8 @@ class RankOut(BaseModel):
     values: list[float | None] | None = Field(
         None, description="Where the dataset spec declares a value ([ranking] value): each candidate's, the order "
                           "to serve them in (highest first); null while the version lacks an objective it names.")
+    top: list[int] | None = Field(None, description="With top_k: the indices of the candidates to show, best first "
+                                                    "(by value where one is declared).")
 
 
 class RecommendIn(BaseModel):
@@ -242,8 +247,8 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
             candidates = [c if c.category else CandidateIn.model_construct(item_id=c.item_id,
                                                                            category=keys.get(c.item_id))
                           for c in candidates]
-        req = RankRequest(body.user_id, candidates, body.tier, body.deadline_ms, scenario=body.scenario or "",
-                          context=body.context or {})
+        req = RankRequest(body.user_id, candidates, body.tier, body.deadline_ms, top_k=body.top_k,
+                          scenario=body.scenario or "", context=body.context or {})
         if body.request_id:
             req.request_id = body.request_id
         try:
@@ -259,7 +264,7 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         return RankOut(request_id=result.request_id, model_version=result.model_version, route=result.route,
                        scores=result.scores, defaulted=bool(result.defaulted_features),
                        defaulted_features=result.defaulted_features, degraded=result.degraded,
-                       objectives=result.objectives, values=result.values)
+                       objectives=result.objectives, values=result.values, top=result.top)
 
     @app.post("/recommend", response_model=RecommendOut, responses={503: {"model": Refusal}},
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
@@ -324,12 +329,13 @@ def create_app(s: Settings, inference: Inference) -> FastAPI:
         runners, refused = list(follower.runners.items()), dict(follower.refused)
         return {"model_name": follower.model.name, "worker": os.getpid(),
                 "serving": {route: (m.version if m else None) for route, m in served},
-                "champion_percent": follower.champion_percent,
+                "champion_percent": follower.champion_percent, "holdout_percent": follower.holdout_percent,
                 "warm": [v for v, _ in warm], "loaded_by": {v: m.loaded_by for v, m in warm}, "refused": refused,
                 "compiled_shapes": {str(arch): sorted(r.compiled_shapes()) for arch, r in runners},
                 "registry": {"reachable": follower.registry_reachable, "error": follower.registry_error or None,
                              "since": datetime.fromtimestamp(follower.registry_since, UTC).isoformat()},
                 "scenarios": {name: {"model_name": f.model.name, "champion_percent": f.champion_percent,
+                                     "holdout_percent": f.holdout_percent,
                                      "serving": {r: (m.version if m else None) for r, m in list(f.served.items())},
                                      "refused": dict(f.refused)}
                               for name, f in request.app.state.inference.followers.items() if name},

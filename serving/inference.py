@@ -32,7 +32,7 @@ import redis
 from contract.examples import Examples, concat
 from contract.inputs import NUMERIC_FEATURES
 from infra.settings import Settings
-from models.registry import CHALLENGER, CHAMPION, CONTROL, objective_names
+from models.registry import CHALLENGER, CHAMPION, CONTROL, HOLDOUT, objective_names
 from serving import access, metrics
 from serving.batching import Batcher, DeadlineExceeded, Overloaded
 from serving.features import PER_REQUEST, Candidate, Fetched, OnlineFeatures
@@ -229,11 +229,9 @@ class Inference:
         if allocation.degraded:
             metrics.DEGRADED.labels(req.tier).inc()
         split = self.splits[req.scenario]
-        route = access.route(req.user_id, split.canary_percent)
-        if route == CHALLENGER and follower.current(CHALLENGER) is None:
-            route = CHAMPION
-        if route == CHAMPION and follower.current(CONTROL) is not None:  # the new champion's canary
-            route = access.champion_route(req.user_id, follower.champion_percent)
+        held = frozenset(r for r in (CHALLENGER, CONTROL, HOLDOUT) if follower.current(r) is not None)
+        route = access.decide(req.user_id, split.canary_percent, held, follower.champion_percent,
+                              follower.holdout_percent)
         result = await self._score(_Job(req.scenario, route, fetched.examples), req.tier, deadline)
         if route == CHAMPION and access.shadowed(req.request_id, split.shadow_percent):
             self._shadow(req, follower, fetched)

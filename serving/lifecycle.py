@@ -34,14 +34,15 @@ from models import sparse_tier
 from models.ctr import CtrModel, ModelSpec
 from models.embedding_store import MissingVersion
 from models.foreign import ForeignModel
-from models.registry import CHALLENGER, CHAMPION, CONTROL, load_version
+from models.registry import CHALLENGER, CHAMPION, CONTROL, HOLDOUT, load_version
 from serving import metrics
 from serving.aliases import AliasFollower
 from serving.dense import DenseRunner
 from serving.sparse_tier import Breaker, DeltaListener, RowCache, TieredTables, settle
 
 log = logging.getLogger(__name__)
-ROUTES = (CHAMPION, CHALLENGER, CONTROL)  # @control: the champion before, during the new one's canary
+# @control: the champion before, during the new one's canary; @holdout: an experiment's frozen arm
+ROUTES = (CHAMPION, CHALLENGER, CONTROL, HOLDOUT)
 READ_SHARED_S = 0.1  # how often a worker reads the aliases another worker polled (a file read)
 
 
@@ -90,9 +91,9 @@ def close_runners(runners: dict[tuple, DenseRunner]) -> None:
 
 
 class ModelFollower(AliasFollower[ServedModel]):
-    """Holds the served versions of the ranker's @champion, @challenger and @control and keeps them current,
-    with the champion's share of users while @control serves (`champion_percent`). The server's workers share
-    one registry poll per `serving.poll_interval_s` through the file `shared`."""
+    """Holds the served versions of the ranker's @champion, @challenger, @control and @holdout and keeps them
+    current, with the champion's share of users while @control serves (`champion_percent`) and the holdout's. The
+    server's workers share one registry poll per `serving.poll_interval_s` through the file `shared`."""
 
     def __init__(self, s: Settings, warm_example: Examples, shared: Path | None = None,
                  model: RegisteredModel | None = None, runners: dict[tuple, DenseRunner] | None = None) -> None:

@@ -46,6 +46,7 @@ WORLD_FILE = "world.toml"  # beside the spec
 FILES = ("items.csv", "users.csv", "history.csv")
 # Part of each world's cache key: a change of how the files are drawn from the truth is another world.
 GENERATOR = 1
+IMPRESSION, CLICK, PURCHASE = "impression", "click", "purchase"  # the event types datasets/world/dataset.toml declares
 FLOAT_OR_INT = (float, int)
 MAX_ZIPF = 5.0  # beyond it the tail's weights vanish: fewer drawable items than a list's candidates
 
@@ -362,9 +363,9 @@ class World:
             clicked, bought = self.react(user, shown, before, rng)
             request, u = f"h{n:06d}", ids[user]
             for p, i in enumerate(shown):
-                rows.append((u, items[i], "impression", int(at) + 100 * p, request, f"c{self.category[i]:02d}", p))
+                rows.append((u, items[i], IMPRESSION, int(at) + 100 * p, request, f"c{self.category[i]:02d}", p))
             # a click 5 s after its list, a purchase 30 s: within the minute before the history's end
-            for kind, after_ms, flags in (("click", 5_000, clicked), ("purchase", 30_000, bought)):
+            for kind, after_ms, flags in ((CLICK, 5_000, clicked), (PURCHASE, 30_000, bought)):
                 for p in np.flatnonzero(flags):
                     i = shown[p]
                     rows.append((u, items[i], kind, int(at) + after_ms + 100 * int(p), request,

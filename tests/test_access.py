@@ -1,11 +1,12 @@
-"""The access layer's decisions: stable canary routing and the value-tier compute allocation."""
+"""The access layer's decisions: stable canary routing, an experiment's frozen arm, and the value-tier compute
+allocation."""
 
 from __future__ import annotations
 
 from infra.settings import ServingSettings
-from models.registry import CHALLENGER, CHAMPION
+from models.registry import CHALLENGER, CHAMPION, CONTROL, HOLDOUT
 from serving import metrics
-from serving.access import allocate, route
+from serving.access import allocate, champion_route, decide, frozen_arm, route
 
 SV = ServingSettings()
 
@@ -18,6 +19,27 @@ def test_canary_routing_is_stable_and_grows_one_way() -> None:
     assert at10 <= at30  # raising the percentage only moves users to the challenger
     assert all(route(u, 10.0) == route(u, 10.0) for u in users[:100])
     assert {route(u, 0.0) for u in users} == {CHAMPION} and {route(u, 100.0) for u in users} == {CHALLENGER}
+
+
+def test_the_frozen_arm_holds_its_users_through_every_canary_and_the_canaries_split_the_others() -> None:
+    users = [f"u{i}" for i in range(20_000)]
+    frozen = {u for u in users if frozen_arm(u, 20.0)}
+    assert 0.18 < len(frozen) / len(users) < 0.22 and frozen <= {u for u in users if frozen_arm(u, 25.0)}
+    everything = frozenset({CHALLENGER, CONTROL, HOLDOUT})
+    for canary, champion_percent in ((10.0, 100.0), (30.0, 5.0), (0.0, 50.0)):
+        routes = {u: decide(u, canary, everything, champion_percent, 20.0) for u in users}
+        assert {u for u, r in routes.items() if r == HOLDOUT} == frozen  # whatever the canaries
+        learning = [u for u in users if u not in frozen]
+        assert all(routes[u] == CHALLENGER for u in learning if route(u, canary) == CHALLENGER)
+        assert all(routes[u] == champion_route(u, champion_percent) for u in learning if route(u, canary) == CHAMPION)
+        # Independent hashes: the frozen arm takes its share of the canary's users, not all or none of them.
+        in_canary = [u for u in users if route(u, canary) == CHALLENGER]
+        if in_canary:
+            assert 0.15 < sum(u in frozen for u in in_canary) / len(in_canary) < 0.25
+    # A route a worker does not hold serves nobody: its users fall to the champion.
+    assert {decide(u, 30.0, frozenset(), 5.0, 20.0) for u in users} == {CHAMPION}
+    assert {decide(u, 30.0, frozenset({CHALLENGER}), 100.0, 0.0) for u in users} == {CHAMPION, CHALLENGER}
+    assert HOLDOUT not in {decide(u, 0.0, frozenset({HOLDOUT}), 100.0, 0.0) for u in users}  # the experiment stopped
 
 
 def test_low_value_traffic_is_degraded_then_shed_first_and_high_value_keeps_full_quality() -> None:

@@ -21,8 +21,8 @@ from infra.settings import Settings
 from models.ctr import CtrModel
 from models.dataset import Window
 from models.registry import (
-    CHALLENGER, CHAMPION, CONTROL, RAMPED, RegistryError, Routing, alias_version, connect, floor_version, gate,
-    log_model, rollback, routing)
+    CHALLENGER, CHAMPION, CONTROL, HOLDOUT, RAMPED, RegistryError, Routing, alias_version, connect, experiment,
+    floor_version, gate, log_model, rollback, routing, start_canary, start_experiment, stop_experiment)
 from models.train import train_full
 from tests.conftest import running_stack
 from tests.ctr_data import SPEC, synthetic, with_buys
@@ -240,6 +240,47 @@ def test_the_registry_refuses_writes_without_credentials(registry: Settings) -> 
         connect(wrong)
     names = [m.name for m in connect(s).search_registered_models()]
     assert "guarded" in names and "intruder" not in names
+
+
+def test_an_experiments_holdout_stays_through_promotions_canaries_and_rollbacks_until_stopped(
+        registry: Settings) -> None:
+    s = replace(registry, models=replace(registry.models, name="held"))
+    client, name = connect(s), "held"
+    with pytest.raises(RegistryError, match="no @champion"):  # nothing registered yet
+        start_experiment(s, 20.0)
+    client.create_registered_model(name)
+    v1, v2, v3 = (str(client.create_model_version(name, f"s3://held/v{k}").version) for k in (1, 2, 3))
+    client.set_registered_model_alias(name, CHAMPION, v1)
+    for percent in (0.0, 100.0, -5.0):
+        with pytest.raises(RegistryError, match="in \\(0, 100\\)"):
+            start_experiment(s, percent)
+    with pytest.raises(RegistryError, match="no version 9"):
+        start_experiment(s, 20.0, version="9")
+    with pytest.raises(RegistryError, match="no experiment runs"):
+        stop_experiment(s)
+    assert experiment(s) is None and routing(client, name).holdout_percent == 0.0
+
+    running = start_experiment(s, 20.0)  # @champion's version by default
+    assert (running.version, running.percent) == (v1, 20.0) and experiment(s) == running
+    with pytest.raises(RegistryError, match="runs already"):
+        start_experiment(s, 10.0, version=v2)
+    # The champion learns: a promotion in a canary, then a rollback; the holdout never moves.
+    client.set_model_version_tag(name, v2, "previous_champion", v1)
+    start_canary(s, v2, v1)
+    client.set_registered_model_alias(name, CHAMPION, v2)
+    assert routing(client, name) == Routing({CHAMPION: v2, CONTROL: v1, HOLDOUT: v1},
+                                            s.canary.ramp_percent[0], v2, 20.0)
+    rollback(s, why="a drill")
+    client.set_registered_model_alias(name, CHAMPION, v3)
+    assert routing(client, name) == Routing({CHAMPION: v3, HOLDOUT: v1}, holdout_percent=20.0)
+    assert experiment(s) == running
+
+    assert stop_experiment(s) == running
+    assert routing(client, name) == Routing({CHAMPION: v3}) and experiment(s) is None
+    # A tag broken by hand is no experiment: the holdout's share is 0, whatever @holdout names.
+    client.set_registered_model_alias(name, HOLDOUT, v1)
+    client.set_registered_model_tag(name, "experiment", "twenty")
+    assert routing(client, name).holdout_percent == 0.0 and experiment(s) is None
 
 
 def test_a_changed_password_setting_is_the_admins_after_a_restart(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ whose users click by a hidden taste and the position an item is shown at, and wh
 the benchmarks and drills that run on it rely on: the same seed is the same world, the order served moves the
 clicks, and each change moves exactly what it declares."""
 
+import itertools
 import shutil
 from pathlib import Path
 
@@ -211,3 +212,55 @@ def test_the_cli_sizes_a_world_and_refuses_a_dataset_without_one(monkeypatch: py
         assert none.exit_code != 0 and "no world.toml beside it" in none.output
     finally:
         get_settings.cache_clear()
+
+
+def test_the_traffic_asks_for_the_worlds_lists_and_sends_what_its_users_do_with_them_as_shown() -> None:
+    """As a client: /rank of the world's candidates showing the best `shown` (a /recommend now and then), and for an
+    answer an exposure of each item it shows in the order served, each with its position, then the users' clicks
+    and purchases, as often as the world says for those positions, all under the request's id."""
+    from flywheel.world_traffic import WorldTraffic
+    from serving.client import Served
+    from streaming.events import Event
+
+    s = load_settings({"FLYWHEEL_CONFIG": "/dev/null", "FLYWHEEL_DATASET_SPEC": str(BUNDLED / "dataset.toml")})
+    w = World(load_world(BUNDLED / WORLD_FILE))
+    traffic = WorldTraffic(s, w, "http://127.0.0.1:1")
+    asked = list(itertools.islice(traffic.requests(), 200))
+    ranked = [r for r in asked if "candidates" in r]
+    assert len(asked) - len(ranked) == 20 and all(r["k"] == 10 for r in asked if "candidates" not in r)
+    assert {len(r["candidates"]) for r in ranked} == {40} and {r["top_k"] for r in ranked} == {10}
+    number = {item: n for n, item in enumerate(w.item_ids)}
+    assert all(c["category"] == f"c{w.category[number[c['item_id']]]:02d}" for r in ranked for c in r["candidates"])
+    assert not any(w.launch_at[number[c["item_id"]]] > 0 for r in ranked for c in r["candidates"])  # not launched yet
+    traffic.started -= 400  # six minutes on: the launched items are candidates
+    later = [r for r in itertools.islice(traffic.requests(), 30) if "candidates" in r]
+    assert all(sum(w.launch_at[number[c["item_id"]]] > 0 for c in r["candidates"]) == 3 for r in later)
+
+    sent: list[Event] = []
+    expected = np.zeros(10)
+    for n, request in enumerate(ranked * 10):
+        top = list(np.random.default_rng(n).permutation(40)[:10])
+        served = Served(request, 0.0, 0.01, 200, {"model_version": "4", "scores": [0.5] * 40, "top": top})
+        events = traffic.shown_events(served, 0.0, 1_000_000 + n)
+        shown = [request["candidates"][i]["item_id"] for i in top]
+        exposures = [e for e in events if e.event_type == "impression"]
+        assert [e.item_id for e in exposures] == shown and [e.context["position"] for e in exposures] == list(range(10))
+        clicks = {e.item_id for e in events if e.event_type == "click"}
+        assert {e.item_id for e in events if e.event_type == "purchase"} <= clicks <= set(shown)
+        assert {e.request_id for e in events} == {request["request_id"]} and {e.user_id for e in events} == {
+            request["user_id"]}
+        assert all(e.context["served_by"] == "4" and e.context["category"] == c["category"] for e in events
+                   for c in request["candidates"] if c["item_id"] == e.item_id)
+        expected += w.click_probability(int(request["user_id"][1:]), np.array([number[i] for i in shown]), 0.0)
+        sent += events
+    clicked = np.zeros(10)
+    for e in sent:
+        if e.event_type == "click":
+            clicked[e.context["position"]] += 1
+    # position bias as the world says: the clicks per position within 4 standard deviations of its expectation
+    assert np.all(np.abs(clicked - expected) < 4 * np.sqrt(expected)), (clicked, expected)
+    assert clicked[0] > 1.5 * clicked[9]
+    recommended = Served({"user_id": "u00007", "request_id": "r", "k": 10}, 0.0, 0.01, 200,
+                         {"items": [{"item_id": "i00003"}, {"item_id": "i00001"}], "model_versions": {"ranker": "4"}})
+    assert [e.item_id for e in traffic.shown_events(recommended, 0.0, 5) if e.event_type == "impression"] == [
+        "i00003", "i00001"]
