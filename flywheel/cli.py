@@ -6,6 +6,7 @@ Heavy libraries (TensorFlow, Airflow, MLflow) are never imported here: the CLI s
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -551,50 +552,66 @@ def experiment_stop(scenario: str | None) -> None:
 
 
 def _arm_line(name: str, a) -> str:
-    return (f"{name:<9} {a.requests:>8,} requests {a.items:>9,} items {a.clicks:>7,} clicks  CTR {a.ctr:.4f} "
-            f"(95%: {a.low:.4f}-{a.high:.4f}), {a.clicks_per_request:.3f} clicks per request")
+    crossed = f"; {a.crossed:,} items served by the other arm's model" if a.crossed else ""
+    return (f"{name:<9} {a.users:>7,} users {a.requests:>8,} requests {a.items:>9,} items {a.clicks:>7,} clicks  "
+            f"CTR {a.ctr:.4f} (95%: {a.low:.4f}-{a.high:.4f}), {a.clicks_per_request:.3f} clicks per request{crossed}")
+
+
+def _finite(value: object) -> object:
+    """NaN and infinities as null, so that any JSON parser reads the output."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 @experiment.command("show")
-@click.option("--since", type=_DATE, default=None, help="First serving time (UTC; default: the running "
-                                                          "experiment's start).")
-@click.option("--until", type=_DATE, default=None, help="End of the period (exclusive).")
+@click.option("--since", type=_DATE, default=None, help="First serving time (UTC; default: the experiment's start).")
+@click.option("--until", type=_DATE, default=None, help="End of the period (exclusive; default: now).")
+@click.option("--endpoint", type=click.Choice(["rank", "recommend"]), default="rank", show_default=True,
+              help="The lists measured: /recommend's candidates come from retrieval, which no arm holds out.")
 @click.option("--bucket", "bucket_s", type=click.FloatRange(min=1), default=None,
               help="Also each arm per this many seconds of serving.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: arms, ratio and (with --bucket) buckets.")
 @_SCENARIO
-def experiment_show(since: datetime | None, until: datetime | None, bucket_s: float | None, as_json: bool,
-                    scenario: str | None) -> None:
+def experiment_show(since: datetime | None, until: datetime | None, endpoint: str, bucket_s: float | None,
+                    as_json: bool, scenario: str | None) -> None:
     """Each arm's served CTR with its 95% interval and the learning arm's over the frozen one's, from the
-    prediction archive joined to the event log's clicks."""
+    prediction archive joined to the event log's clicks: the experiment running, else the last one that ran."""
     from dataclasses import asdict
 
-    from models.registry import experiment as running_experiment
+    from models.registry import experiment as find_experiment
     from serving.experiments import compare, over_time
-    from serving.outcomes import served_outcomes
+    from serving.outcomes import endpoints, served_outcomes
 
     s, model = _ranker(scenario)
-    running = _models_call(running_experiment, s, model)
-    if since is None and running is None:
-        raise click.ClickException(f"no experiment runs on {model.name}: name the period (--since)")
+    running = _models_call(find_experiment, s, model, last=True)
+    if running is None:
+        raise click.ClickException(f"no experiment has run on {model.name}: `flywheel experiment start`")
     start = _utc(since) if since is not None else running.started_at
     served = served_outcomes(s, int(start.timestamp() * 1000),
                              None if until is None else int(_utc(until).timestamp() * 1000), model.name)
-    arms, ratio = compare(served)
-    buckets = over_time(served, bucket_s) if bucket_s else None
+    served = served[endpoints(served) == endpoint] if len(served) else served
+    arms, ratio = compare(served, running)
+    buckets = over_time(served, running, bucket_s) if bucket_s else None
     if as_json:
-        click.echo(json.dumps({"model_name": model.name, "since": start.isoformat(),
-                               "holdout": None if running is None else running.version,
-                               "arms": {k: asdict(a) for k, a in arms.items()}, "ratio": asdict(ratio),
-                               "buckets": None if buckets is None else buckets.to_dict("records")}))
+        click.echo(json.dumps(_finite({
+            "model_name": model.name, "holdout": running.version, "percent": running.percent,
+            "started_at": running.started_at.isoformat(), "since": start.isoformat(), "endpoint": endpoint,
+            "arms": {k: asdict(a) for k, a in arms.items()}, "ratio": asdict(ratio),
+            "buckets": None if buckets is None else buckets.to_dict("records")}), allow_nan=False))
         return
-    held = f"@holdout v{running.version} on {running.percent:g}% of users" if running else "no experiment running"
-    click.echo(f"{model.name}: {held}; served since {start:%Y-%m-%d %H:%M:%S} UTC")
+    click.echo(f"{model.name}: @holdout v{running.version} on {running.percent:g}% of users from "
+               f"{running.started_at:%Y-%m-%d %H:%M:%S} UTC; /{endpoint} lists served since "
+               f"{start.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC")
     for name, a in arms.items():
         click.echo(_arm_line(name, a))
     click.echo(f"learning / frozen CTR {ratio.ratio:.3f} (95%: {ratio.low:.3f}-{ratio.high:.3f})")
     for r in [] if buckets is None else buckets.to_dict("records"):
-        stamp = datetime.fromtimestamp(r["t"] / 1000, UTC).strftime("%H:%M:%S")
+        stamp = datetime.fromtimestamp(r["t"] / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
         click.echo(f"{stamp} {r['arm']:<9} {r['requests']:>6,} requests CTR {r['ctr']:.4f} "
                    f"({r['low']:.4f}-{r['high']:.4f})" + (f"  ratio {r['ratio']:.3f}" if r["arm"] == "learning"
                                                            else ""))

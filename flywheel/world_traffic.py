@@ -53,11 +53,10 @@ class WorldTraffic:
 
     def requests(self) -> Iterator[dict]:
         tr = self.world.spec.traffic
-        every = round(1 / tr.recommend_share) if tr.recommend_share else 0
         for n in itertools.count(1):
             user = self.users[int(self.draws.integers(len(self.users)))]
             request_id = f"world:{user}:{n}@{int(time.time() * 1000)}"
-            if every and n % every == 0:
+            if int(n * tr.recommend_share) > int((n - 1) * tr.recommend_share):  # that share, evenly spread
                 yield {"user_id": user, "request_id": request_id, "k": tr.shown, "tier": "high"}
                 continue
             items = self.world.candidates(self.draws, self.now_s())

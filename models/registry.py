@@ -54,6 +54,7 @@ BASE_FILE = "base-model.txt"  # in a delta's export: the parent's model URI
 RAMPED = "ramped to all traffic"  # the start of `canary_decision` on a version that passed its canary
 CANARY_TAG = "champion_canary"  # registered-model tag "<version>:<percent>": a new champion's share in its canary
 EXPERIMENT_TAG = "experiment"  # registered-model tag "<percent>:<started at, ISO>": the users @holdout serves
+LAST_EXPERIMENT_TAG = "experiment_last"  # "<version>:<percent>:<started at>": the one that ran before, once stopped
 
 
 class RegistryError(RuntimeError):
@@ -168,33 +169,43 @@ def aliases(client: MlflowClient, name: str) -> dict[str, str]:
 class Routing:
     """What the ranking server follows: the aliases, @champion's share of users while @control serves
     the others (100: no canary, or one for another version than @champion, which a hand moved), and the share of
-    users @holdout serves (0: no experiment)."""
+    users @holdout serves (0: no experiment) with the experiment's salt of their hash."""
 
     aliases: dict[str, str]
     champion_percent: float = 100.0
     canary_version: str | None = None  # the version the canary tag names, whether or not it is @champion
     holdout_percent: float = 0.0
+    holdout_salt: str = ""
 
 
 @dataclass(frozen=True)
 class Experiment:
-    """A running experiment: @holdout's `version` serves `percent` of users since `started_at`."""
+    """An experiment: @holdout's `version` serves `percent` of users since `started_at`."""
 
     version: str
     percent: float
     started_at: datetime
+
+    @property
+    def salt(self) -> str:
+        """Part of the users' hash: each experiment holds out users of its own, not the last one's again."""
+        return self.started_at.isoformat()
 
 
 def canary_tag(version: str, percent: float) -> str:
     return f"{version}:{percent:g}"
 
 
-def _experiment(named: dict[str, str], tags: dict[str, str]) -> Experiment | None:
-    percent, _, started = tags.get(EXPERIMENT_TAG, "").partition(":")
+def _experiment(version: str | None, tag: str) -> Experiment | None:
+    percent, _, started = tag.partition(":")
     try:
-        return Experiment(named[HOLDOUT], float(percent), datetime.fromisoformat(started))
-    except (KeyError, ValueError):  # no @holdout, or a tag a hand broke: no experiment
+        return None if version is None else Experiment(version, float(percent), datetime.fromisoformat(started))
+    except ValueError:  # a tag a hand broke: no experiment
         return None
+
+
+def _running(named: dict[str, str], tags: dict[str, str]) -> Experiment | None:
+    return _experiment(named.get(HOLDOUT), tags.get(EXPERIMENT_TAG, ""))
 
 
 def routing(client: MlflowClient, name: str) -> Routing:
@@ -207,34 +218,45 @@ def routing(client: MlflowClient, name: str) -> Routing:
             return Routing({})
         return Routing(aliases(client, name))  # raises the RegistryError that says why
     named = {alias: str(version) for alias, version in model.aliases.items()}
-    running = _experiment(named, model.tags)
-    held = running.percent if running else 0.0
+    running = _running(named, model.tags)
+    held = (running.percent, running.salt) if running else (0.0, "")
     version, _, percent = model.tags.get(CANARY_TAG, "").partition(":")
     try:
         share = float(percent)
     except ValueError:
-        return Routing(named, holdout_percent=held)
+        return Routing(named, 100.0, None, *held)
     applies = CONTROL in named and version == named.get(CHAMPION)
-    return Routing(named, share if applies else 100.0, version or None, held)
+    return Routing(named, share if applies else 100.0, version or None, *held)
 
 
-def experiment(s: Settings, model: RegisteredModel | None = None) -> Experiment | None:
-    """The experiment running on `model` (the ranker by default), if any."""
-    client, name = connect(s), (model or s.ranker).name
+def _registered(client: MlflowClient, name: str):
+    """The registered model, None when it is not registered yet (RegistryError when the registry does not answer)."""
     try:
-        held = client.get_registered_model(name)
+        return client.get_registered_model(name)
     except MlflowException as exc:
         if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
             return None
         aliases(client, name)  # raises the RegistryError that says why
         raise
-    return _experiment({alias: str(v) for alias, v in held.aliases.items()}, held.tags)
+
+
+def experiment(s: Settings, model: RegisteredModel | None = None, last: bool = False) -> Experiment | None:
+    """The experiment running on `model` (the ranker by default); with `last`, else the last one that ran."""
+    held = _registered(connect(s), (model or s.ranker).name)
+    if held is None:
+        return None
+    running = _running({alias: str(v) for alias, v in held.aliases.items()}, held.tags)
+    if running is not None or not last:
+        return running
+    version, _, tag = held.tags.get(LAST_EXPERIMENT_TAG, "").partition(":")
+    return _experiment(version or None, tag)
 
 
 def start_experiment(s: Settings, percent: float, version: str | None = None,
                      model: RegisteredModel | None = None) -> Experiment:
-    """Pin `percent` of users (a stable hash of the user id) to `version` (@champion's by default) as @holdout: a
-    frozen arm beside the champion as it learns. Both arms' traffic trains; the holdout never moves."""
+    """Pin `percent` of users (a stable hash of the user id, salted per experiment) to `version` as @holdout: a
+    frozen arm beside the champion as it learns. By default the version that passed the last canary: @control's
+    while a new champion is in its canary, else @champion's. Both arms' traffic trains; the holdout never moves."""
     if not 0 < percent < 100:
         raise RegistryError(f"an experiment's holdout share is a percentage of users in (0, 100), not {percent:g}")
     client, name = connect(s), (model or s.ranker).name
@@ -242,13 +264,16 @@ def start_experiment(s: Settings, percent: float, version: str | None = None,
     if running is not None:
         raise RegistryError(f"an experiment runs already on {name} (v{running.version} holds {running.percent:g}% "
                             f"of users since {running.started_at:%Y-%m-%d %H:%M:%S} UTC): stop it first")
-    version = version or alias_version(client, name, CHAMPION)
+    named = aliases(client, name)
+    version = version or named.get(CONTROL) or named.get(CHAMPION)
     if version is None:
         raise RegistryError(f"{name} has no @champion to hold out; name a version")
     try:
         client.get_model_version(name, version)
     except MlflowException:
         raise RegistryError(f"{name} has no version {version}") from None
+    if HOLDOUT in named:  # left by a hand without its tag: it must not serve the new share meanwhile
+        client.delete_registered_model_alias(name, HOLDOUT)
     started = datetime.now(UTC)
     client.set_registered_model_tag(name, EXPERIMENT_TAG, f"{percent:g}:{started.isoformat()}")
     client.set_registered_model_alias(name, HOLDOUT, version)  # last: the share applies once @holdout names it
@@ -256,12 +281,15 @@ def start_experiment(s: Settings, percent: float, version: str | None = None,
 
 
 def stop_experiment(s: Settings, model: RegisteredModel | None = None) -> Experiment:
-    """Every user back to the champion's routes; returns the experiment that ran."""
+    """Every user back to the champion's routes (and its canary's, while one runs); returns the experiment that ran,
+    which `experiment(last=True)` still reads."""
     client, name = connect(s), (model or s.ranker).name
     running = experiment(s, model)
     if running is None:
         raise RegistryError(f"no experiment runs on {name}")
     client.delete_registered_model_alias(name, HOLDOUT)  # first: the holdout's users go back at once
+    client.set_registered_model_tag(name, LAST_EXPERIMENT_TAG,
+                                    f"{running.version}:{running.percent:g}:{running.started_at.isoformat()}")
     client.delete_registered_model_tag(name, EXPERIMENT_TAG)
     return running
 

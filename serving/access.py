@@ -41,18 +41,18 @@ def _bucket(key: str) -> float:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") % 10_000 / 100
 
 
-def frozen_arm(user_id: str, holdout_percent: float) -> bool:
+def frozen_arm(user_id: str, holdout_percent: float, salt: str = "") -> bool:
     """Whether the user is in an experiment's frozen arm (@holdout): a hash apart from the canaries', so the arm
-    holds the same users through every canary and promotion."""
-    return _bucket(f"holdout:{user_id}") < holdout_percent
+    holds the same users through every canary and promotion, salted by the experiment (each its own users)."""
+    return _bucket(f"holdout:{salt}:{user_id}") < holdout_percent
 
 
 def decide(user_id: str, canary_percent: float, held: frozenset[str], champion_percent: float = 100.0,
-           holdout_percent: float = 0.0) -> str:
+           holdout_percent: float = 0.0, holdout_salt: str = "") -> str:
     """The route that scores `user_id` given the routes a worker `held` (loaded now): @holdout for the experiment's
     frozen arm; else @challenger for the refused version's canary share, else the new champion's canary (@champion
     for its share, @control for the others); @champion where the route chosen holds no version."""
-    if HOLDOUT in held and frozen_arm(user_id, holdout_percent):
+    if HOLDOUT in held and frozen_arm(user_id, holdout_percent, holdout_salt):
         return HOLDOUT
     chosen = route(user_id, canary_percent)
     if chosen == CHALLENGER and CHALLENGER in held:

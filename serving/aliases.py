@@ -45,7 +45,7 @@ class AliasFollower(Generic[T]):
         self.s, self.model, self.aliases, self.interval_s, self.shared = s, model, aliases, interval_s, shared
         self.served: dict[str, T | None] = dict.fromkeys(aliases)
         self.champion_percent = 100.0
-        self.holdout_percent = 0.0
+        self.holdout_percent, self.holdout_salt = 0.0, ""
         self.refused: dict[str, str] = {}  # version -> why
         self._refused_at: dict[str, float] = {}
         self._client: MlflowClient | None = None
@@ -133,7 +133,8 @@ class AliasFollower(Generic[T]):
         """Read the aliases; obtain and swap in any version that moved."""
         found = self._routing()
         named = found.aliases
-        self.champion_percent, self.holdout_percent = found.champion_percent, found.holdout_percent
+        self.champion_percent = found.champion_percent
+        self.holdout_percent, self.holdout_salt = found.holdout_percent, found.holdout_salt
         for alias in self.aliases:
             version = named.get(alias)
             current = self.served[alias]

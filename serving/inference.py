@@ -231,7 +231,7 @@ class Inference:
         split = self.splits[req.scenario]
         held = frozenset(r for r in (CHALLENGER, CONTROL, HOLDOUT) if follower.current(r) is not None)
         route = access.decide(req.user_id, split.canary_percent, held, follower.champion_percent,
-                              follower.holdout_percent)
+                              follower.holdout_percent, follower.holdout_salt)
         result = await self._score(_Job(req.scenario, route, fetched.examples), req.tier, deadline)
         if route == CHAMPION and access.shadowed(req.request_id, split.shadow_percent):
             self._shadow(req, follower, fetched)

@@ -19,7 +19,7 @@ from models.metrics import auc
 from feature_repo.predictions import read_predictions
 
 POPULARITY = "popularity"  # the source the others are compared with: what anyone could serve
-COLUMNS = ["request_id", "item_id", "model_version", "route", "served_at", "score", "label", "sources"]
+COLUMNS = ["request_id", "item_id", "model_version", "route", "served_at", "score", "label", "sources", "user_id"]
 
 
 def served_outcomes(s: Settings, since_ms: int | None = None, until_ms: int | None = None,
@@ -27,7 +27,7 @@ def served_outcomes(s: Settings, since_ms: int | None = None, until_ms: int | No
     """One row per scored item `model` (the platform's ranker by default; a scenario's has versions of its own)
     served in since_ms <= served_at < until_ms (all archived when not given): request_id, item_id, model_version,
     route, served_at (ms), score, label (1.0 if the user clicked it on that request), sources (the candidate sources
-    of a recommended item; None: a ranked one)."""
+    of a recommended item; None: a ranked one), user_id."""
     clicks = _clicks(s, since_ms)
     return _rows(_shown(s, since_ms, until_ms, model), clicks)
 
@@ -87,7 +87,7 @@ def _clicks(s: Settings, since_ms: int | None) -> set[tuple[str, str]]:
     return set(zip(log.column("request_id").to_pylist(), log.column("item_id").to_pylist()))
 
 
-_SHOWN = ["request_id", "items", "scores", "model_version", "route", "served_at", "sources"]
+_SHOWN = ["request_id", "items", "scores", "model_version", "route", "served_at", "sources", "user_id"]
 
 
 def _shown(s: Settings, since_ms: int | None, until_ms: int | None, model: str | None) -> pa.Table:
@@ -103,7 +103,7 @@ def _rows(shown: pa.Table, clicks: set[tuple[str, str]]) -> pd.DataFrame:
         for item, score, sources in zip(p["items"], p["scores"], p["sources"] or [None] * len(p["items"])):
             if score is not None:
                 rows.append((p["request_id"], item, p["model_version"], p["route"], p["served_at"], score,
-                             float((p["request_id"], item) in clicks), sources))
+                             float((p["request_id"], item) in clicks), sources, p["user_id"]))
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

@@ -36,6 +36,11 @@ def test_the_frozen_arm_holds_its_users_through_every_canary_and_the_canaries_sp
         in_canary = [u for u in users if route(u, canary) == CHALLENGER]
         if in_canary:
             assert 0.15 < sum(u in frozen for u in in_canary) / len(in_canary) < 0.25
+    # Each experiment its own users: another salt holds out others (about the share squared of them in both).
+    again = {u for u in users if frozen_arm(u, 20.0, "2026-12-07T10:00:00+00:00")}
+    assert 0.18 < len(again) / len(users) < 0.22 and 0.02 < len(again & frozen) / len(users) < 0.06
+    assert {u for u in users if decide(u, 10.0, everything, 100.0, 20.0, "2026-12-07T10:00:00+00:00") == HOLDOUT} \
+        == again
     # A route a worker does not hold serves nobody: its users fall to the champion.
     assert {decide(u, 30.0, frozenset(), 5.0, 20.0) for u in users} == {CHAMPION}
     assert {decide(u, 30.0, frozenset({CHALLENGER}), 100.0, 0.0) for u in users} == {CHAMPION, CHALLENGER}

@@ -4,6 +4,7 @@ that never moves @champion."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -15,9 +16,11 @@ import keras
 import mlflow
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from contract.examples import to_frame
-from infra.settings import Settings
+from flywheel.cli import main
+from infra.settings import Settings, get_settings, to_environ
 from models.ctr import CtrModel
 from models.dataset import Window
 from models.registry import (
@@ -243,9 +246,14 @@ def test_the_registry_refuses_writes_without_credentials(registry: Settings) -> 
 
 
 def test_an_experiments_holdout_stays_through_promotions_canaries_and_rollbacks_until_stopped(
-        registry: Settings) -> None:
+        registry: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     s = replace(registry, models=replace(registry.models, name="held"))
     client, name = connect(s), "held"
+    for key, value in to_environ(s).items():  # the CLI's settings: this stack's, this model
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("FLYWHEEL_MODELS_NAME", name)
+    get_settings.cache_clear()
+    cli = CliRunner()
     with pytest.raises(RegistryError, match="no @champion"):  # nothing registered yet
         start_experiment(s, 20.0)
     client.create_registered_model(name)
@@ -258,29 +266,50 @@ def test_an_experiments_holdout_stays_through_promotions_canaries_and_rollbacks_
         start_experiment(s, 20.0, version="9")
     with pytest.raises(RegistryError, match="no experiment runs"):
         stop_experiment(s)
+    shown = cli.invoke(main, ["experiment", "show"])
+    assert shown.exit_code != 0 and "no experiment has run on held" in shown.output
     assert experiment(s) is None and routing(client, name).holdout_percent == 0.0
 
-    running = start_experiment(s, 20.0)  # @champion's version by default
-    assert (running.version, running.percent) == (v1, 20.0) and experiment(s) == running
-    with pytest.raises(RegistryError, match="runs already"):
-        start_experiment(s, 10.0, version=v2)
+    started = cli.invoke(main, ["experiment", "start", "--percent", "20"])  # @champion's version by default
+    assert started.exit_code == 0 and f"held@holdout v{v1} serves 20% of users" in started.output, started.output
+    running = experiment(s)
+    assert (running.version, running.percent) == (v1, 20.0)
+    again = cli.invoke(main, ["experiment", "start", "--percent", "10", "--version", v2])
+    assert again.exit_code != 0 and "runs already" in again.output
     # The champion learns: a promotion in a canary, then a rollback; the holdout never moves.
     client.set_model_version_tag(name, v2, "previous_champion", v1)
     start_canary(s, v2, v1)
     client.set_registered_model_alias(name, CHAMPION, v2)
     assert routing(client, name) == Routing({CHAMPION: v2, CONTROL: v1, HOLDOUT: v1},
-                                            s.canary.ramp_percent[0], v2, 20.0)
+                                            s.canary.ramp_percent[0], v2, 20.0, running.salt)
     rollback(s, why="a drill")
     client.set_registered_model_alias(name, CHAMPION, v3)
-    assert routing(client, name) == Routing({CHAMPION: v3, HOLDOUT: v1}, holdout_percent=20.0)
+    assert routing(client, name) == Routing({CHAMPION: v3, HOLDOUT: v1}, holdout_percent=20.0,
+                                            holdout_salt=running.salt)
     assert experiment(s) == running
+    # Nothing served yet: each arm's figures are null, the output JSON any parser reads.
+    empty = cli.invoke(main, ["experiment", "show", "--json"])
+    assert empty.exit_code == 0, empty.output
+    report = json.loads(empty.output)
+    assert report["holdout"] == v1 and report["arms"]["frozen"]["requests"] == 0
+    assert report["arms"]["frozen"]["ctr"] is None and report["ratio"]["ratio"] is None
 
-    assert stop_experiment(s) == running
+    stopped = cli.invoke(main, ["experiment", "stop"])
+    assert stopped.exit_code == 0 and f"held@holdout v{v1} served 20%" in stopped.output, stopped.output
     assert routing(client, name) == Routing({CHAMPION: v3}) and experiment(s) is None
-    # A tag broken by hand is no experiment: the holdout's share is 0, whatever @holdout names.
+    assert experiment(s, last=True) == running  # what `show` reads once it stopped
+    # During a canary the holdout is by default the version that passed the last one (@control), not the new champion.
+    start_canary(s, v2, v3)
+    client.set_registered_model_alias(name, CHAMPION, v2)
+    during = start_experiment(s, 10.0)
+    assert during.version == v3 and during.salt != running.salt
+    stop_experiment(s)
+    # A @holdout left by a hand, its tag broken: no experiment, a share of 0; a start replaces it.
     client.set_registered_model_alias(name, HOLDOUT, v1)
     client.set_registered_model_tag(name, "experiment", "twenty")
     assert routing(client, name).holdout_percent == 0.0 and experiment(s) is None
+    assert start_experiment(s, 5.0, version=v2).version == v2 and routing(client, name).aliases[HOLDOUT] == v2
+    get_settings.cache_clear()
 
 
 def test_a_changed_password_setting_is_the_admins_after_a_restart(tmp_path: Path) -> None:

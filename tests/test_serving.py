@@ -539,16 +539,16 @@ def test_canary_and_shadow_follow_the_challenger(platform: Platform) -> None:
 def test_an_experiments_frozen_arm_keeps_its_version_while_the_champion_moves(platform: Platform) -> None:
     """An experiment pins a share of users to @holdout: under concurrent requests of every size, they are scored by
     the frozen version while the champion moves and a challenger takes its canary share of the others; stopped,
-    they follow the champion again."""
+    they follow the champion again. Three versions, one per route: a route scored by another's is seen."""
     p = platform
-    v1, v2, name = p.versions["v1"], p.versions["v2"], p.s.models.name
+    v1, v2, trees, name = p.versions["v1"], p.versions["v2"], p.versions["trees"], p.s.models.name
     users = range(USERS)
-
     shown: dict[str, list[str]] = {}  # request id -> the items a request with top_k shows, best first
 
     def served(tag: str) -> set[tuple[int, str, str]]:
-        def one(u: int) -> tuple[int, str, str]:
-            body = _request(u, 3 + 7 * (u % 5), request_id=f"{tag}-{u}") | ({"top_k": 2} if u % 3 == 0 else {})
+        def one(n: int) -> tuple[int, str, str]:
+            u = n % USERS
+            body = _request(u, 3 + 7 * (u % 5), request_id=f"{tag}-{n}") | ({"top_k": 2} if u % 3 == 0 else {})
             out = httpx.post(f"{p.url}/rank", json=body, timeout=10).json()
             if u % 3 == 0:
                 assert out["top"] == sorted(range(len(out["scores"])), key=lambda i: -out["scores"][i])[:2]
@@ -557,21 +557,22 @@ def test_an_experiments_frozen_arm_keeps_its_version_while_the_champion_moves(pl
                 assert out["top"] is None
             return u, out["route"], out["model_version"]
         with ThreadPoolExecutor(8) as pool:  # each user twice, concurrently: both answers alike
-            return set(pool.map(one, [u for u in users for _ in range(2)]))
+            return set(pool.map(one, range(2 * USERS)))
 
-    start_experiment(p.s, 40.0)  # v1, the champion
+    running = start_experiment(p.s, 40.0)  # v1, the champion
     try:
         connect(p.s).set_registered_model_alias(name, CHAMPION, v2)
-        _set_alias(p, CHALLENGER, "v1")
+        _set_alias(p, CHALLENGER, "trees")
         wait_for(lambda: _assert(_everywhere(p, HOLDOUT) == {v1} and _everywhere(p, CHAMPION) == {v2}
-                                 and _everywhere(p, CHALLENGER) == {v1}), timeout_s=30)
+                                 and _everywhere(p, CHALLENGER) == {trees}), timeout_s=60)
         assert _served(p)["holdout_percent"] == 40.0
-        expected = {u: access.decide(f"u{u}", p.s.serving.canary_percent,
-                                     frozenset({CHALLENGER, HOLDOUT}), 100.0, 40.0) for u in users}
-        assert served("experiment") == {(u, r, v2 if r == CHAMPION else v1) for u, r in expected.items()}
+        expected = {u: access.decide(f"u{u}", p.s.serving.canary_percent, frozenset({CHALLENGER, HOLDOUT}), 100.0,
+                                     40.0, running.salt) for u in users}
+        version = {HOLDOUT: v1, CHAMPION: v2, CHALLENGER: trees}
+        assert served("experiment") == {(u, r, version[r]) for u, r in expected.items()}
         assert {HOLDOUT, CHAMPION, CHALLENGER} == set(expected.values())
-        logged = [r for r in _predictions(p, {f"experiment-{u}" for u in users}) if not r["shadow"]]
-        assert {r["route"] for r in logged} == {HOLDOUT, CHAMPION, CHALLENGER}  # what the arms are measured by
+        logged = [r for r in _predictions(p, {f"experiment-{n}" for n in range(2 * USERS)}) if not r["shadow"]]
+        assert {(r["route"], r["model_version"]) for r in logged} == set(version.items())  # what the arms judge
         assert all(r["items"] == shown[r["request_id"]] for r in logged if r["request_id"] in shown)  # only shown
     finally:
         stop_experiment(p.s)
