@@ -527,7 +527,8 @@ def experiment() -> None:
 @experiment.command("start")
 @click.option("--percent", type=click.FloatRange(0, 100, min_open=True, max_open=True), required=True,
               help="The frozen arm's share of users (a stable hash of the user id).")
-@click.option("--version", default=None, help="The frozen version (default: @champion's).")
+@click.option("--version", default=None, help="The frozen version (default: the one that passed the last canary: "
+                                               "@control's while a new champion is in its canary, else @champion's).")
 @_SCENARIO
 def experiment_start(percent: float, version: str | None, scenario: str | None) -> None:
     """Pin a share of users to a version that never moves; the others follow @champion and its canaries."""
@@ -542,13 +543,13 @@ def experiment_start(percent: float, version: str | None, scenario: str | None) 
 @experiment.command("stop")
 @_SCENARIO
 def experiment_stop(scenario: str | None) -> None:
-    """Every user back to @champion (`show --since` still reads the arms it served)."""
+    """The holdout's users back to the champion's routes (`show` still reads the arms it served)."""
     from models.registry import stop_experiment
 
     s, model = _ranker(scenario)
     ran = _models_call(stop_experiment, s, model)
     click.echo(f"stopped: {model.name}@holdout v{ran.version} served {ran.percent:g}% of users since "
-               f"{ran.started_at:%Y-%m-%d %H:%M:%S} UTC; every user follows @champion")
+               f"{ran.started_at:%Y-%m-%d %H:%M:%S} UTC; its users follow @champion's routes again")
 
 
 def _arm_line(name: str, a) -> str:
@@ -882,6 +883,7 @@ def world(requests: int, live_s: float | None, rate: float | None, seed: int) ->
 def _live_world(s: Settings, w, seconds: float, rate: float | None, seed: int) -> None:
     """The world's traffic on the running stack, a line a minute: requests answered, items shown, clicks, CTR."""
     from flywheel.world_traffic import WorldTraffic
+    from streaming.world import CLICK, IMPRESSION, PURCHASE
 
     server = f"http://{s.serving.host}:{s.serving.port}"
     traffic = WorldTraffic(s, w, server, seed, rate)
@@ -896,8 +898,8 @@ def _live_world(s: Settings, w, seconds: float, rate: float | None, seed: int) -
                 reported += 1
                 answered, e = sum(r.status == 200 for r in traffic.results), traffic.events
                 click.echo(f"{traffic.now_s():>5.0f} s: {answered:,} answered, {len(traffic.results) - answered:,}"
-                           f" refused; shown {e['impression']:,}, clicks {e['click']:,} (CTR "
-                           f"{e['click'] / max(e['impression'], 1):.4f}), purchases {e['purchase']:,}")
+                           f" refused; shown {e[IMPRESSION]:,}, clicks {e[CLICK]:,} (CTR "
+                           f"{e[CLICK] / max(e[IMPRESSION], 1):.4f}), purchases {e[PURCHASE]:,}")
     finally:
         traffic.stop.set()
         traffic.thread.join()
