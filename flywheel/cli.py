@@ -908,6 +908,48 @@ def _live_world(s: Settings, w, seconds: float, rate: float | None, seed: int) -
 
 
 @main.command()
+@_DATASET
+@click.option("--percent", type=click.FloatRange(0, 100, min_open=True, max_open=True), default=50.0,
+              show_default=True, help="The frozen arm's share of users.")
+@click.option("--after", "after_s", type=click.FloatRange(min=60), default=600.0, show_default=True,
+              help="Seconds of traffic after the world's first change.")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Where drift.png and drift.json go (default: <data dir>/drift).")
+@click.option("--fresh", is_flag=True, help="Stop the stack of the data directory and empty it first.")
+def drift(percent: float, after_s: float, out: Path | None, fresh: bool) -> None:
+    """Does learning pay? The dataset's world on a fresh stack: the history, the first champion, then its users as
+    traffic with a share of them held on that champion while the others follow @champion as it learns; each arm's
+    served CTR before and after the world changes. Ends with one line, `drift: ...` (flywheel/drift.py)."""
+    import shutil
+
+    from flywheel.demo import LoopError
+    from flywheel.drift import DriftError, run
+    from infra.airflow_api import AirflowApiError
+    from infra.stack import StackError, down
+    from streaming.world import WORLD_FILE
+
+    s = _settings()
+    if not (s.spec.path.parent / WORLD_FILE).exists():
+        raise click.ClickException(f"{s.spec.path}: no {WORLD_FILE} beside it: the dataset declares no world "
+                                   "(`--dataset world`: the bundled one)")
+    if s.paths.data_dir.exists() and any(s.paths.data_dir.iterdir()):
+        if not fresh:
+            raise click.ClickException(f"{s.paths.data_dir} holds a stack's data: the run starts from none "
+                                       "(--fresh stops that stack and empties it)")
+        down(s)
+        shutil.rmtree(s.paths.data_dir)
+    _preflight(s)
+
+    def say(line: str) -> None:
+        click.echo(f"[{datetime.now(UTC):%H:%M:%S}] {line}")
+
+    try:
+        click.echo(_models_call(run, s, percent, after_s, out, say))
+    except (DriftError, LoopError, StackError, AirflowApiError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
 @_PROFILE
 @_DATASET
 @click.option("--split", type=_DATE, default=None,

@@ -8,7 +8,8 @@ One path per scrape job, each asked of its own source at scrape time (nothing is
     /metrics/redis      INFO of each Redis server of the stack
     /metrics/registry   the registered models' aliases in MLflow
     /metrics/airflow    each DAG's last finished run
-    /metrics/canary     the canary analysis' last look (serving/canary.py), served CTR and AUC per version
+    /metrics/canary     the canary analysis' last look (serving/canary.py), served CTR and AUC per version, the
+                        experiment's arms
     /metrics/consistency  the last online/offline consistency report (serving/consistency.py), per feature
 
 A path whose source does not answer is answered 503 with the reason: Prometheus shows that target down
@@ -304,6 +305,7 @@ class CanaryCollector(Collector):
         yield _gauge("flywheel_canary_rollback_timestamp_seconds", "When the analysis rolled a version back, and why.",
                      ["version", "to", "reason"], [([r["version"], r["to"], r["reason"][:300]], r["at"])
                                                    for r in st.get("rollbacks", [])])
+        yield from _experiment_gauges(st.get("experiment") or {})
         served = [(version, endpoint, f) for version, by_endpoint in st.get("served", {}).items()
                   for endpoint, f in by_endpoint.items()]
         for key, doc in (("ctr", "clicks per item shown"), ("auc", "AUC pooled over the items it scored (as the "
@@ -312,6 +314,26 @@ class CanaryCollector(Collector):
             yield _gauge(f"flywheel_served_{key}", f"Per version and endpoint (rank, recommend), on the traffic it "
                          f"served (the canary, else the last five minutes): {doc}.", ["version", "endpoint"],
                          [([v, e], f["judged" if key == "judged_lists" else key]) for v, e, f in served])
+
+
+def _experiment_gauges(ex: dict) -> Iterator[Metric]:
+    """The experiment the canary analyst measured (serving/experiments.py): each arm over the last five minutes."""
+    yield _gauge("flywheel_experiment_holdout_percent", "The frozen arm's share of users, @holdout's version (0: no "
+                 "experiment runs).", ["holdout"], [([ex["version"]], ex["percent"])] if ex else [([""], 0.0)])
+    if not ex:
+        return
+    arms = ex["arms"]
+    for key, doc in (("ctr", "served CTR (clicks per /rank item shown)"), ("ctr_low", "the CTR's 95% interval, low"),
+                     ("ctr_high", "the CTR's 95% interval, high"), ("requests", "/rank requests"),
+                     ("users", "users served"), ("crossed_items", "items served by the other arm's model")):
+        src = {"ctr_low": "low", "ctr_high": "high", "crossed_items": "crossed"}.get(key, key)
+        yield _gauge(f"flywheel_experiment_{key}", f"Per arm (frozen: the users @holdout serves; learning: the "
+                     f"others), over the last five minutes: {doc}.", ["arm"],
+                     [([arm], a[src]) for arm, a in arms.items()])
+    for key, src in (("ratio", "ratio"), ("ratio_low", "low"), ("ratio_high", "high")):
+        yield _gauge(f"flywheel_experiment_ctr_{key}", f"The learning arm's CTR over the frozen arm's, over the last "
+                     f"five minutes{'' if key == 'ratio' else ': its 95% interval, ' + src}.", [],
+                     [([], ex["ratio"][src])])
 
 
 class ConsistencyCollector(Collector):

@@ -36,7 +36,8 @@ with at least `canary.min_requests` judged lists (a variance from fewer is noise
   never ramps on the absence of evidence.
 
 What it found is in `run/canary-analyst.state.json`: the exporter's /metrics/canary (served CTR and request AUC
-per version too), `flywheel status`, the dashboard.
+per version too), `flywheel status`, the dashboard. Every minute it also measures the experiment running, if any
+(serving/experiments.py): each arm's /rank CTR over the last five minutes, for the same gauges and dashboard.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ import pandas as pd
 from infra.progress import replace_text, state_path
 from infra.settings import CanarySettings, RegisteredModel, Settings, get_settings
 from models.registry import (
-    CANARY_TAG, CHAMPION, CONTROL, RAMPED, canary_tag, connect, end_canary, rollback, routing)
-from serving.outcomes import RANK, clicked_outcomes, endpoints, list_aucs
+    CANARY_TAG, CHAMPION, CONTROL, RAMPED, canary_tag, connect, end_canary, experiment, rollback, routing)
+from serving.experiments import compare
+from serving.outcomes import RANK, clicked_outcomes, endpoints, list_aucs, served_outcomes
 
 log = logging.getLogger("flywheel.canary")
 WHO = "canary-analysis"
@@ -227,6 +229,7 @@ class State:
     rollbacks: list = field(default_factory=list)  # the last ones it made: version, to, reason, at
     rollback_failing: int = 0  # failed tries of the rollback it asked for (0 once one succeeds)
     error: str = ""
+    experiment: dict = field(default_factory=dict)  # the experiment running: its arms over the last five minutes
 
 
 def _state_name(model: RegisteredModel) -> str:
@@ -247,7 +250,7 @@ class Analyst:
         self.model = model or s.ranker  # the registered model whose canaries it judges
         self.s = s.for_model(self.model)  # under its scenario's own canary settings, if any
         self.state = read_state(s, self.model) or State()
-        self.state.rollback_failing, self._said, self._served_at = 0, ("", 0.0), 0.0
+        self.state.rollback_failing, self._said, self._served_at, self._measured_at = 0, ("", 0.0), 0.0, 0.0
         self._client, self._moot = None, False
 
     def client(self):
@@ -257,7 +260,28 @@ class Analyst:
         return self._client
 
     def look(self) -> None:
-        """One look: judge the canary running, if any, and act on the verdict."""
+        """One look: judge the canary running, if any, and act on the verdict; every SERVED_EVERY_S, measure the
+        experiment running."""
+        self._judge()
+        if time.time() - self._measured_at >= SERVED_EVERY_S:
+            self._measure_experiment()
+
+    def _measure_experiment(self) -> None:
+        """Each arm of the experiment running on the model (serving/experiments.py), on its /rank lists of the last
+        SERVED_WINDOW_S: what /metrics shows over time (`flywheel experiment show`: since its start)."""
+        self._measured_at = time.time()
+        running = experiment(self.s, self.model)
+        if running is None:
+            self.state.experiment = {}
+            return
+        since = max(int(running.started_at.timestamp() * 1000), int((time.time() - SERVED_WINDOW_S) * 1000))
+        served = served_outcomes(self.s, since, model=self.model.name)
+        arms, ratio = compare(served[endpoints(served) == RANK] if len(served) else served, running)
+        self.state.experiment = {"version": running.version, "percent": running.percent,
+                                 "started_at": running.started_at.isoformat(), "since_ms": since,
+                                 "arms": {name: asdict(a) for name, a in arms.items()}, "ratio": asdict(ratio)}
+
+    def _judge(self) -> None:
         s, name = self.s, self.model.name
         client = self.client()
         try:

@@ -202,3 +202,63 @@ def test_a_promotion_slower_than_the_analysts_looks_keeps_its_canary_and_a_hand_
         analyst.look()
     assert CONTROL not in registry.aliases and CANARY_TAG not in registry.tags
     assert registry.versions["4"]["canary_decision"] == "ended: @champion moved to v2 by hand"
+
+
+def test_the_experiment_running_is_measured_per_arm_every_minute_and_exported(tmp_path: Path, monkeypatch) -> None:
+    """Beside its canaries the analyst measures the experiment running: each arm's /rank CTR over the last five
+    minutes (serving/experiments.py), which /metrics/canary exports per arm with the ratio; none once it stops."""
+    from infra.exporter import CanaryCollector
+    from models.registry import HOLDOUT, start_experiment, stop_experiment
+    from serving.access import frozen_arm
+
+    s = load_settings(stack_environ(tmp_path / "data"))
+    registry = Registry()
+    monkeypatch.setattr(canary, "connect", lambda s: registry)
+    monkeypatch.setattr(registry_module, "connect", lambda s: registry)
+    registry.set_registered_model_alias(s.models.name, CHAMPION, "1")
+    running = start_experiment(s, 50.0)
+    asked: list[int] = []
+
+    def served_outcomes(s, since_ms: int, until_ms: int | None = None, model: str | None = None) -> pd.DataFrame:
+        asked.append(since_ms)
+        rows = []
+        for n in range(200):  # the frozen arm's users click 1 item in 10, the learning arm's 2, on /rank lists
+            user = f"u{n}"
+            frozen = frozen_arm(user, running.percent, running.salt)
+            for k in range(10):
+                rows.append({"request_id": f"r{n}", "item_id": f"i{k}", "model_version": "1" if frozen else "2",
+                             "route": HOLDOUT if frozen else CHAMPION, "served_at": since_ms + n, "score": 0.5,
+                             "label": float(k < (1 if frozen else 2)), "sources": None, "user_id": user})
+        rows.append({**rows[-1], "request_id": "rec", "label": 1.0, "sources": ["graph"]})  # /recommend: apart
+        return pd.DataFrame(rows)
+
+    monkeypatch.setattr(canary, "served_outcomes", served_outcomes)
+    analyst = Analyst(s)
+    analyst.look()
+    analyst.look()  # within the minute: not measured again
+    analyst.save()
+    assert len(asked) == 1 and asked[0] >= int(running.started_at.timestamp() * 1000)
+    measured = read_state(s).experiment
+    assert measured["version"] == "1" and measured["percent"] == 50.0
+    assert measured["arms"]["frozen"]["ctr"] == 0.1 and measured["arms"]["learning"]["ctr"] == 0.2
+    assert abs(measured["ratio"]["ratio"] - 2.0) < 1e-9 and measured["ratio"]["low"] > 1.0
+
+    def exported() -> dict[str, float]:
+        return {f"{m.name}{sample.labels}": sample.value for m in CanaryCollector(s).collect() for sample in m.samples}
+
+    gauges = exported()
+    assert gauges["flywheel_experiment_holdout_percent{'holdout': '1'}"] == 50.0
+    assert gauges["flywheel_experiment_ctr{'arm': 'frozen'}"] == 0.1
+    assert gauges["flywheel_experiment_ctr{'arm': 'learning'}"] == 0.2
+    assert gauges["flywheel_experiment_ctr_ratio{}"] == measured["ratio"]["ratio"]
+    assert gauges["flywheel_experiment_ctr_ratio_low{}"] > 1.0
+    assert gauges["flywheel_experiment_crossed_items{'arm': 'frozen'}"] == 0
+
+    stop_experiment(s)
+    analyst._measured_at = 0.0  # a minute later
+    analyst.look()
+    analyst.save()
+    assert read_state(s).experiment == {}
+    gauges = exported()
+    assert gauges["flywheel_experiment_holdout_percent{'holdout': ''}"] == 0.0
+    assert not any(name.startswith("flywheel_experiment_ctr") for name in gauges)

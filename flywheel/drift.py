@@ -1,0 +1,219 @@
+"""Does minute-level learning pay? (`flywheel drift --dataset world`; `make bench-drift` on the bundled world, ~25
+min on 2 cores.) A dataset's simulated world (world.toml beside its spec) on a fresh stack: half of its users pinned
+to the first champion (a frozen arm) while the other half follow @champion as incremental_training (at its default
+cadence) promotes and the canary analysis ramps.
+
+1. History into Kafka and Flink/Feast, the first champion trained through Airflow on all of it and served.
+2. An experiment (`flywheel experiment start --percent 50`) on it; the world's users (flywheel/world_traffic.py) at
+   the world's rate until `after_s` seconds past its first scheduled change.
+3. From the prediction archive joined to the clicks (serving/experiments.py), /rank lists only: each arm's CTR
+   before the change and over the `after_s` seconds after it, the learning arm's over the frozen arm's with its 95%
+   interval (clustered by user); per minute after the change, when the learning arm is back to 90% of its CTR
+   before; clicks on the launched items in each arm (the arms are the same size at 50%); model freshness (the
+   newest event a promoted version trained on -> its first served list, the median over the run's versions); the
+   first champion's served AUC on its arm's lists before the change beside its offline test AUC (pooled, as the
+   test's).
+
+Writes drift.png (CTR per arm per minute) and drift.json, and ends with one line: `drift: frozen CTR before F0 after
+F1; learning before L0 after L1; ratio after R (95% CI LO-HI); learning recovered to P% of before in T s;
+launched-item clicks learning A frozen B; model freshness M s`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from infra.settings import Settings
+
+RECOVERED = 0.9  # of the learning arm's CTR before the change
+
+
+@dataclass(frozen=True)
+class Drift:
+    """The run's figures (CTRs: clicks per /rank item shown; NaN where an arm served nothing)."""
+
+    frozen_before: float
+    frozen_before_ci: tuple[float, float]
+    learning_before: float
+    learning_before_ci: tuple[float, float]
+    frozen_after: float
+    learning_after: float
+    ratio_before: tuple[float, float, float]  # ratio, 95% low, high
+    ratio_after: tuple[float, float, float]
+    recovered_share: float  # the learning arm's CTR after over before
+    recovered_in_s: float | None  # the end of the first minute after the change at >= RECOVERED of before
+    launched_clicks: dict[str, int]  # per arm, after the change
+    requests_after: dict[str, int]
+    crossed: dict[str, int]
+
+
+def analyse(outcomes: pd.DataFrame, running, change_ms: int, end_ms: int, launched: set[str],
+            bucket_s: float = 60.0) -> tuple[Drift, pd.DataFrame]:
+    """The figures of /rank `outcomes` (serving/outcomes.py) of experiment `running` (models/registry.Experiment),
+    its world changed at `change_ms`, measured until `end_ms`; and per arm per `bucket_s` (t: ms since the
+    change)."""
+    from serving.experiments import FROZEN, LEARNING, arms_of, compare, over_time
+
+    before = outcomes[outcomes["served_at"] < change_ms]
+    after = outcomes[(outcomes["served_at"] >= change_ms) & (outcomes["served_at"] < end_ms)]
+    arms_before, ratio_before = compare(before, running)
+    arms_after, ratio_after = compare(after, running)
+    buckets = over_time(outcomes[outcomes["served_at"] < end_ms].assign(
+        served_at=outcomes["served_at"] - change_ms), running, bucket_s)
+    learning = buckets[(buckets["arm"] == LEARNING) & (buckets["t"] >= 0)].sort_values("t")
+    level = arms_before[LEARNING].ctr
+    back = learning[learning["ctr"] >= RECOVERED * level]
+    arm = arms_of(after, running) if len(after) else pd.Series(dtype=object)
+    clicked = after[after["item_id"].isin(launched) & (after["label"] > 0)]
+    return Drift(
+        arms_before[FROZEN].ctr, (arms_before[FROZEN].low, arms_before[FROZEN].high),
+        level, (arms_before[LEARNING].low, arms_before[LEARNING].high),
+        arms_after[FROZEN].ctr, arms_after[LEARNING].ctr,
+        (ratio_before.ratio, ratio_before.low, ratio_before.high),
+        (ratio_after.ratio, ratio_after.low, ratio_after.high),
+        arms_after[LEARNING].ctr / level if level > 0 else float("nan"),
+        float(back["t"].iloc[0] / 1000 + bucket_s) if len(back) else None,
+        {name: int((arm[clicked.index] == name).sum()) if len(clicked) else 0 for name in (LEARNING, FROZEN)},
+        {name: arms_after[name].requests for name in (LEARNING, FROZEN)},
+        {name: a.crossed for name, a in arms_after.items()}), buckets
+
+
+def headline(d: Drift, freshness_s: float | None) -> str:
+    r, p = d.ratio_after, d.recovered_in_s
+    fresh = "none promoted" if freshness_s is None else f"{freshness_s:.0f} s"
+    return (f"drift: frozen CTR before {d.frozen_before:.4f} after {d.frozen_after:.4f}; learning before "
+            f"{d.learning_before:.4f} after {d.learning_after:.4f}; ratio after {r[0]:.3f} (95% CI {r[1]:.3f}-"
+            f"{r[2]:.3f}); learning recovered to {d.recovered_share:.1%} of before in "
+            f"{'never' if p is None else f'{p:.0f}'} s; launched-item clicks learning {d.launched_clicks['learning']} "
+            f"frozen {d.launched_clicks['frozen']}; model freshness {fresh}")
+
+
+class DriftError(RuntimeError):
+    """The run could not measure what it set out to (no change in the world, the traffic stopped)."""
+
+
+def _freshness(s, outcomes: pd.DataFrame, since: datetime) -> dict[str, float]:
+    """Per incremental version promoted since `since` and served: its first served list - its data's end."""
+    from models.registry import list_versions, version_tags
+
+    first = outcomes.groupby("model_version")["served_at"].min().to_dict() if len(outcomes) else {}
+    out = {}
+    for row in list_versions(s):
+        tags = version_tags(s, row["version"])
+        if row["parent"] and row["gate"] == "promoted" and not row["drill"] and row["version"] in first \
+                and tags.get("eval_end") and first[row["version"]] >= since.timestamp() * 1000:
+            out[row["version"]] = first[row["version"]] / 1000 - datetime.fromisoformat(tags["eval_end"]).timestamp()
+    return out
+
+
+def _plot(buckets: pd.DataFrame, change_s: float, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for arm, colour in (("frozen", "tab:grey"), ("learning", "tab:blue")):
+        rows = buckets[buckets["arm"] == arm].sort_values("t")
+        minutes = (rows["t"] / 1000 + change_s) / 60
+        ax.plot(minutes, rows["ctr"], marker="o", color=colour, label=f"{arm} arm")
+        ax.fill_between(minutes, rows["low"], rows["high"], color=colour, alpha=0.2)
+    ax.axvline(change_s / 60, color="tab:red", linestyle=":", label="the world changes")
+    ax.set(xlabel="minutes of traffic", ylabel="served CTR per minute (95% CI)",
+           title="Frozen first champion vs the learning champion, the same world")
+    ax.legend(fontsize=8)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+
+
+def run(s: Settings, percent: float = 50.0, after_s: float = 600.0, out: Path | None = None,
+        say: Callable[[str], None] = print) -> str:
+    """The run on the stack of `s` (its data directory empty or stopped and emptied first), left up; the figures
+    in `out` (default `<data_dir>/drift`); returns the headline."""
+    from flywheel.demo.loop import first_champion, history_events, pause_when_idle
+    from flywheel.demo.plan import LoopPlan, Summary
+    from flywheel.demo.probes import wait_serving
+    from flywheel.world_traffic import WorldTraffic
+    from infra.airflow_api import AirflowClient
+    from infra.stack import unarchived, up
+    from models.registry import HOLDOUT, start_experiment, stop_experiment
+    from serving.outcomes import RANK, auc_by_version, endpoints, served_outcomes
+    from streaming.history import history_events as past_events
+    from streaming.world import WORLD_FILE, World, load_world
+
+    t_start, out = time.monotonic(), out or s.paths.data_dir / "drift"
+    world = World(load_world(s.spec.path.parent / WORLD_FILE))
+    if not world.spec.changes:
+        raise DriftError(f"{world.spec.path}: no [[changes]] to measure learning against")
+    change_s = world.spec.changes[0].at_s
+    launched = set(world.item_ids[np.isfinite(world.launch_at)])
+    say(f"stack up: started {', '.join(up(s, say=say)) or 'nothing'}; data in {s.paths.data_dir}")
+    last_ms = max(e.event_time for e in past_events(s))
+    split = datetime.fromtimestamp(last_ms // 86_400_000 * 86_400, UTC) + timedelta(days=1)  # all of the history
+    plan, summary = LoopPlan.of(s, split), Summary()
+    history_events(s, plan, summary, say)
+    airflow = AirflowClient(s)
+    champion = first_champion(s, plan, airflow, summary, say)
+    server = f"http://{s.serving.host}:{s.serving.port}"
+    wait_serving(server, champion, 300, say)
+    running = start_experiment(s, percent)
+    say(f"experiment: @holdout v{running.version} on {running.percent:g}% of users; incremental_training every "
+        f"{s.airflow.incremental_training_minutes} min for the others")
+    airflow.set_paused("incremental_training", False)
+    traffic = WorldTraffic(s, world, server)
+    traffic.thread.start()
+    t0_ms, until_s = int(traffic.started * 1000), change_s + after_s
+    say(f"the world's users at {traffic.rate:g}/s for {until_s:.0f} s; it changes at {change_s:.0f} s: "
+        + ", ".join(str(c.what) for c in world.spec.changes if c.at_s == change_s))
+    minute = 0
+    try:
+        while traffic.now_s() < until_s:
+            if traffic.error is not None:
+                raise DriftError(f"the traffic stopped: {type(traffic.error).__name__}: {traffic.error}")
+            time.sleep(1.0)
+            if traffic.now_s() >= 60 * (minute + 1):
+                minute += 1
+                ok = sum(r.status == 200 for r in traffic.results)
+                say(f"{minute:>2} min: {ok:,} answered, {len(traffic.results) - ok:,} refused; events "
+                    f"{dict(traffic.events)}")
+    finally:
+        traffic.stop.set()
+        traffic.thread.join()
+    end_ms = t0_ms + int(until_s * 1000)
+    pause_when_idle(airflow, "incremental_training", say)
+    stop_experiment(s)
+    unarchived(s, wait_s=60)
+    served = served_outcomes(s, t0_ms, end_ms)
+    rank = served[endpoints(served) == RANK] if len(served) else served
+    drift, buckets = analyse(rank, running, t0_ms + int(change_s * 1000), end_ms, launched)
+    fresh = _freshness(s, served, datetime.fromtimestamp(t0_ms / 1000, UTC))
+    first = auc_by_version(rank[(rank["served_at"] < t0_ms + change_s * 1000) & (rank["route"] == HOLDOUT)])
+    offline = summary.ranker_auc.get("ranker", float("nan"))
+    out.mkdir(parents=True, exist_ok=True)
+    _plot(buckets, change_s, out / "drift.png")
+    record = {"drift": asdict(drift), "freshness_s": fresh, "buckets": buckets.to_dict("records"),
+              "first_champion": {"version": champion, "offline_test_auc": offline, "served": first.to_dict("records")},
+              "percent": running.percent, "change_s": change_s, "after_s": after_s,
+              "minutes": (time.monotonic() - t_start) / 60}
+    (out / "drift.json").write_text(json.dumps(record, indent=1, default=str))
+    for row in first.to_dict("records"):
+        say(f"first champion v{champion}: served /rank AUC {row['auc']:.4f} pooled ({row['list_auc']:.4f} per list) on "
+            f"the frozen arm's {row['requests']:,} lists before the change; offline test AUC {offline:.4f}")
+    b, a = drift.ratio_before, drift.requests_after
+    say(f"before the change: learning / frozen {b[0]:.3f} (95% CI {b[1]:.3f}-{b[2]:.3f}); frozen CTR 95% "
+        f"{drift.frozen_before_ci[0]:.4f}-{drift.frozen_before_ci[1]:.4f}, learning "
+        f"{drift.learning_before_ci[0]:.4f}-{drift.learning_before_ci[1]:.4f}")
+    say(f"after: requests learning {a['learning']:,} frozen {a['frozen']:,}; items served by the other arm's model "
+        f"{drift.crossed}; model freshness per version " + (", ".join(f"v{v} {f:.0f} s" for v, f in fresh.items())
+                                                             or "none"))
+    say(f"figures in {out}; whole run {record['minutes']:.1f} min")
+    return headline(drift, statistics.median(fresh.values()) if fresh else None)
