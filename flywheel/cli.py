@@ -860,7 +860,8 @@ def world(requests: int, live_s: float | None, rate: float | None, seed: int) ->
     t, h = w.spec.truth, w.spec.history
     shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
     click.echo(f"world {shown}: {t.users:,} users, {t.items:,} items in {t.categories} categories, {t.clusters} "
-               f"taste clusters; history {h.requests:,} requests over {h.days} days from {h.start}")
+               f"taste clusters; history {h.requests:,} requests from {h.start} at the traffic's rate ("
+               + (f"{w.history_ms / 60_000:.0f} min)" if w.history_ms >= 60_000 else f"{w.history_ms / 1000:.0f} s)"))
 
     def random_order(user: int, items: np.ndarray, t_s: float) -> np.ndarray:
         return np.random.default_rng([user, len(items), int(t_s)]).random(len(items))
@@ -925,6 +926,7 @@ def drift(percent: float, after_s: float, out: Path | None, fresh: bool) -> None
     from flywheel.demo import LoopError
     from flywheel.drift import DriftError, run
     from infra.airflow_api import AirflowApiError
+    from infra.settings import REPO_ROOT
     from infra.stack import StackError, down
     from streaming.world import WORLD_FILE
 
@@ -932,13 +934,18 @@ def drift(percent: float, after_s: float, out: Path | None, fresh: bool) -> None
     if not (s.spec.path.parent / WORLD_FILE).exists():
         raise click.ClickException(f"{s.spec.path}: no {WORLD_FILE} beside it: the dataset declares no world "
                                    "(`--dataset world`: the bundled one)")
-    if s.paths.data_dir.exists() and any(s.paths.data_dir.iterdir()):
-        if not fresh:
-            raise click.ClickException(f"{s.paths.data_dir} holds a stack's data: the run starts from none "
-                                       "(--fresh stops that stack and empties it)")
-        down(s)
-        shutil.rmtree(s.paths.data_dir)
     _preflight(s)
+    data = s.paths.data_dir.resolve()
+    if data.exists() and any(data.iterdir()):
+        if not fresh:
+            raise click.ClickException(f"{data} holds a stack's data: the run starts from none (--fresh stops that "
+                                       "stack and empties it)")
+        if not (data / "run").is_dir() or any(p.is_relative_to(data) for p in (REPO_ROOT, Path.home(),
+                                                                                 s.paths.cache_dir.resolve())):
+            raise click.ClickException(f"{data} is not a stack's data directory (no run/ in it, or it holds the "
+                                       "repository, the cache or your home): --fresh empties only those")
+        down(s)
+        shutil.rmtree(data)
 
     def say(line: str) -> None:
         click.echo(f"[{datetime.now(UTC):%H:%M:%S}] {line}")
@@ -954,7 +961,8 @@ def drift(percent: float, after_s: float, out: Path | None, fresh: bool) -> None
 @_DATASET
 @click.option("--split", type=_DATE, default=None,
               help="Events before this date are the history (replayed, trained on); the rest is live traffic. "
-                   "Default: the spec's [demo] split, else the day by which 90% of the history had happened.")
+                   "Default: the spec's [demo] split, else the day by which 90% of the history had happened (of a "
+                   "history shorter than a day, the hour, minute or second).")
 @click.option("--history-limit", type=int, default=None, help="Replay at most N history events.")
 @click.option("--sessions", type=int, default=None,
               help="Replay only the first N sessions after --split (all by default; they start over if needed).")

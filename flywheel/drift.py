@@ -22,6 +22,7 @@ launched-item clicks learning A frozen B; model freshness M s`.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -49,11 +50,13 @@ class Drift:
     learning_after: float
     ratio_before: tuple[float, float, float]  # ratio, 95% low, high
     ratio_after: tuple[float, float, float]
-    recovered_share: float  # the learning arm's CTR after over before
-    recovered_in_s: float | None  # the end of the first minute after the change at >= RECOVERED of before
+    recovered_in_s: float | None  # from then on every minute of the learning arm at >= RECOVERED of its CTR before
+    # (0: it never fell below; None: still below at the end)
+    recovered_share: float  # the learning arm's CTR from then on (all of after when never back) over before
     launched_clicks: dict[str, int]  # per arm, after the change
+    requests_before: dict[str, int]  # /rank requests per arm
     requests_after: dict[str, int]
-    crossed: dict[str, int]
+    crossed: dict[str, int]  # after the change
 
 
 def analyse(outcomes: pd.DataFrame, running, change_ms: int, end_ms: int, launched: set[str],
@@ -69,9 +72,13 @@ def analyse(outcomes: pd.DataFrame, running, change_ms: int, end_ms: int, launch
     arms_after, ratio_after = compare(after, running)
     buckets = over_time(outcomes[outcomes["served_at"] < end_ms].assign(
         served_at=outcomes["served_at"] - change_ms), running, bucket_s)
-    learning = buckets[(buckets["arm"] == LEARNING) & (buckets["t"] >= 0)].sort_values("t")
+    minutes = buckets[(buckets["arm"] == LEARNING) & (buckets["t"] >= 0)].sort_values("t")
     level = arms_before[LEARNING].ctr
-    back = learning[learning["ctr"] >= RECOVERED * level]
+    below = minutes[minutes["ctr"] < RECOVERED * level]["t"]
+    back_s = (0.0 if not len(below) else None if below.iloc[-1] == minutes["t"].iloc[-1]
+              else below.iloc[-1] / 1000 + bucket_s)
+    since_back = after if back_s is None else after[after["served_at"] >= change_ms + back_s * 1000]
+    back_ctr = compare(since_back, running)[0][LEARNING].ctr
     arm = arms_of(after, running) if len(after) else pd.Series(dtype=object)
     clicked = after[after["item_id"].isin(launched) & (after["label"] > 0)]
     return Drift(
@@ -80,9 +87,9 @@ def analyse(outcomes: pd.DataFrame, running, change_ms: int, end_ms: int, launch
         arms_after[FROZEN].ctr, arms_after[LEARNING].ctr,
         (ratio_before.ratio, ratio_before.low, ratio_before.high),
         (ratio_after.ratio, ratio_after.low, ratio_after.high),
-        arms_after[LEARNING].ctr / level if level > 0 else float("nan"),
-        float(back["t"].iloc[0] / 1000 + bucket_s) if len(back) else None,
+        back_s, back_ctr / level if level > 0 else float("nan"),
         {name: int((arm[clicked.index] == name).sum()) if len(clicked) else 0 for name in (LEARNING, FROZEN)},
+        {name: arms_before[name].requests for name in (LEARNING, FROZEN)},
         {name: arms_after[name].requests for name in (LEARNING, FROZEN)},
         {name: a.crossed for name, a in arms_after.items()}), buckets
 
@@ -93,7 +100,7 @@ def headline(d: Drift, freshness_s: float | None) -> str:
     return (f"drift: frozen CTR before {d.frozen_before:.4f} after {d.frozen_after:.4f}; learning before "
             f"{d.learning_before:.4f} after {d.learning_after:.4f}; ratio after {r[0]:.3f} (95% CI {r[1]:.3f}-"
             f"{r[2]:.3f}); learning recovered to {d.recovered_share:.1%} of before in "
-            f"{'never' if p is None else f'{p:.0f}'} s; launched-item clicks learning {d.launched_clicks['learning']} "
+            f"{'inf' if p is None else f'{p:.0f}'} s; launched-item clicks learning {d.launched_clicks['learning']} "
             f"frozen {d.launched_clicks['frozen']}; model freshness {fresh}")
 
 
@@ -101,8 +108,8 @@ class DriftError(RuntimeError):
     """The run could not measure what it set out to (no change in the world, the traffic stopped)."""
 
 
-def _freshness(s, outcomes: pd.DataFrame, since: datetime) -> dict[str, float]:
-    """Per incremental version promoted since `since` and served: its first served list - its data's end."""
+def _freshness(s, outcomes: pd.DataFrame) -> dict[str, float]:
+    """Per incremental version promoted and served in `outcomes`: its first served list - its data's end."""
     from models.registry import list_versions, version_tags
 
     first = outcomes.groupby("model_version")["served_at"].min().to_dict() if len(outcomes) else {}
@@ -110,9 +117,20 @@ def _freshness(s, outcomes: pd.DataFrame, since: datetime) -> dict[str, float]:
     for row in list_versions(s):
         tags = version_tags(s, row["version"])
         if row["parent"] and row["gate"] == "promoted" and not row["drill"] and row["version"] in first \
-                and tags.get("eval_end") and first[row["version"]] >= since.timestamp() * 1000:
+                and tags.get("eval_end"):
             out[row["version"]] = first[row["version"]] / 1000 - datetime.fromisoformat(tags["eval_end"]).timestamp()
     return out
+
+
+def _plain(value: object) -> object:
+    """NaN as null, so that any JSON parser reads drift.json."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _plot(buckets: pd.DataFrame, change_s: float, out: Path) -> None:
@@ -185,17 +203,20 @@ def run(s: Settings, percent: float = 50.0, after_s: float = 600.0, out: Path | 
                 ok = sum(r.status == 200 for r in traffic.results)
                 say(f"{minute:>2} min: {ok:,} answered, {len(traffic.results) - ok:,} refused; events "
                     f"{dict(traffic.events)}")
-    finally:
+    finally:  # the stack left as the demo leaves it: no traffic, no learning from none, every user on @champion
         traffic.stop.set()
         traffic.thread.join()
+        pause_when_idle(airflow, "incremental_training", say)
+        stop_experiment(s)
     end_ms = t0_ms + int(until_s * 1000)
-    pause_when_idle(airflow, "incremental_training", say)
-    stop_experiment(s)
     unarchived(s, wait_s=60)
     served = served_outcomes(s, t0_ms, end_ms)
     rank = served[endpoints(served) == RANK] if len(served) else served
     drift, buckets = analyse(rank, running, t0_ms + int(change_s * 1000), end_ms, launched)
-    fresh = _freshness(s, served, datetime.fromtimestamp(t0_ms / 1000, UTC))
+    if not all(drift.requests_before.values()) or not all(drift.requests_after.values()):
+        raise DriftError(f"an arm served no /rank list to measure: before the change {drift.requests_before}, "
+                         f"after {drift.requests_after} (the prediction archive of {s.paths.data_dir})")
+    fresh = _freshness(s, served)
     first = auc_by_version(rank[(rank["served_at"] < t0_ms + change_s * 1000) & (rank["route"] == HOLDOUT)])
     offline = summary.ranker_auc.get("ranker", float("nan"))
     out.mkdir(parents=True, exist_ok=True)
@@ -204,7 +225,7 @@ def run(s: Settings, percent: float = 50.0, after_s: float = 600.0, out: Path | 
               "first_champion": {"version": champion, "offline_test_auc": offline, "served": first.to_dict("records")},
               "percent": running.percent, "change_s": change_s, "after_s": after_s,
               "minutes": (time.monotonic() - t_start) / 60}
-    (out / "drift.json").write_text(json.dumps(record, indent=1, default=str))
+    (out / "drift.json").write_text(json.dumps(_plain(record), indent=1, default=str, allow_nan=False))
     for row in first.to_dict("records"):
         say(f"first champion v{champion}: served /rank AUC {row['auc']:.4f} pooled ({row['list_auc']:.4f} per list) on "
             f"the frozen arm's {row['requests']:,} lists before the change; offline test AUC {offline:.4f}")
@@ -212,7 +233,9 @@ def run(s: Settings, percent: float = 50.0, after_s: float = 600.0, out: Path | 
     say(f"before the change: learning / frozen {b[0]:.3f} (95% CI {b[1]:.3f}-{b[2]:.3f}); frozen CTR 95% "
         f"{drift.frozen_before_ci[0]:.4f}-{drift.frozen_before_ci[1]:.4f}, learning "
         f"{drift.learning_before_ci[0]:.4f}-{drift.learning_before_ci[1]:.4f}")
-    say(f"after: requests learning {a['learning']:,} frozen {a['frozen']:,}; items served by the other arm's model "
+    per = {arm: 1000 * drift.launched_clicks[arm] / a[arm] for arm in a}
+    say(f"after: /rank requests learning {a['learning']:,} frozen {a['frozen']:,}; launched-item clicks per 1,000 "
+        f"requests learning {per['learning']:.1f} frozen {per['frozen']:.1f}; items served by the other arm's model "
         f"{drift.crossed}; model freshness per version " + (", ".join(f"v{v} {f:.0f} s" for v, f in fresh.items())
                                                              or "none"))
     say(f"figures in {out}; whole run {record['minutes']:.1f} min")

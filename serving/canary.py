@@ -230,6 +230,7 @@ class State:
     rollback_failing: int = 0  # failed tries of the rollback it asked for (0 once one succeeds)
     error: str = ""
     experiment: dict = field(default_factory=dict)  # the experiment running: its arms over the last five minutes
+    # (the platform's ranker's, for /metrics)
 
 
 def _state_name(model: RegisteredModel) -> str:
@@ -263,16 +264,15 @@ class Analyst:
         """One look: judge the canary running, if any, and act on the verdict; every SERVED_EVERY_S, measure the
         experiment running."""
         self._judge()
-        if time.time() - self._measured_at >= SERVED_EVERY_S:
+        if not self.model.scenario and time.time() - self._measured_at >= SERVED_EVERY_S:  # /metrics: the platform's
             self._measure_experiment()
 
     def _measure_experiment(self) -> None:
         """Each arm of the experiment running on the model (serving/experiments.py), on its /rank lists of the last
         SERVED_WINDOW_S: what /metrics shows over time (`flywheel experiment show`: since its start)."""
-        self._measured_at = time.time()
+        self._measured_at, self.state.experiment = time.time(), {}  # none said rather than a stale one
         running = experiment(self.s, self.model)
         if running is None:
-            self.state.experiment = {}
             return
         since = max(int(running.started_at.timestamp() * 1000), int((time.time() - SERVED_WINDOW_S) * 1000))
         served = served_outcomes(self.s, since, model=self.model.name)
