@@ -860,8 +860,7 @@ def world(requests: int, live_s: float | None, rate: float | None, seed: int) ->
     t, h = w.spec.truth, w.spec.history
     shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
     click.echo(f"world {shown}: {t.users:,} users, {t.items:,} items in {t.categories} categories, {t.clusters} "
-               f"taste clusters; history {h.requests:,} requests from {h.start} at the traffic's rate ("
-               + (f"{w.history_ms / 60_000:.0f} min)" if w.history_ms >= 60_000 else f"{w.history_ms / 1000:.0f} s)"))
+               f"taste clusters; history {h.requests:,} requests over {h.days} days from {h.start}")
 
     def random_order(user: int, items: np.ndarray, t_s: float) -> np.ndarray:
         return np.random.default_rng([user, len(items), int(t_s)]).random(len(items))
@@ -961,8 +960,7 @@ def drift(percent: float, after_s: float, out: Path | None, fresh: bool) -> None
 @_DATASET
 @click.option("--split", type=_DATE, default=None,
               help="Events before this date are the history (replayed, trained on); the rest is live traffic. "
-                   "Default: the spec's [demo] split, else the day by which 90% of the history had happened (of a "
-                   "history shorter than a day, the hour, minute or second).")
+                   "Default: the spec's [demo] split, else the day by which 90% of the history had happened.")
 @click.option("--history-limit", type=int, default=None, help="Replay at most N history events.")
 @click.option("--sessions", type=int, default=None,
               help="Replay only the first N sessions after --split (all by default; they start over if needed).")

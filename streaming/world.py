@@ -16,12 +16,10 @@ The truth:
   items' logit rises), a rotation of a share of users' tastes (each to another cluster), a launch of items
   (in the catalog from the start, as a shop uploads them, but in no candidate list before `at_s`).
 
-The history (`[history]`): `requests` requests from `start`, at the live traffic's rate (`[traffic] rate`), each
-showing the top `shown` of its candidates as a former ranker ordered them (the true logit plus normal noise of sd
-`logger_noise`): the same shape and density the live traffic has. A shop's traffic before the platform came is as
-dense as after it, and the windowed counts a model learns from are those it is served (a history spread over 7
-days, 480x sparser than the traffic, left the first champion's served pooled AUC at 0.62 against 0.73 offline).
-Everything is drawn from `seed`: a world is the same world on every machine.
+The history (`[history]`): `requests` requests over `days` days before the live traffic, each showing the top
+`shown` of its candidates as a former ranker ordered them (the true logit plus normal noise of sd
+`logger_noise`): the same shape the live traffic has. Everything is drawn from `seed`: a world is the same world
+on every machine.
 """
 
 from __future__ import annotations
@@ -47,7 +45,7 @@ from infra.settings import Settings
 WORLD_FILE = "world.toml"  # beside the spec
 FILES = ("items.csv", "users.csv", "history.csv")
 # Part of each world's cache key: a change of how the files are drawn from the truth is another world.
-GENERATOR = 2
+GENERATOR = 1
 IMPRESSION, CLICK, PURCHASE = "impression", "click", "purchase"  # the event types datasets/world/dataset.toml declares
 FLOAT_OR_INT = (float, int)
 MAX_ZIPF = 5.0  # beyond it the tail's weights vanish: fewer drawable items than a list's candidates
@@ -128,8 +126,9 @@ class Traffic:
 class History:
     """`[history]`: what the platform starts from."""
 
-    start: str = "2026-01-05"  # its first request's day (from 00:00 UTC)
-    requests: int = 20_000  # at [traffic] rate: 21 minutes of the bundled world's traffic
+    start: str = "2026-01-05"  # the first day (UTC)
+    days: int = 7
+    requests: int = 20_000
     logger_noise: float = 1.0
 
 
@@ -192,7 +191,7 @@ def parse_world(text: str, path: Path) -> WorldSpec:
         raise SpecError(f"{path} [traffic]: expected shown <= candidates <= [world] items, got {traffic.shown}, "
                         f"{traffic.candidates}, {truth.items}")
     history = _record(f"{path} [history]", History, top.get("history", {}))
-    _at_least(f"{path} [history]", history, {"requests": 1, "logger_noise": 0})
+    _at_least(f"{path} [history]", history, {"days": 1, "requests": 1, "logger_noise": 0})
     try:
         date.fromisoformat(history.start)
     except ValueError:
@@ -282,11 +281,6 @@ class World:
     def user_ids(self) -> np.ndarray:
         return np.array([f"u{n:05d}" for n in range(self.spec.truth.users)])
 
-    @property
-    def history_ms(self) -> int:
-        """How long the history's requests take at the traffic's rate."""
-        return max(1, int(self.spec.history.requests / self.spec.traffic.rate * 1000))
-
     def clusters(self, t_s: float) -> np.ndarray:
         """Each user's taste cluster at `t_s` (seconds after the traffic starts; the history is before 0)."""
         cluster = self.cluster.copy()
@@ -356,7 +350,7 @@ class World:
         t, h = self.spec.truth, self.spec.history
         rng = np.random.default_rng([t.seed, 3])
         start_ms = int(datetime.combine(date.fromisoformat(h.start), datetime.min.time(), UTC).timestamp() * 1000)
-        times = np.sort(rng.integers(0, self.history_ms, h.requests)) + start_ms
+        times = np.sort(rng.integers(0, h.days * 86_400_000 - 60_000, h.requests)) + start_ms
         # the history is before the live traffic: every change still ahead (t_s < 0)
         before = min([0.0, *(c.at_s for c in self.spec.changes)]) - 1.0
         ids, items = self.user_ids, self.item_ids
@@ -370,7 +364,7 @@ class World:
             request, u = f"h{n:06d}", ids[user]
             for p, i in enumerate(shown):
                 rows.append((u, items[i], IMPRESSION, int(at) + 100 * p, request, f"c{self.category[i]:02d}", p))
-            # a click 5 s after its list, a purchase 30 s
+            # a click 5 s after its list, a purchase 30 s: within the minute before the history's end
             for kind, after_ms, flags in ((CLICK, 5_000, clicked), (PURCHASE, 30_000, bought)):
                 for p in np.flatnonzero(flags):
                     i = shown[p]

@@ -33,6 +33,7 @@ candidates = 30
 shown = 8
 
 [history]
+days = 2
 requests = 400
 
 [[changes]]
@@ -109,9 +110,6 @@ def test_the_history_shows_lists_top_down_with_what_was_done_with_them(tmp_path:
     assert bought <= set(zip(*[acted.loc[acted["event_type"] == "click", c] for c in ("request_id", "item_id")]))
     # the launched items (the catalog's last 10) are in no list before their launch
     assert not set(shown["item_id"]) & set(w.item_ids[-10:]) and history["event_time"].is_monotonic_increasing
-    # at the live traffic's rate (16/s by default): 400 requests in 25 s, as dense as the traffic the models serve
-    lists = shown.groupby("request_id")["event_time"].min()
-    assert w.history_ms == 25_000 and 0.9 * 25_000 < lists.max() - lists.min() < 25_000
     # the former ranker's order is the clicks' order: the top clicked most
     ctr = history[history["event_type"] == "click"]["position"].value_counts().reindex(range(8), fill_value=0)
     assert ctr[0] > ctr[3] > ctr[7]
@@ -133,12 +131,6 @@ def test_a_world_beside_a_spec_onboards_like_any_dataset(tmp_path: Path) -> None
     assert {e.context["position"] for e in exposures} == set(range(8))
     assert all(e.context["category"].startswith("c") for e in events)
     assert load_spec(root / "dataset.toml").position_slots == 10
-    # the demo's split of a history of seconds: the second by which 90% of it had happened, not its day
-    from flywheel.demo.plan import LoopPlan
-
-    plan, times = LoopPlan.of(s), sorted(e.event_time for e in events)
-    assert plan.history_from.timestamp() * 1000 <= times[0] < plan.split.timestamp() * 1000 < times[-1]
-    assert plan.split.microsecond == 0 and 0.8 < np.mean(np.array(times) < plan.split.timestamp() * 1000) <= 0.9
     # another world is another directory: the cache never serves a world its file no longer says
     first = prepare(s)
     (root / WORLD_FILE).write_text(SMALL.replace("seed = 11", "seed = 13"))

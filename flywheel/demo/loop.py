@@ -103,7 +103,7 @@ def history_events(s: Settings, plan: LoopPlan, summary: Summary, say: Say) -> d
         raise LoopError(f"Kafka topic {topic!r} holds {dict(landed)} of the history, the replay sent "
                         f"{dict(sent.by_type)}")
     summary.history_events = dict(landed)
-    say(f"history: {sent.total:,} past events before {plan.split_text} in Kafka "
+    say(f"history: {sent.total:,} past events before {plan.split:%Y-%m-%d} in Kafka "
         f"({dict(sorted(landed.items()))}) in {sent.seconds:.1f}s")
     say(f"catalog (batch features) in the offline store and online: {load_catalog(s)}; "
         f"materialized {materialize(s)}")
@@ -181,7 +181,7 @@ def first_retrieval(s: Settings, plan: LoopPlan, history_end: datetime, airflow:
 
 def live(s: Settings, plan: LoopPlan, server: str, airflow: AirflowClient, summary: Summary, say: Say) -> None:
     traffic = Traffic(s, plan, server)
-    say(f"live: {len(traffic.sessions):,} sessions after {plan.split_text} as ranking requests at "
+    say(f"live: {len(traffic.sessions):,} sessions after {plan.split:%Y-%m-%d} as ranking requests at "
         f"{plan.rate:g}/s through {server}/rank (every {plan.recommend_every}th: /recommend for the session's user); "
         f"incremental_training every "
         f"{s.airflow.incremental_training_minutes} min")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, time, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,16 +35,11 @@ class LoopPlan:
     training_timeout_s: float = 1800.0
     live_timeout_s: float = 1800.0
 
-    @property
-    def split_text(self) -> str:
-        """The split as the demo says it: its day, and its time when it is not midnight."""
-        return f"{self.split:%Y-%m-%d}" + (f" {self.split:%H:%M:%S} UTC" if self.split.time() != time() else "")
-
     @classmethod
     def of(cls, s: Settings, split: datetime | None = None, **kw) -> LoopPlan:
         """The plan for the spec's data: `split` (else the spec's `[demo] split`, else the day by which 90% of
-        the history had happened; of a history shorter than a day, the hour, minute or second), the first
-        champion trained on `[demo] train_days` before it (else on everything before it)."""
+        the history had happened), the first champion trained on `[demo] train_days` before it (else on
+        everything before it)."""
         demo = s.spec.demo
         split = split or demo.split
         if split is None or demo.train_days is None:
@@ -52,12 +47,7 @@ class LoopPlan:
 
             times = np.array([e.event_time for e in history_events(s)], np.int64)
             day = lambda ms: datetime.fromtimestamp(ms // 86_400_000 * 86_400, UTC)  # noqa: E731
-            q90 = int(np.quantile(times, 0.9))
-            # the day; of a history shorter than a day (a simulated world's minutes), the hour, minute or second
-            span = int(times.max() - times.min())
-            cut = next((q90 // unit * unit for unit in (86_400_000, 3_600_000, 60_000, 1_000)
-                        if span >= unit and q90 // unit * unit > times.min()), q90 // 1_000 * 1_000)
-            split = split or datetime.fromtimestamp(cut / 1000, UTC)
+            split = split or day(int(np.quantile(times, 0.9)))
             first = day(int(times.min()))
         start = split - timedelta(days=demo.train_days) if demo.train_days else first
         return cls(split=split, history_from=start, **kw)
