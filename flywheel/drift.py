@@ -123,7 +123,9 @@ def _freshness(s, outcomes: pd.DataFrame) -> dict[str, float]:
 
 
 def _plain(value: object) -> object:
-    """NaN as null, so that any JSON parser reads drift.json."""
+    """NaN as null and numpy's numbers as JSON's, so that any JSON parser reads drift.json."""
+    if isinstance(value, np.generic):
+        value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
