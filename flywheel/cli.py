@@ -6,7 +6,6 @@ Heavy libraries (TensorFlow, Airflow, MLflow) are never imported here: the CLI s
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -558,17 +557,6 @@ def _arm_line(name: str, a) -> str:
             f"CTR {a.ctr:.4f} (95%: {a.low:.4f}-{a.high:.4f}), {a.clicks_per_request:.3f} clicks per request{crossed}")
 
 
-def _finite(value: object) -> object:
-    """NaN and infinities as null, so that any JSON parser reads the output."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
 @experiment.command("show")
 @click.option("--since", type=_DATE, default=None, help="First serving time (UTC; default: the experiment's start).")
 @click.option("--until", type=_DATE, default=None, help="End of the period (exclusive; default: now).")
@@ -584,6 +572,7 @@ def experiment_show(since: datetime | None, until: datetime | None, endpoint: st
     prediction archive joined to the event log's clicks: the experiment running, else the last one that ran."""
     from dataclasses import asdict
 
+    from flywheel.drift import json_ready
     from models.registry import experiment as find_experiment
     from serving.experiments import compare, over_time
     from serving.outcomes import endpoints, served_outcomes
@@ -599,7 +588,7 @@ def experiment_show(since: datetime | None, until: datetime | None, endpoint: st
     arms, ratio = compare(served, running)
     buckets = over_time(served, running, bucket_s) if bucket_s else None
     if as_json:
-        click.echo(json.dumps(_finite({
+        click.echo(json.dumps(json_ready({
             "model_name": model.name, "holdout": running.version, "percent": running.percent,
             "started_at": running.started_at.isoformat(), "since": start.isoformat(), "endpoint": endpoint,
             "arms": {k: asdict(a) for k, a in arms.items()}, "ratio": asdict(ratio),

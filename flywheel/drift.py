@@ -122,16 +122,16 @@ def _freshness(s, outcomes: pd.DataFrame) -> dict[str, float]:
     return out
 
 
-def _plain(value: object) -> object:
-    """NaN as null and numpy's numbers as JSON's, so that any JSON parser reads drift.json."""
+def json_ready(value: object) -> object:
+    """NaN and infinities as null and numpy's numbers as JSON's, so that any JSON parser reads the output."""
     if isinstance(value, np.generic):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: json_ready(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [json_ready(v) for v in value]
     return value
 
 
@@ -227,7 +227,7 @@ def run(s: Settings, percent: float = 50.0, after_s: float = 600.0, out: Path | 
               "first_champion": {"version": champion, "offline_test_auc": offline, "served": first.to_dict("records")},
               "percent": running.percent, "change_s": change_s, "after_s": after_s,
               "minutes": (time.monotonic() - t_start) / 60}
-    (out / "drift.json").write_text(json.dumps(_plain(record), indent=1, default=str, allow_nan=False))
+    (out / "drift.json").write_text(json.dumps(json_ready(record), indent=1, default=str, allow_nan=False))
     for row in first.to_dict("records"):
         say(f"first champion v{champion}: served /rank AUC {row['auc']:.4f} pooled ({row['list_auc']:.4f} per list) on "
             f"the frozen arm's {row['requests']:,} lists before the change; offline test AUC {offline:.4f}")
