@@ -902,13 +902,17 @@ def _live_world(s: Settings, w, seconds: float, rate: float | None, seed: int) -
               show_default=True, help="The frozen arm's share of users.")
 @click.option("--after", "after_s", type=click.FloatRange(min=60), default=600.0, show_default=True,
               help="Seconds of traffic after the world's first change.")
+@click.option("--warmup", "warmup_s", type=click.FloatRange(min=0), default=240.0, show_default=True,
+              help="Seconds of traffic everyone learns from before the experiment holds the champion of then "
+                   "(once a version learnt from it has passed its canary).")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Where drift.png and drift.json go (default: <data dir>/drift).")
 @click.option("--fresh", is_flag=True, help="Stop the stack of the data directory and empty it first.")
-def drift(percent: float, after_s: float, out: Path | None, fresh: bool) -> None:
+def drift(percent: float, after_s: float, warmup_s: float, out: Path | None, fresh: bool) -> None:
     """Does learning pay? The dataset's world on a fresh stack: the history, the first champion, then its users as
-    traffic with a share of them held on that champion while the others follow @champion as it learns; each arm's
-    served CTR before and after the world changes. Ends with one line, `drift: ...` (flywheel/drift.py)."""
+    traffic; after a warm-up of learning, a share of them held on the champion of then while the others follow
+    @champion as it learns; each arm's served CTR before and after the world changes. Ends with one line,
+    `drift: ...` (flywheel/drift.py)."""
     import shutil
 
     from flywheel.demo import LoopError
@@ -939,7 +943,7 @@ def drift(percent: float, after_s: float, out: Path | None, fresh: bool) -> None
         click.echo(f"[{datetime.now(UTC):%H:%M:%S}] {line}")
 
     try:
-        click.echo(_models_call(run, s, percent, after_s, out, say))
+        click.echo(_models_call(run, s, percent, after_s, warmup_s, out, say))
     except (DriftError, LoopError, StackError, AirflowApiError) as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -1,18 +1,22 @@
 """Does minute-level learning pay? (`flywheel drift --dataset world`; `make bench-drift` on the bundled world, ~25
-min on 2 cores.) A dataset's simulated world (world.toml beside its spec) on a fresh stack: half of its users pinned
-to the first champion (a frozen arm) while the other half follow @champion as incremental_training (at its default
-cadence) promotes and the canary analysis ramps.
+min on 2 cores.) A dataset's simulated world (world.toml beside its spec) on a fresh stack: after a warm-up of
+learning, half of its users held on the champion of that moment (a frozen arm) while the other half follow
+@champion as incremental_training (at its default cadence) promotes and the canary analysis ramps.
 
 1. History into Kafka and Flink/Feast, the first champion trained through Airflow on all of it and served.
-2. An experiment (`flywheel experiment start --percent 50`) on it; the world's users (flywheel/world_traffic.py) at
-   the world's rate until `after_s` seconds past its first scheduled change.
+2. The world's users (flywheel/world_traffic.py) at the world's rate until `after_s` seconds past its first
+   scheduled change, incremental_training learning from them from the start. Past `warmup_s` and once a version
+   learnt from them has passed its canary (the first ones lift CTR by 8-12% on a world that has not changed: the
+   history's lists were a logger's, the traffic's the model's own), an experiment (`flywheel experiment start
+   --percent 50`) holds the champion of that moment: both arms serve one version until the learning arm's next.
 3. From the prediction archive joined to the clicks (serving/experiments.py), /rank lists only: each arm's CTR
-   before the change and over the `after_s` seconds after it, the learning arm's over the frozen arm's with its 95%
-   interval (clustered by user); per minute after the change, when the learning arm is back to 90% of its CTR
-   before; clicks on the launched items in each arm (the arms are the same size at 50%); model freshness (the
-   newest event a promoted version trained on -> its first served list, the median over the run's versions); the
-   first champion's served AUC on its arm's lists before the change beside its offline test AUC (pooled, as the
-   test's).
+   from the experiment's start to the change and over the `after_s` seconds after it, the learning arm's over the
+   frozen arm's with its 95% interval (clustered by user); per minute after the change, when the learning arm is
+   back to 90% of its CTR before; clicks on the launched items in each arm (the arms are the same size at 50%);
+   model freshness (the newest event a promoted version trained on -> its first served list, the median over the
+   run's versions); the incremental versions promoted and how many the canary analysis rolled back; the first
+   champion's AUC on the lists it served in the warm-up beside its AUC on its offline test part, both pooled over
+   items (as the test AUC is) and the mean over lists with a click and a pass (as the canary judges).
 
 Writes drift.png (CTR per arm per minute) and drift.json, and ends with one line: `drift: frozen CTR before F0 after
 F1; learning before L0 after L1; ratio after R (95% CI LO-HI); learning recovered to P% of before in T s;
@@ -122,6 +126,51 @@ def _freshness(s, outcomes: pd.DataFrame) -> dict[str, float]:
     return out
 
 
+def _promotions(s, first: str) -> dict[str, list[str]]:
+    """The incremental versions after `first` that their gate promoted, and those the canary analysis rolled back
+    (honest versions all: a run registers no drill)."""
+    from models.registry import list_versions
+
+    promoted = [r for r in list_versions(s) if int(r["version"]) > int(first) and r["parent"]
+                and r["gate"] == "promoted" and not r["drill"]]
+    return {"promoted": sorted((r["version"] for r in promoted), key=int),
+            "rolled_back": sorted((r["version"] for r in promoted if r["rolled_back_by"] == "canary-analysis"),
+                                  key=int)}
+
+
+def offline_aucs(s, version: str) -> dict[str, float]:
+    """The version's AUC on its own test part (the history's lists of its `eval_start`..`eval_end`, scored as
+    served: at no position): pooled over the items (its test AUC) and the mean over the lists with a click and a
+    pass (serving/outcomes.list_aucs, as the served one is), with how many lists judged it."""
+    from contract.transform import to_examples
+    from models.dataset import Window, training_frame
+    from models.metrics import auc
+    from models.registry import load_version, version_tags
+    from serving.outcomes import list_aucs
+
+    tags = version_tags(s, version)
+    window = Window(datetime.fromisoformat(tags["eval_start"]),
+                    datetime.fromisoformat(tags["eval_end"]) + timedelta(milliseconds=1))
+    imps, joined = training_frame(s, window)
+    labels = imps[[s.spec.objective_column(o.name) for o in s.spec.objectives] or ["label"]].to_numpy()
+    examples = to_examples(joined, imps["request_time"].to_numpy(), labels, s.streaming.sequence_length)
+    scores = np.asarray(load_version(s, version).predict(examples), float)
+    lists = list_aucs(pd.DataFrame({"model_version": version, "route": "offline", "sources": None,
+                                    "request_id": imps["request_id"].to_numpy(), "label": examples.labels,
+                                    "score": scores}))
+    return {"auc": auc(examples.labels, scores), "list_auc": float(lists["auc"].mean()), "judged": len(lists),
+            "items": len(examples)}
+
+
+def _learned(s, first: str) -> str | None:
+    """@champion once a version after `first` serves all of it (no canary running), else None."""
+    from models.registry import CHAMPION, CONTROL, aliases, connect
+
+    named = aliases(connect(s), s.ranker.name)
+    champion = named.get(CHAMPION)
+    return champion if CONTROL not in named and champion is not None and int(champion) > int(first) else None
+
+
 def json_ready(value: object) -> object:
     """NaN and infinities as null and numpy's numbers as JSON's, so that any JSON parser reads the output."""
     if isinstance(value, np.generic):
@@ -149,13 +198,27 @@ def _plot(buckets: pd.DataFrame, change_s: float, out: Path) -> None:
         ax.fill_between(minutes, rows["low"], rows["high"], color=colour, alpha=0.2)
     ax.axvline(change_s / 60, color="tab:red", linestyle=":", label="the world changes")
     ax.set(xlabel="minutes of traffic", ylabel="served CTR per minute (95% CI)",
-           title="Frozen first champion vs the learning champion, the same world")
+           title="A frozen champion vs the champion as it learns, the same world")
     ax.legend(fontsize=8)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, bbox_inches="tight")
 
 
-def run(s: Settings, percent: float = 50.0, after_s: float = 600.0, out: Path | None = None,
+def _traffic_until(traffic, until_s: float, say: Callable[[str], None],
+                   ready: Callable[[], bool] = lambda: False) -> None:
+    """The traffic on until `until_s` world seconds or until `ready()` (asked each second), a line a minute."""
+    while traffic.now_s() < until_s and not ready():
+        if traffic.error is not None:
+            raise DriftError(f"the traffic stopped: {type(traffic.error).__name__}: {traffic.error}")
+        minute = int(traffic.now_s() // 60)
+        time.sleep(1.0)
+        if int(traffic.now_s() // 60) > minute:
+            ok = sum(r.status == 200 for r in traffic.results)
+            say(f"{minute + 1:>2} min: {ok:,} answered, {len(traffic.results) - ok:,} refused; events "
+                f"{dict(traffic.events)}")
+
+
+def run(s: Settings, percent: float = 50.0, after_s: float = 600.0, warmup_s: float = 240.0, out: Path | None = None,
         say: Callable[[str], None] = print) -> str:
     """The run on the stack of `s` (its data directory empty or stopped and emptied first), left up; the figures
     in `out` (default `<data_dir>/drift`); returns the headline."""
@@ -165,7 +228,7 @@ def run(s: Settings, percent: float = 50.0, after_s: float = 600.0, out: Path | 
     from flywheel.world_traffic import WorldTraffic
     from infra.airflow_api import AirflowClient
     from infra.stack import unarchived, up
-    from models.registry import HOLDOUT, start_experiment, stop_experiment
+    from models.registry import experiment, start_experiment, stop_experiment
     from serving.outcomes import RANK, auc_by_version, endpoints, served_outcomes
     from streaming.history import history_events as past_events
     from streaming.world import WORLD_FILE, World, load_world
@@ -175,6 +238,9 @@ def run(s: Settings, percent: float = 50.0, after_s: float = 600.0, out: Path | 
     if not world.spec.changes:
         raise DriftError(f"{world.spec.path}: no [[changes]] to measure learning against")
     change_s = world.spec.changes[0].at_s
+    if change_s < warmup_s + 120:
+        raise DriftError(f"{world.spec.path}: its first change at {change_s:.0f} s leaves under 2 minutes after a "
+                         f"warm-up of {warmup_s:.0f} s to measure the arms before it")
     launched = set(world.item_ids[np.isfinite(world.launch_at)])
     say(f"stack up: started {', '.join(up(s, say=say)) or 'nothing'}; data in {s.paths.data_dir}")
     last_ms = max(e.event_time for e in past_events(s))
@@ -185,60 +251,66 @@ def run(s: Settings, percent: float = 50.0, after_s: float = 600.0, out: Path | 
     champion = first_champion(s, plan, airflow, summary, say)
     server = f"http://{s.serving.host}:{s.serving.port}"
     wait_serving(server, champion, 300, say)
-    running = start_experiment(s, percent)
-    say(f"experiment: @holdout v{running.version} on {running.percent:g}% of users; incremental_training every "
-        f"{s.airflow.incremental_training_minutes} min for the others")
     airflow.set_paused("incremental_training", False)
     traffic = WorldTraffic(s, world, server)
     traffic.thread.start()
     t0_ms, until_s = int(traffic.started * 1000), change_s + after_s
-    say(f"the world's users at {traffic.rate:g}/s for {until_s:.0f} s; it changes at {change_s:.0f} s: "
+    say(f"the world's users at {traffic.rate:g}/s for {until_s:.0f} s, incremental_training every "
+        f"{s.airflow.incremental_training_minutes} min; it changes at {change_s:.0f} s: "
         + ", ".join(str(c.what) for c in world.spec.changes if c.at_s == change_s))
-    minute = 0
     try:
-        while traffic.now_s() < until_s:
-            if traffic.error is not None:
-                raise DriftError(f"the traffic stopped: {type(traffic.error).__name__}: {traffic.error}")
-            time.sleep(1.0)
-            if traffic.now_s() >= 60 * (minute + 1):
-                minute += 1
-                ok = sum(r.status == 200 for r in traffic.results)
-                say(f"{minute:>2} min: {ok:,} answered, {len(traffic.results) - ok:,} refused; events "
-                    f"{dict(traffic.events)}")
+        _traffic_until(traffic, warmup_s, say)
+        _traffic_until(traffic, change_s - 120, say, lambda: _learned(s, champion) is not None)
+        if _learned(s, champion) is None:
+            raise DriftError(f"no version learnt from the traffic passed its canary within {change_s - 120:.0f} s: "
+                             "`flywheel versions`, `flywheel logs canary-analyst`")
+        running = start_experiment(s, percent)
+        exp_ms = int(running.started_at.timestamp() * 1000)
+        say(f"experiment at {traffic.now_s():.0f} s: @holdout v{running.version} on {running.percent:g}% of users, "
+            "the others on @champion as it learns")
+        _traffic_until(traffic, until_s, say)
     finally:  # the stack left as the demo leaves it: no traffic, no learning from none, every user on @champion
         traffic.stop.set()
         traffic.thread.join()
         pause_when_idle(airflow, "incremental_training", say)
-        stop_experiment(s)
+        if experiment(s) is not None:
+            stop_experiment(s)
     end_ms = t0_ms + int(until_s * 1000)
     unarchived(s, wait_s=60)
     served = served_outcomes(s, t0_ms, end_ms)
     rank = served[endpoints(served) == RANK] if len(served) else served
-    drift, buckets = analyse(rank, running, t0_ms + int(change_s * 1000), end_ms, launched)
+    drift, buckets = analyse(rank[rank["served_at"] >= exp_ms], running, t0_ms + int(change_s * 1000), end_ms,
+                             launched)
     if not all(drift.requests_before.values()) or not all(drift.requests_after.values()):
         raise DriftError(f"an arm served no /rank list to measure: before the change {drift.requests_before}, "
                          f"after {drift.requests_after} (the prediction archive of {s.paths.data_dir})")
-    fresh = _freshness(s, served)
-    first = auc_by_version(rank[(rank["served_at"] < t0_ms + change_s * 1000) & (rank["route"] == HOLDOUT)])
-    offline = summary.ranker_auc.get("ranker", float("nan"))
+    fresh, versions = _freshness(s, served), _promotions(s, champion)
+    warm = rank[(rank["served_at"] < exp_ms) & (rank["model_version"] == champion)]
+    first = auc_by_version(warm).to_dict("records")
+    offline = offline_aucs(s, champion)
     out.mkdir(parents=True, exist_ok=True)
     _plot(buckets, change_s, out / "drift.png")
     record = {"drift": asdict(drift), "freshness_s": fresh, "buckets": buckets.to_dict("records"),
-              "first_champion": {"version": champion, "offline_test_auc": offline, "served": first.to_dict("records")},
-              "percent": running.percent, "change_s": change_s, "after_s": after_s,
+              "first_champion": {"version": champion, "offline": offline, "served": first},
+              "versions": versions, "holdout": running.version, "percent": running.percent,
+              "experiment_at_s": (exp_ms - t0_ms) / 1000, "change_s": change_s, "after_s": after_s,
               "minutes": (time.monotonic() - t_start) / 60}
     (out / "drift.json").write_text(json.dumps(json_ready(record), indent=1, default=str, allow_nan=False))
-    for row in first.to_dict("records"):
-        say(f"first champion v{champion}: served /rank AUC {row['auc']:.4f} pooled ({row['list_auc']:.4f} per list) on "
-            f"the frozen arm's {row['requests']:,} lists before the change; offline test AUC {offline:.4f}")
+    for row in first:
+        say(f"first champion v{champion}: served /rank AUC {row['auc']:.4f} pooled, {row['list_auc']:.4f} per list "
+            f"({row['judged']:,} judged of its {row['requests']:,} lists in the warm-up); on its offline test part "
+            f"{offline['auc']:.4f} pooled, {offline['list_auc']:.4f} per list ({offline['judged']:,} judged)")
     b, a = drift.ratio_before, drift.requests_after
-    say(f"before the change: learning / frozen {b[0]:.3f} (95% CI {b[1]:.3f}-{b[2]:.3f}); frozen CTR 95% "
-        f"{drift.frozen_before_ci[0]:.4f}-{drift.frozen_before_ci[1]:.4f}, learning "
+    say(f"from the experiment to the change: learning / frozen {b[0]:.3f} (95% CI {b[1]:.3f}-{b[2]:.3f}); frozen "
+        f"CTR 95% {drift.frozen_before_ci[0]:.4f}-{drift.frozen_before_ci[1]:.4f}, learning "
         f"{drift.learning_before_ci[0]:.4f}-{drift.learning_before_ci[1]:.4f}")
     per = {arm: 1000 * drift.launched_clicks[arm] / a[arm] for arm in a}
     say(f"after: /rank requests learning {a['learning']:,} frozen {a['frozen']:,}; launched-item clicks per 1,000 "
         f"requests learning {per['learning']:.1f} frozen {per['frozen']:.1f}; items served by the other arm's model "
         f"{drift.crossed}; model freshness per version " + (", ".join(f"v{v} {f:.0f} s" for v, f in fresh.items())
                                                              or "none"))
+    say(f"incremental versions promoted {len(versions['promoted'])} (v{', v'.join(versions['promoted']) or '-'}), "
+        f"rolled back by the canary analysis {len(versions['rolled_back'])}"
+        + (f" (v{', v'.join(versions['rolled_back'])})" if versions["rolled_back"] else ""))
     say(f"figures in {out}; whole run {record['minutes']:.1f} min")
     return headline(drift, statistics.median(fresh.values()) if fresh else None)

@@ -205,7 +205,7 @@ def test_the_cli_sizes_a_world_and_refuses_a_dataset_without_one(monkeypatch: py
         sized = CliRunner().invoke(main, ["world", "--dataset", "world", "--requests", "200"])
         assert sized.exit_code == 0, sized.output
         assert "4,000 users, 2,000 items" in sized.output
-        assert "change at 360 s: promotion of category c03" in sized.output
+        assert "change at 600 s: promotion of category c03" in sized.output
         assert "as before" in sized.output.splitlines()[-2]
         monkeypatch.delenv("FLYWHEEL_PATHS_DATA_DIR")
         none = CliRunner().invoke(main, ["world", "--dataset", "movielens"])
@@ -232,7 +232,7 @@ def test_the_traffic_asks_for_the_worlds_lists_and_sends_what_its_users_do_with_
     number = {item: n for n, item in enumerate(w.item_ids)}
     assert all(c["category"] == f"c{w.category[number[c['item_id']]]:02d}" for r in ranked for c in r["candidates"])
     assert not any(w.launch_at[number[c["item_id"]]] > 0 for r in ranked for c in r["candidates"])  # not launched yet
-    traffic.started -= 400  # six minutes on: the launched items are candidates
+    traffic.started -= max(c.at_s for c in w.spec.changes) + 40  # past the launch: the launched items are candidates
     later = [r for r in itertools.islice(traffic.requests(), 30) if "candidates" in r]
     assert all(sum(w.launch_at[number[c["item_id"]]] > 0 for c in r["candidates"]) == 3 for r in later)
 
