@@ -948,6 +948,33 @@ def drift(percent: float, after_s: float, warmup_s: float, out: Path | None, fre
         raise click.ClickException(str(exc)) from None
 
 
+@main.command("world-drill")
+@_DATASET
+@click.option("--within", "within_s", type=click.FloatRange(min=60), default=300.0, show_default=True,
+              help="Seconds after its promotion by which the canary analysis must have rolled the regression back.")
+@click.option("--seed", type=int, default=0, show_default=True, help="The shuffle's and the traffic's draws.")
+def world_drill(within_s: float, seed: int) -> None:
+    """A realistic regression on the running stack's world: a version trained on its champion's history with the
+    labels shuffled (gated on a test part shuffled the same way, so the gate promotes it) in its canary while the
+    world's users are the traffic; the canary analysis must roll it back by itself. Ends with one line,
+    `world-drill: ...` (flywheel/world_drill.py); exits 1 when it is not rolled back in time."""
+    from flywheel.world_drill import WorldDrillError, run
+    from infra.airflow_api import AirflowApiError
+    from streaming.world import WORLD_FILE
+
+    s = _settings()
+    if not (s.spec.path.parent / WORLD_FILE).exists():
+        raise click.ClickException(f"{s.spec.path}: no {WORLD_FILE} beside it: the dataset declares no world")
+
+    def say(line: str) -> None:
+        click.echo(f"[{datetime.now(UTC):%H:%M:%S}] {line}")
+
+    try:
+        click.echo(_models_call(run, s, within_s, seed, say))
+    except (WorldDrillError, AirflowApiError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 @main.command()
 @_PROFILE
 @_DATASET

@@ -163,12 +163,13 @@ def offline_aucs(s, version: str) -> dict[str, float]:
 
 
 def _learned(s, first: str) -> str | None:
-    """@champion once a version after `first` serves all of it (no canary running), else None."""
+    """The version an experiment would hold now (models/registry.start_experiment: @control's while a canary runs,
+    else @champion's) once it is one after `first`, else None."""
     from models.registry import CHAMPION, CONTROL, aliases, connect
 
     named = aliases(connect(s), s.ranker.name)
-    champion = named.get(CHAMPION)
-    return champion if CONTROL not in named and champion is not None and int(champion) > int(first) else None
+    held = named.get(CONTROL) or named.get(CHAMPION)
+    return held if held is not None and int(held) > int(first) else None
 
 
 def json_ready(value: object) -> object:
@@ -262,7 +263,7 @@ def run(s: Settings, percent: float = 50.0, after_s: float = 600.0, warmup_s: fl
         _traffic_until(traffic, warmup_s, say)
         _traffic_until(traffic, change_s - 120, say, lambda: _learned(s, champion) is not None)
         if _learned(s, champion) is None:
-            raise DriftError(f"no version learnt from the traffic passed its canary within {change_s - 120:.0f} s: "
+            raise DriftError(f"no version learnt from the traffic passed a canary within {change_s - 120:.0f} s: "
                              "`flywheel versions`, `flywheel logs canary-analyst`")
         running = start_experiment(s, percent)
         exp_ms = int(running.started_at.timestamp() * 1000)

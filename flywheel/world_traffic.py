@@ -5,7 +5,8 @@ served; the user's clicks and purchases drawn by the world from the items and th
 the world's time; and every exposure, click and purchase sent to Kafka with the request id, the position and the
 item's category, as any client of the platform would (docs/world.md: the protocol).
 
-World time is the seconds since the traffic started: the world's scheduled changes happen then.
+World time is the seconds since the traffic started (plus `at_s`, where it starts): the world's scheduled changes
+happen then.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class WorldTraffic:
     """Requests at the world's rate (or `rate`) until stopped, on a thread of its own; `results` every answer,
     `events` what was sent by type, `error` what stopped it."""
 
-    def __init__(self, s: Settings, world: World, server: str, seed: int = 0, rate: float | None = None) -> None:
+    def __init__(self, s: Settings, world: World, server: str, seed: int = 0, rate: float | None = None,
+                 at_s: float = 0.0) -> None:
         self.s, self.world, self.server = s, world, server
         self.rate = rate or world.spec.traffic.rate
         self.draws = np.random.default_rng([world.spec.truth.seed, 4, seed])  # who asks, and their candidates
@@ -41,7 +43,7 @@ class WorldTraffic:
         self.number = {item: n for n, item in enumerate(self.items)}
         self.categories = world.items_table()["category"].to_numpy()
         self.producer: EventProducer | None = None  # connected when the traffic starts
-        self.started = time.time()
+        self.started = time.time() - at_s  # world time 0
         self.stop = threading.Event()
         self.error: Exception | None = None
         self.results: list[Served] = []

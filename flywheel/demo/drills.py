@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -63,6 +64,20 @@ def live_regression(s: Settings, champion: str, summary: Summary, known: set[str
     promoted_at = datetime.fromisoformat(version_tags(s, bad)["gate_at"])
     say(f"  drill: v{bad} = v{champion} with its output inverted, gated on labels swapped upstream: promoted "
         f"({decision.reason}); in its canary against v{champion}")
+    tags = wait_rolled_back(s, bad, timeout_s)
+    rolled_back_at = datetime.fromisoformat(tags["rolled_back_at"])
+    summary.live_regression = {
+        "version": bad, "control": tags["rolled_back_to"], "promoted_at": promoted_at.isoformat(),
+        "rolled_back_at": rolled_back_at.isoformat(), "seconds": (rolled_back_at - promoted_at).total_seconds(),
+        "reason": tags["rolled_back_reason"], "champion_now": alias_version(connect(s), s.ranker.name, CHAMPION)}
+    say(f"  drill: the canary analysis rolled v{bad} back to v{tags['rolled_back_to']} "
+        f"{summary.live_regression['seconds']:.0f}s after its promotion: {tags['rolled_back_reason']}")
+
+
+def wait_rolled_back(s: Settings, bad: str, timeout_s: float, alive: Callable[[], None] = lambda: None
+                     ) -> dict[str, str]:
+    """`bad`'s tags once the canary analysis has rolled it back; LoopError if it ramps it or `timeout_s` passes
+    first. `alive()`, called each second, raises to stop the wait (the traffic the analysis judges stopped)."""
     deadline = time.monotonic() + timeout_s
     # The rollback's tags are set one by one, `rolled_back_at` last (models/registry.py: rollback).
     while (tags := version_tags(s, bad)).get("rolled_back_by") != "canary-analysis" or "rolled_back_at" not in tags:
@@ -71,14 +86,9 @@ def live_regression(s: Settings, champion: str, summary: Summary, known: set[str
         if time.monotonic() > deadline:
             raise LoopError(f"the canary analysis did not roll back v{bad} within {timeout_s:.0f}s: "
                             f"{tags.get('canary_status', 'no status')}; see `flywheel logs canary-analyst`")
+        alive()
         time.sleep(1)
-    rolled_back_at = datetime.fromisoformat(tags["rolled_back_at"])
-    summary.live_regression = {
-        "version": bad, "control": tags["rolled_back_to"], "promoted_at": promoted_at.isoformat(),
-        "rolled_back_at": rolled_back_at.isoformat(), "seconds": (rolled_back_at - promoted_at).total_seconds(),
-        "reason": tags["rolled_back_reason"], "champion_now": alias_version(connect(s), s.ranker.name, CHAMPION)}
-    say(f"  drill: the canary analysis rolled v{bad} back to v{tags['rolled_back_to']} "
-        f"{summary.live_regression['seconds']:.0f}s after its promotion: {tags['rolled_back_reason']}")
+    return tags
 
 
 def register_inverted(s: Settings, champion: str, labels_swapped: bool = False) -> tuple[str, Decision]:
