@@ -14,7 +14,7 @@ learning, half of its users held on the champion of that moment (a frozen arm) w
    frozen arm's with its 95% interval (clustered by user); per minute after the change, when the learning arm is
    back to 90% of its CTR before; clicks on the launched items in each arm (the arms are the same size at 50%);
    model freshness (the newest event a promoted version trained on -> its first served list, the median over the
-   run's versions); the incremental versions promoted and how many the canary analysis rolled back; the first
+   run's versions); the incremental versions promoted and served and how many the canary analysis rolled back; the first
    champion's AUC on the lists it served in the warm-up beside its AUC on its offline test part, both pooled over
    items (as the test AUC is) and the mean over lists with a click and a pass (as the canary judges).
 
@@ -126,13 +126,14 @@ def _freshness(s, outcomes: pd.DataFrame) -> dict[str, float]:
     return out
 
 
-def _promotions(s, first: str) -> dict[str, list[str]]:
-    """The incremental versions after `first` that their gate promoted, and those the canary analysis rolled back
-    (honest versions all: a run registers no drill)."""
+def _promotions(s, first: str, served: set[str]) -> dict[str, list[str]]:
+    """The incremental versions after `first` that their gate promoted and that served in the run (`served`: so that
+    its canary judged them), and those the canary analysis rolled back (honest versions all: a run registers no
+    drill)."""
     from models.registry import list_versions
 
     promoted = [r for r in list_versions(s) if int(r["version"]) > int(first) and r["parent"]
-                and r["gate"] == "promoted" and not r["drill"]]
+                and r["gate"] == "promoted" and not r["drill"] and r["version"] in served]
     return {"promoted": sorted((r["version"] for r in promoted), key=int),
             "rolled_back": sorted((r["version"] for r in promoted if r["rolled_back_by"] == "canary-analysis"),
                                   key=int)}
@@ -273,9 +274,11 @@ def run(s: Settings, percent: float = 50.0, after_s: float = 600.0, warmup_s: fl
     finally:  # the stack left as the demo leaves it: no traffic, no learning from none, every user on @champion
         traffic.stop.set()
         traffic.thread.join()
-        pause_when_idle(airflow, "incremental_training", say)
-        if experiment(s) is not None:
-            stop_experiment(s)
+        try:
+            if experiment(s) is not None:
+                stop_experiment(s)
+        finally:
+            pause_when_idle(airflow, "incremental_training", say)
     end_ms = t0_ms + int(until_s * 1000)
     unarchived(s, wait_s=60)
     served = served_outcomes(s, t0_ms, end_ms)
@@ -285,18 +288,23 @@ def run(s: Settings, percent: float = 50.0, after_s: float = 600.0, warmup_s: fl
     if not all(drift.requests_before.values()) or not all(drift.requests_after.values()):
         raise DriftError(f"an arm served no /rank list to measure: before the change {drift.requests_before}, "
                          f"after {drift.requests_after} (the prediction archive of {s.paths.data_dir})")
-    fresh, versions = _freshness(s, served), _promotions(s, champion)
+    fresh, versions = _freshness(s, served), _promotions(s, champion, set(served["model_version"]))
     warm = rank[(rank["served_at"] < exp_ms) & (rank["model_version"] == champion)]
     first = auc_by_version(warm).to_dict("records")
-    offline = offline_aucs(s, champion)
     out.mkdir(parents=True, exist_ok=True)
     _plot(buckets, change_s, out / "drift.png")
     record = {"drift": asdict(drift), "freshness_s": fresh, "buckets": buckets.to_dict("records"),
-              "first_champion": {"version": champion, "offline": offline, "served": first},
+              "first_champion": {"version": champion, "served": first},
               "versions": versions, "holdout": running.version, "percent": running.percent,
               "experiment_at_s": (exp_ms - t0_ms) / 1000, "change_s": change_s, "after_s": after_s,
               "minutes": (time.monotonic() - t_start) / 60}
-    (out / "drift.json").write_text(json.dumps(json_ready(record), indent=1, default=str, allow_nan=False))
+
+    def write() -> None:
+        (out / "drift.json").write_text(json.dumps(json_ready(record), indent=1, default=str, allow_nan=False))
+
+    write()  # the run's record kept whatever the offline scoring below does
+    offline = record["first_champion"]["offline"] = offline_aucs(s, champion)
+    write()
     for row in first:
         say(f"first champion v{champion}: served /rank AUC {row['auc']:.4f} pooled, {row['list_auc']:.4f} per list "
             f"({row['judged']:,} judged of its {row['requests']:,} lists in the warm-up); on its offline test part "
@@ -310,7 +318,8 @@ def run(s: Settings, percent: float = 50.0, after_s: float = 600.0, warmup_s: fl
         f"requests learning {per['learning']:.1f} frozen {per['frozen']:.1f}; items served by the other arm's model "
         f"{drift.crossed}; model freshness per version " + (", ".join(f"v{v} {f:.0f} s" for v, f in fresh.items())
                                                              or "none"))
-    say(f"incremental versions promoted {len(versions['promoted'])} (v{', v'.join(versions['promoted']) or '-'}), "
+    say(f"incremental versions promoted and served {len(versions['promoted'])} "
+        f"(v{', v'.join(versions['promoted']) or '-'}), "
         f"rolled back by the canary analysis {len(versions['rolled_back'])}"
         + (f" (v{', v'.join(versions['rolled_back'])})" if versions["rolled_back"] else ""))
     say(f"figures in {out}; whole run {record['minutes']:.1f} min")

@@ -1,15 +1,16 @@
 """A realistic regression on a world (`flywheel world-drill --dataset world`, on a running stack with a champion: the
-one `make bench-drift` leaves up). Not an inverted model: a full training of the champion's architecture on the
-history its line descends from, with the labels shuffled across the window's exposures (a label join upstream that
-attached each click to some other exposure). The gate judges it on its test part shuffled the same way (the broken
-join feeds the gate too, so its AUC and the champion's are both chance there) and promotes it into a canary against
-the champion, while the world's users (flywheel/world_traffic.py, at the world's time after its last change) are the
-traffic. The canary analysis must roll it back by itself within `within_s` of its promotion; the /rank CTR each
-version served meanwhile says how much worse it was.
+one `make bench-drift` leaves up). Not an inverted model: the champion's architecture trained from scratch (one
+epoch) on the history its line descends from, with the labels shuffled across the window's exposures (a label join
+upstream that attached each click to some other exposure). The gate judges it on its test part shuffled the same
+way (the broken join feeds the gate too, so its AUC and the champion's are both chance there) and promotes it into
+a canary against the champion, while the world's users (flywheel/world_traffic.py, at the world's time after its
+last change) are the traffic. The canary analysis must roll it back by itself within `within_s` of its promotion;
+the /rank CTR each version served meanwhile says how much worse it was.
 
 incremental_training is paused for the drill (no version learnt from the regression's traffic) and left as it was
-found. Ends with one line: `world-drill: vB (labels shuffled) rolled back T s after its promotion; served CTR vB X
-control vC Y (ratio R)`.
+found; whatever stops the drill once its version is promoted, that version does not stay @champion. Ends with one
+line: `world-drill: vB (labels shuffled) rolled back T s after its promotion; served CTR vB X control vC Y (ratio
+R)`.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def register_shuffled(s: Settings, champion: str, seed: int = 0, say: Callable[[
         root = parent
     tags = version_tags(s, root)
     window = Window(datetime.fromisoformat(tags["data_start"]), datetime.fromisoformat(tags["data_end"]))
-    ex, times = training_set(s, window, s.streaming.sequence_length)
+    ex, times = training_set(s, window, s.streaming.sequence_length, s.ranker.scenario)
     train, _, test, spans = chronological_split(ex, times)
     rng = np.random.default_rng([seed, 69])
     model = CtrModel(served.spec)
@@ -84,11 +85,14 @@ def run(s: Settings, within_s: float = 300.0, seed: int = 0, say: Callable[[str]
     from flywheel.world_traffic import WorldTraffic
     from infra.airflow_api import AirflowClient
     from infra.stack import unarchived
-    from models.registry import CHAMPION, CONTROL, aliases, connect, version_tags
+    from models.registry import CHAMPION, CONTROL, alias_version, aliases, connect, rollback, version_tags
     from serving.outcomes import RANK, auc_by_version, endpoints, served_outcomes
     from streaming.world import WORLD_FILE, World, load_world
 
     world = World(load_world(s.spec.path.parent / WORLD_FILE))
+    if not s.canary.enabled:
+        raise WorldDrillError("the canary is off (canary.enabled): the gate would give the regression every user "
+                              "and nothing would judge it on live traffic")
     if CHAMPION not in aliases(connect(s), s.ranker.name):
         raise WorldDrillError(f"{s.ranker.name} has no @champion: the drill needs one serving (`make bench-drift`)")
     airflow = AirflowClient(s)
@@ -122,9 +126,15 @@ def run(s: Settings, within_s: float = 300.0, seed: int = 0, say: Callable[[str]
         say(f"v{bad} ({SHUFFLED}) promoted by the gate: {decision.reason}; in its canary against v{champion}")
         try:
             tags = wait_rolled_back(s, bad, within_s, alive)
-        except LoopError as exc:
-            raise WorldDrillError(str(exc)) from None
-        alive()
+            alive()
+        except BaseException as exc:  # the drill's version never stays in charge, whatever stopped the wait
+            if alias_version(connect(s), s.ranker.name, CHAMPION) == bad:
+                why = str(exc) or type(exc).__name__
+                rollback(s, f"world-drill stopped: {why}", to=champion, who="world-drill")
+                say(f"v{bad} rolled back to v{champion} by the drill itself: {why}")
+            if isinstance(exc, LoopError):
+                raise WorldDrillError(str(exc)) from None
+            raise
     finally:
         traffic.stop.set()
         traffic.thread.join()
