@@ -13,7 +13,8 @@ The truth:
 - a request's candidates are drawn as a recall would, knowing nothing of the user: by popularity (Zipf over a
   fixed order of the items) and `uniform_share` of them uniformly;
 - scheduled changes, at `at_s` seconds after the live traffic starts (`CHANGES`): a category's promotion (its
-  items' logit rises), a rotation of a share of users' tastes (each to another cluster), a launch of items
+  items' logit rises), a rotation of a share of users' tastes (each to another cluster), a retaste (a share of the
+  clusters take each other's tastes, their users moving as one: a segment now tells of other tastes), a launch of items
   (in the catalog from the start, as a shop uploads them, but in no candidate list before `at_s`).
 
 The history (`[history]`): `requests` requests over `days` days before the live traffic, each showing the top
@@ -73,6 +74,18 @@ class Rotation:
 
 
 @dataclass(frozen=True)
+class Retaste:
+    """A `share` of the taste clusters (drawn once from the seed, at least two) take each other's tastes in a
+    cycle: their users move as one, so what they have in common (their declared segment) now tells of other
+    tastes, a change a model learns from the whole segment's clicks, not user by user."""
+
+    share: float = 1.0
+
+    def __str__(self) -> str:
+        return f"{self.share:.0%} of the taste clusters take another's tastes"
+
+
+@dataclass(frozen=True)
 class Launch:
     """`items` items (the catalog's last ones) enter the candidate lists, with appeal `appeal`."""
 
@@ -83,13 +96,13 @@ class Launch:
         return f"{self.items} items launch (appeal {self.appeal:g})"
 
 
-CHANGES: dict[str, type] = {"promotion": Promotion, "rotate": Rotation, "launch": Launch}
+CHANGES: dict[str, type] = {"promotion": Promotion, "rotate": Rotation, "retaste": Retaste, "launch": Launch}
 
 
 @dataclass(frozen=True)
 class Change:
     at_s: float
-    what: Promotion | Rotation | Launch
+    what: Promotion | Rotation | Retaste | Launch
 
 
 @dataclass(frozen=True)
@@ -219,10 +232,10 @@ def _change(where: str, raw: Any, truth: Truth) -> Change:
                    required=("category",) if cls is Promotion else ())
     if isinstance(what, Promotion) and not 0 <= what.category < truth.categories:
         raise SpecError(f"{where}.category: {what.category} is not one of the {truth.categories} categories")
-    if isinstance(what, Rotation):
+    if isinstance(what, Rotation | Retaste):
         _share(where, what, "share")
         if truth.clusters < 2:
-            raise SpecError(f"{where}: a rotation needs [world] clusters >= 2 (a taste to move to)")
+            raise SpecError(f"{where}: kind {kind!r} needs [world] clusters >= 2 (a taste to move to)")
     if isinstance(what, Launch):
         _at_least(where, what, {"items": 1})
     return Change(float(at_s), what)
@@ -271,6 +284,17 @@ class World:
                 r = np.random.default_rng([t.seed, 1, n])
                 users = np.flatnonzero(r.random(t.users) < c.what.share)
                 current[users] = (current[users] + r.integers(1, t.clusters, len(users))) % t.clusters
+                self._rotated.append((c.at_s, users, current[users].copy()))
+            if isinstance(c.what, Retaste):
+                r = np.random.default_rng([t.seed, 1, n])
+                chosen = np.flatnonzero(r.random(t.clusters) < c.what.share)
+                if len(chosen) < 2:  # a cycle of one moves nobody
+                    chosen = r.choice(t.clusters, 2, replace=False)
+                chosen = r.permutation(chosen)
+                to = np.arange(t.clusters)
+                to[chosen] = np.roll(chosen, -1)
+                users = np.flatnonzero(np.isin(current, chosen))
+                current[users] = to[current[users]]
                 self._rotated.append((c.at_s, users, current[users].copy()))
 
     @property

@@ -17,7 +17,8 @@ from flywheel.cli import main
 from infra.dataset import SpecError, load_spec
 from infra.settings import REPO_ROOT, load_settings
 from streaming.history import history_events
-from streaming.world import FILES, WORLD_FILE, Launch, Promotion, Rotation, World, load_world, parse_world, prepare
+from streaming.world import (
+    FILES, WORLD_FILE, Launch, Promotion, Retaste, World, load_world, parse_world, prepare)
 
 BUNDLED = REPO_ROOT / "datasets" / "world"
 SMALL = """
@@ -62,19 +63,20 @@ def bundled() -> World:
     ("[world]\ncategories = 1", "[world].categories: 1 is below 2"),
     ("[traffic]\nshown = 50", "expected shown <= candidates <= [world] items, got 50, 40, 2000"),
     ("[history]\nstart = 'Monday'", "[history].start: 'Monday' is no date"),
-    ("[[changes]]\nkind = 'flood'\nat_s = 1", "[[changes]] 1.kind: 'flood' is none of promotion, rotate, launch"),
+    ("[[changes]]\nkind = 'flood'\nat_s = 1",
+     "[[changes]] 1.kind: 'flood' is none of promotion, rotate, retaste, launch"),
     ("[[changes]]\nkind = 'rotate'\nat_s = -5", "[[changes]] 1.at_s: expected seconds after the traffic starts"),
     ("[[changes]]\nkind = 'promotion'\nat_s = 1", "[[changes]] 1: missing key 'category'"),
     ("[[changes]]\nkind = 'promotion'\nat_s = 1\ncategory = 20", "category: 20 is not one of the 20 categories"),
     ("[[changes]]\nkind = 'rotate'\nat_s = 1\nshare = 2", "share: 2.0 is no share between 0 and 1"),
     ("[[changes]]\nkind = 'rotate'\nat_s = 1\nitems = 3", "[[changes]] 1: unknown key 'items'"),
     ("[[changes]]\nkind = 'launch'\nat_s = 1\nitems = 1990", "1990 launched items leave fewer than [traffic] cand"),
-    ("[[changes]]\nkind = ['rotate']\nat_s = 1", "1.kind: ['rotate'] is none of promotion, rotate, launch"),
+    ("[[changes]]\nkind = ['rotate']\nat_s = 1", "1.kind: ['rotate'] is none of promotion, rotate, retaste, launch"),
     ("[[changes]]\nkind = 'rotate'\nat_s = nan", "1.at_s: expected seconds after the traffic starts"),
     ("[[changes]]\nkind = 'rotate'\nat_s = inf", "1.at_s: expected seconds after the traffic starts"),
     ("[traffic]\nrate = nan", "[traffic].rate: expected a finite number, got nan"),
     ("[world]\nzipf = 300", "[world].zipf: 300.0 is above 5"),
-    ("[world]\nclusters = 1\n[[changes]]\nkind = 'rotate'\nat_s = 1", "a rotation needs [world] clusters >= 2"),
+    ("[world]\nclusters = 1\n[[changes]]\nkind = 'rotate'\nat_s = 1", "kind 'rotate' needs [world] clusters >= 2"),
     ("[world]\nitems = 300\n[traffic]\nshown = 120\ncandidates = 200", "[traffic].shown: 120 is above 100"),
 ])
 def test_a_wrong_world_is_refused_with_its_file_and_key(text: str, message: str) -> None:
@@ -156,15 +158,15 @@ def test_clicks_fall_with_the_position_and_the_true_order_earns_more(bundled: Wo
 
 def test_each_change_moves_what_it_declares_and_only_from_its_time(bundled: World) -> None:
     changes = {type(c.what): c for c in bundled.spec.changes}
-    rotate, promote, launch = changes[Rotation], changes[Promotion], changes[Launch]
-    before, after = bundled.clusters(rotate.at_s - 1), bundled.clusters(rotate.at_s)
+    retaste, promote, launch = changes[Retaste], changes[Promotion], changes[Launch]
+    before, after = bundled.clusters(retaste.at_s - 1), bundled.clusters(retaste.at_s)
     assert (before == bundled.cluster).all()
-    moved = before != after
-    assert abs(moved.mean() - rotate.what.share) < 0.03
-    users = np.flatnonzero(~moved)
-    items = np.flatnonzero(np.isinf(bundled.launch_at))
-    lift = bundled.logit(users[:, None], items[None, :], promote.at_s) - \
-        bundled.logit(users[:, None], items[None, :], promote.at_s - 1)
+    assert {len(set(after[before == k])) for k in range(bundled.spec.truth.clusters)} == {1}  # a cluster moves as one
+    assert (before != after).all()  # share 1.0: every cluster takes another's tastes
+    users, items = np.arange(0, bundled.spec.truth.users, 7), np.flatnonzero(np.isinf(bundled.launch_at))
+    tastes = bundled.affinity[after[users][:, None], bundled.category[items][None, :]]
+    untouched = bundled.spec.truth.base_logit + tastes + bundled.appeal[items]
+    lift = bundled.logit(users[:, None], items[None, :], promote.at_s) - untouched
     promoted = bundled.category[items] == promote.what.category
     assert np.allclose(lift[:, promoted], promote.what.lift) and np.allclose(lift[:, ~promoted], 0.0)
     launched = set(np.flatnonzero(bundled.launch_at == launch.at_s))
@@ -173,6 +175,38 @@ def test_each_change_moves_what_it_declares_and_only_from_its_time(bundled: Worl
     assert not any(set(bundled.candidates(rng, launch.at_s - 1)) & launched for _ in range(200))
     per_request = [len(set(bundled.candidates(rng, launch.at_s)) & launched) for _ in range(200)]
     assert set(per_request) == {bundled.spec.traffic.launched_per_request}
+
+
+def test_a_retaste_moves_a_share_of_clusters_in_a_cycle_from_where_their_users_are_then() -> None:
+    w = _world(SMALL.replace("clusters = 3", "clusters = 6") + "[[changes]]\nkind = 'rotate'\nat_s = 10\nshare = 0.3\n"
+               "[[changes]]\nkind = 'retaste'\nat_s = 20\nshare = 0.5\n")
+    then, after = w.clusters(19), w.clusters(20)
+    moved = sorted({int(k) for k in then[then != after]})
+    assert 2 <= len(moved) < 6
+    mapping = {int(k): int(after[then == k][0]) for k in moved}
+    assert all(len(set(after[then == k])) == 1 for k in moved)  # the rotated users move with their cluster of then
+    assert sorted(mapping.values()) == moved and all(k != v for k, v in mapping.items())  # a cycle among them
+    assert (then[then != after] != w.cluster[then != after]).any()  # some of them had rotated before
+
+
+def test_a_segment_that_learns_its_new_tastes_wins_back_what_a_frozen_one_loses(bundled: World) -> None:
+    """What `make bench-drift` relies on: the season's turn is a change of what each declared segment likes, so a
+    ranker that relearns it from the segment's clicks (its users seen together, not one by one) earns what it
+    did before, where one that keeps the segments' old tastes earns a fifth less (items' appeal known to both)."""
+    truth, at = bundled.spec.truth, max(c.at_s for c in bundled.spec.changes)
+
+    def segment_tastes(t_s: float) -> np.ndarray:
+        clusters = bundled.clusters(t_s)
+        return np.array([bundled.affinity[clusters[bundled.segment == k]].mean(0) for k in range(truth.clusters)])
+
+    def by_segment(tastes: np.ndarray) -> object:  # the segment's tastes and each item's appeal of the moment
+        return lambda user, items, t_s: (tastes[bundled.segment[user], bundled.category[items]]
+                                         + np.where(bundled.launch_at[items] <= t_s, bundled.appeal[items], 0.0))
+
+    old, new = segment_tastes(at - 1), segment_tastes(at)
+    before = bundled.expected_ctr(by_segment(old), at - 1, 800)
+    relearnt, frozen = (bundled.expected_ctr(by_segment(tastes), at, 800) for tastes in (new, old))
+    assert relearnt >= 1.15 * frozen and relearnt >= 0.95 * before
 
 
 def test_rotations_move_each_user_from_the_taste_they_have_then() -> None:
