@@ -69,7 +69,7 @@ bench-retrieval: setup  ## recall@20 / NDCG@20 of two-tower, graph, merged and p
 bench-canary: setup  ## the canary's false ramps of a 10 %-worse version and lists to ramp an honest one, in simulation (~1 min)
 	.venv/bin/python -m benchmarks.canary $(ARGS)
 
-bench-drift: setup  ## the world on a stack of its own: a champion frozen after a warm-up vs the learning one, before and after the world changes (~25 min)
+bench-drift: setup  ## the world on a stack of its own: a champion frozen after a warm-up vs the learning one, before and after the world changes (~30 min)
 	FLYWHEEL_PATHS_DATA_DIR=$(CURDIR)/.flywheel-drift .venv/bin/flywheel drift --dataset world --fresh --out docs/plots $(ARGS)
 
 bench-served-drift: setup  ## after `make demo`: the first champion's AUC by week on its test part and on the live sessions, features frozen (~1 min)

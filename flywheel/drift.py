@@ -1,4 +1,4 @@
-"""Does minute-level learning pay? (`flywheel drift --dataset world`; `make bench-drift` on the bundled world, ~25
+"""Does minute-level learning pay? (`flywheel drift --dataset world`; `make bench-drift` on the bundled world, ~30
 min on 2 cores.) A dataset's simulated world (world.toml beside its spec) on a fresh stack: after a warm-up of
 learning, half of its users held on the champion of that moment (a frozen arm) while the other half follow
 @champion as incremental_training (at its default cadence) promotes and the canary analysis ramps.

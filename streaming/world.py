@@ -75,11 +75,14 @@ class Rotation:
 
 @dataclass(frozen=True)
 class Retaste:
-    """A `share` of the taste clusters (drawn once from the seed, at least two) take each other's tastes in a
-    cycle: their users move as one, so what they have in common (their declared segment) now tells of other
-    tastes, a change a model learns from the whole segment's clicks, not user by user."""
+    """A `share` of the taste clusters (round(share x clusters), at least two, drawn once from the seed) take each
+    other's tastes in one cycle: their users move as one, so what they have in common (their declared segment) now
+    tells of other tastes, a change a model learns from the whole segment's clicks, not user by user."""
 
     share: float = 1.0
+
+    def clusters(self, of: int) -> int:
+        return max(2, round(self.share * of))
 
     def __str__(self) -> str:
         return f"{self.share:.0%} of the taste clusters take another's tastes"
@@ -234,6 +237,8 @@ def _change(where: str, raw: Any, truth: Truth) -> Change:
         raise SpecError(f"{where}.category: {what.category} is not one of the {truth.categories} categories")
     if isinstance(what, Rotation | Retaste):
         _share(where, what, "share")
+        if isinstance(what, Retaste) and what.share == 0:
+            raise SpecError(f"{where}.share: a retaste moves at least two clusters, got 0")
         if truth.clusters < 2:
             raise SpecError(f"{where}: kind {kind!r} needs [world] clusters >= 2 (a taste to move to)")
     if isinstance(what, Launch):
@@ -285,12 +290,9 @@ class World:
                 users = np.flatnonzero(r.random(t.users) < c.what.share)
                 current[users] = (current[users] + r.integers(1, t.clusters, len(users))) % t.clusters
                 self._rotated.append((c.at_s, users, current[users].copy()))
-            if isinstance(c.what, Retaste):
+            if isinstance(c.what, Retaste):  # the clusters of the smallest draws, as many as the share says
                 r = np.random.default_rng([t.seed, 1, n])
-                chosen = np.flatnonzero(r.random(t.clusters) < c.what.share)
-                if len(chosen) < 2:  # a cycle of one moves nobody
-                    chosen = r.choice(t.clusters, 2, replace=False)
-                chosen = r.permutation(chosen)
+                chosen = r.permutation(np.sort(np.argsort(r.random(t.clusters))[:c.what.clusters(t.clusters)]))
                 to = np.arange(t.clusters)
                 to[chosen] = np.roll(chosen, -1)
                 users = np.flatnonzero(np.isin(current, chosen))
