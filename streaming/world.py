@@ -285,19 +285,19 @@ class World:
         self._rotated: list[tuple[float, np.ndarray, np.ndarray]] = []  # (at_s, users, their new cluster)
         current = self.cluster.copy()
         for n, c in enumerate(spec.changes):  # in time order: each rotation moves users from where they are then
+            if not isinstance(c.what, Rotation | Retaste):
+                continue
+            r = np.random.default_rng([t.seed, 1, n])
             if isinstance(c.what, Rotation):
-                r = np.random.default_rng([t.seed, 1, n])
                 users = np.flatnonzero(r.random(t.users) < c.what.share)
                 current[users] = (current[users] + r.integers(1, t.clusters, len(users))) % t.clusters
-                self._rotated.append((c.at_s, users, current[users].copy()))
-            if isinstance(c.what, Retaste):  # the clusters of the smallest draws, as many as the share says
-                r = np.random.default_rng([t.seed, 1, n])
+            else:  # the clusters of the smallest draws, as many as the share says, in one cycle
                 chosen = r.permutation(np.sort(np.argsort(r.random(t.clusters))[:c.what.clusters(t.clusters)]))
                 to = np.arange(t.clusters)
                 to[chosen] = np.roll(chosen, -1)
                 users = np.flatnonzero(np.isin(current, chosen))
                 current[users] = to[current[users]]
-                self._rotated.append((c.at_s, users, current[users].copy()))
+            self._rotated.append((c.at_s, users, current[users].copy()))
 
     @property
     def item_ids(self) -> np.ndarray:

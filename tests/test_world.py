@@ -5,6 +5,7 @@ clicks, and each change moves exactly what it declares."""
 
 import itertools
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -207,7 +208,8 @@ def test_a_segment_that_learns_its_new_tastes_wins_back_what_a_frozen_one_loses(
         clusters = bundled.clusters(t_s)
         return np.array([bundled.affinity[clusters[bundled.segment == k]].mean(0) for k in range(truth.clusters)])
 
-    def by_segment(tastes: np.ndarray) -> object:  # the segment's tastes and each item's appeal of the moment
+    def by_segment(tastes: np.ndarray) -> Callable[[int, np.ndarray, float], np.ndarray]:
+        # the order by the user's segment's tastes and each item's appeal of the moment
         return lambda user, items, t_s: (tastes[bundled.segment[user], bundled.category[items]]
                                          + np.where(bundled.launch_at[items] <= t_s, bundled.appeal[items], 0.0))
 
